@@ -1,0 +1,5 @@
+import sys
+
+from hf_zero.cli import main
+
+sys.exit(main())

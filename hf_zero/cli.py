@@ -1,0 +1,52 @@
+"""The `hf-zero` command."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hf_zero import ZeroConfig
+from hf_zero.launch import free_port
+
+
+def _train(argv: list[str]) -> int:
+    from hf_zero import train_lm
+
+    parser = argparse.ArgumentParser(prog="hf-zero train", description=train_lm.__doc__)
+    parser.add_argument("--nproc_per_node", type=int, default=2, help="processes to start (gloo on CPU, NCCL on GPU)")
+    train_lm.add_arguments(parser)
+    args = parser.parse_args(argv)
+    # Refuse bad settings here, before any process starts.
+    ZeroConfig.from_any({"zero_stage": args.zero_stage, "dtype": args.dtype,
+                         "gradient_accumulation_steps": args.gradient_accumulation_steps})
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc_per_node must be >= 1; got {args.nproc_per_node}")
+    if args.nproc_per_node == 1:
+        train_lm.main(args)
+        return 0
+    from torch.distributed.run import main as torchrun
+
+    job_args = [a for a in argv if not a.startswith("--nproc_per_node")]
+    if "--nproc_per_node" in argv:  # drop the flag's separate value too
+        i = argv.index("--nproc_per_node")
+        job_args = argv[:i] + argv[i + 2:]
+    torchrun(["--nproc_per_node", str(args.nproc_per_node), "--master_addr", "127.0.0.1",
+              "--master_port", str(free_port()), "-m", "hf_zero.train_lm", *job_args])
+    return 0
+
+
+COMMANDS = {"train": (_train, "train a small GPT-2 with ZeRO on a local text (the main job)")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: hf-zero COMMAND [ARGS]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:10s} {help_text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    return COMMANDS[command][0](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Collectives and the ledger that counts them.
+
+Every collective the engine issues goes through this file so that the ledger sees it. Volumes are
+counted as the ZeRO paper counts them (section 7): an all-reduce over n elements moves 2n, a
+reduce-scatter over an n-element input moves n, an all-gather into an n-element output moves n.
+With one process (or no process group) the collectives are local copies and count nothing.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+MODEL_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _Done:
+    """Work handle of a collective that finished immediately (one process)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+@dataclass
+class Ledger:
+    """What this rank sent per optimizer step, and what model state it holds.
+
+    `comm_elements` / `comm_bytes` accumulate during the current step; `close_step` moves them to
+    `last_step_elements` / `last_step_bytes`. `state_bytes` is refreshed by the engine.
+    """
+
+    comm_elements: Counter = field(default_factory=Counter)
+    comm_bytes: Counter = field(default_factory=Counter)
+    last_step_elements: dict[str, int] = field(default_factory=dict)
+    last_step_bytes: dict[str, int] = field(default_factory=dict)
+    state_bytes: dict[str, int] = field(default_factory=dict)
+
+    def record(self, op: str, elements: int, element_size: int) -> None:
+        self.comm_elements[op] += elements
+        self.comm_bytes[op] += elements * element_size
+
+    def close_step(self) -> None:
+        self.last_step_elements = dict(self.comm_elements)
+        self.last_step_bytes = dict(self.comm_bytes)
+        self.comm_elements.clear()
+        self.comm_bytes.clear()
+
+    def report(self, rank_id: int | None = None) -> str:
+        mib = 2**20
+        who = f"rank {rank() if rank_id is None else rank_id}"
+        held = ", ".join(f"{k} {self.state_bytes.get(k, 0) / mib:.2f} MiB" for k in MODEL_STATE_CATEGORIES)
+        sent = ", ".join(
+            f"{op} {self.last_step_bytes[op] / mib:.2f} MiB ({self.last_step_elements[op]:,} el)"
+            for op in sorted(self.last_step_bytes)
+        ) or "nothing yet"
+        return f"{who} holds {held}; last step sent {sent}"
+
+
+class Communicator:
+    """torch.distributed collectives over one process group, each recorded in a Ledger."""
+
+    def __init__(self, ledger: Ledger, group: dist.ProcessGroup | None = None) -> None:
+        self.ledger = ledger
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+
+    def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
+        if self.world_size == 1:
+            return _Done()
+        self.ledger.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
+        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+
+    def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Sums `input` over ranks; this rank receives its 1/world_size part in `output` (may alias input)."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        self.ledger.record("reduce_scatter", input.numel(), input.element_size())
+        return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+
+    def all_gather_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Concatenates every rank's `input` into `output` (input may be this rank's slice of output)."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        self.ledger.record("all_gather", output.numel(), output.element_size())
+        return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Used once at start-up to make every rank begin from rank 0's weights, as DDP does."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
+                           group=self.group)

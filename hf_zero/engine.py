@@ -1,0 +1,265 @@
+"""ZeroEngine: forward, backward and step with the model states partitioned as `zero_stage` says.
+
+Construction applies, in this order:
+  1. check_inputs          bad settings, optimizers and models are refused before any work
+  2. sync_module_states    every rank starts from rank 0's weights and buffers, as DDP does
+  3. apply_partitioning    flat buffers and buckets (stages 0-2) or units and shards (stage 3)
+  4. apply_precision       parameters become compute-dtype views; fp32 masters stay on the shard
+  5. apply_optimizer       the user's optimizer is re-targeted at this rank's shard
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hf_zero.comm import Communicator, Ledger
+from hf_zero.config import ZeroConfig
+from hf_zero.precision import LossScaler
+from hf_zero.zero.optimizer import ShardedOptimizer, check_optimizer
+from hf_zero.zero.partition import FlatParamBuffer
+from hf_zero.zero.stage1 import ReplicatedGradients
+from hf_zero.zero.stage2 import PartitionedGradients
+from hf_zero.zero.stage3 import Stage3Params
+
+logger = logging.getLogger("hf_zero")
+
+
+def check_model(model: nn.Module) -> None:
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError("the model is already wrapped in DistributedDataParallel; pass the bare model "
+                        "(model.module): ZeRO replaces DDP's gradient all-reduce with its own collectives")
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({', '.join(devices)}); "
+                         f"move it to one device (model.to(device)) before hf_zero.initialize")
+    if not devices:
+        raise ValueError("the model has no parameters to train")
+
+
+def trainable_params_by_group(model: nn.Module, optimizer: torch.optim.Optimizer
+                              ) -> list[list[tuple[str, nn.Parameter]]]:
+    """The named parameters of each optimizer param group, in model order."""
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in group_of:
+                raise ValueError("a parameter appears in two optimizer param groups; give each parameter one group")
+            group_of[id(p)] = g
+    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in optimizer.param_groups]
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in group_of:
+            groups[group_of[id(p)]].append((name, p))
+            seen.add(id(p))
+        elif p.requires_grad:
+            raise ValueError(f"parameter {name} requires grad but is in no optimizer param group; add it to the "
+                             f"optimizer or set requires_grad=False")
+    if len(seen) != len(group_of):
+        raise ValueError("the optimizer holds tensors that are not parameters of the model; build it on "
+                         "model.parameters()")
+    if any(not named for named in groups):
+        raise ValueError("an optimizer param group has no parameters of the model; drop empty groups")
+    return groups
+
+
+class ZeroEngine:
+    """Wraps a model and its optimizer. Use `out = engine(batch)`, `engine.backward(loss)`, `engine.step()`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 config: ZeroConfig | dict[str, Any] | str | None = None,
+                 group: torch.distributed.ProcessGroup | None = None) -> None:
+        # 1. check_inputs
+        self.config = cfg = ZeroConfig.from_any(config)
+        check_model(model)
+        check_optimizer(optimizer)
+        groups = trainable_params_by_group(model, optimizer)
+        self.module, self.optimizer = model, optimizer
+        self.zero_stage, self.dtype = cfg.zero_stage, cfg.torch_dtype
+        self.ledger = Ledger()
+        self.comm = Communicator(self.ledger, group)
+        self.scaler = LossScaler(cfg)
+        self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self.global_grad_norm: float | None = None
+        # 2. sync_module_states
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                self.comm.broadcast_(t.data)
+        # 3-4. apply_partitioning, apply_precision
+        self.stage3: Stage3Params | None = None
+        self.flats: list[FlatParamBuffer] = []
+        if self.zero_stage == 3:
+            param_chunks, grad_chunks, fp32_init = self._apply_stage3(model, groups)
+        else:
+            param_chunks, grad_chunks, fp32_init = self._apply_flat_buffers(groups)
+        self._cast_rest(model)
+        # 5. apply_optimizer
+        self.sharded_optimizer = ShardedOptimizer(
+            optimizer, param_chunks, grad_chunks, fp32_init, self.comm, self.scaler,
+            cfg.gradient_clipping, grads_replicated=self.zero_stage == 0)
+        self._update_state_bytes()
+        logger.info(self.ledger.report(self.comm.rank))
+
+    # ---- construction ------------------------------------------------------------------------
+    def _apply_flat_buffers(self, groups):
+        shards = self.comm.world_size if self.zero_stage >= 1 else 1
+        self.shard = self.comm.rank if self.zero_stage >= 1 else 0
+        # Reverse model order: backward produces the last layers' gradients first, so buckets fill in turn.
+        self.flats = [FlatParamBuffer(list(reversed(named)), shards, self.dtype, self.config.reduce_bucket_size)
+                      for named in groups]
+        fp32_init = None
+        if self.dtype != torch.float32:
+            fp32_init = []
+            for flat in self.flats:
+                fp32_init.append([])
+                for b in flat.buckets:
+                    lo, hi = b.owned_range(self.shard)
+                    fp32_init[-1].append(torch.empty(hi - lo, device=flat.data.device))
+                    flat.read_params(lo, hi, fp32_init[-1][-1])
+        for flat in self.flats:
+            flat.pack_and_bind()
+        if self.zero_stage == 2:
+            self.grads = PartitionedGradients(self.flats, self.comm, self.config.overlap_comm)
+        else:
+            self.grads = ReplicatedGradients(self.flats, self.comm, self.config.overlap_comm,
+                                             partitioned=self.zero_stage == 1)
+        param_chunks = [[flat.owned_chunk(b, self.shard) for b in flat.buckets] for flat in self.flats]
+        grad_chunks = [[self.grads.owned_grad(fi, b.index) for b in flat.buckets]
+                       for fi, flat in enumerate(self.flats)]
+        return param_chunks, grad_chunks, fp32_init
+
+    def _apply_stage3(self, model, groups):
+        cfg = self.config
+        self.stage3 = Stage3Params(model, groups, self.dtype, self.comm, cfg.unit_module_classes,
+                                   cfg.param_persistence_threshold, cfg.prefetch_bucket_size, cfg.overlap_comm)
+        self.grads = self.stage3.grads
+        fp32_init, self.stage3.fp32_init = self.stage3.fp32_init, None
+        return self.stage3.param_chunks, self.stage3.grad_chunks(), fp32_init
+
+    def _cast_rest(self, model: nn.Module) -> None:
+        """Frozen parameters and floating buffers follow the compute dtype, as model.to(dtype) would."""
+        managed = {id(s.param) for flat in self.grads.flat_params for s in flat.slices}
+        with torch.no_grad():
+            for p in model.parameters():
+                if id(p) not in managed and p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+            for m in model.modules():
+                for name, b in m.named_buffers(recurse=False):
+                    if b.is_floating_point():
+                        setattr(m, name, b.to(self.dtype))
+
+    # ---- training ----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagates `loss` of one micro-batch; gradients are reduced as their buckets fill."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward expects the scalar loss of one micro-batch")
+        # Stages 0-1 keep whole gradients and reduce once per step; stages 2-3 reduce every backward.
+        self.grads.begin(reduce=self.zero_stage >= 2 or self.is_gradient_accumulation_boundary())
+        try:
+            (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        finally:
+            self.grads.finish()
+            if self.stage3 is not None:
+                self.stage3.free_all()
+
+    def step(self) -> None:
+        """Counts a micro-batch; at the accumulation boundary updates the shard and re-shares parameters."""
+        self.micro_steps += 1
+        if self.micro_steps % self.gradient_accumulation_steps:
+            return
+        stepped = self.sharded_optimizer.step()
+        self.global_grad_norm = self.sharded_optimizer.global_grad_norm
+        if stepped:
+            self._share_updated_params()
+        else:
+            self.skipped_steps += 1
+            logger.warning("rank %d: gradient overflow, step %d skipped; loss scale is now %g",
+                           self.comm.rank, self.global_steps, self.scaler.scale)
+        self.grads.zero_grad()
+        self.global_steps += 1
+        self.ledger.close_step()
+        self._update_state_bytes()
+
+    def _share_updated_params(self) -> None:
+        """Stages 1-2: all-gather every bucket in place, at most allgather_bucket_size elements in flight.
+        Stage 3: only the persistent parameters are replicated; the rest are gathered on use."""
+        if self.stage3 is not None:
+            self.stage3.regather_persistent()
+            return
+        if self.zero_stage == 0:
+            return
+        in_flight: deque[tuple[Any, int]] = deque()
+        numel_in_flight = 0
+        for flat in self.flats:
+            for b in flat.buckets:
+                work = self.comm.all_gather_(flat.data[b.start:b.end], flat.owned_chunk(b, self.shard), async_op=True)
+                in_flight.append((work, b.numel))
+                numel_in_flight += b.numel
+                while numel_in_flight > self.config.allgather_bucket_size and len(in_flight) > 1:
+                    done, n = in_flight.popleft()
+                    done.wait()
+                    numel_in_flight -= n
+        for work, _ in in_flight:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[nn.Module]:
+        """Yields the module with every parameter whole (stage 3 gathers them and frees them after)."""
+        if self.stage3 is None:
+            yield self.module
+        else:
+            with self.stage3.gathered():
+                yield self.module
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    # ---- accounting --------------------------------------------------------------------------
+    def _update_state_bytes(self) -> None:
+        def nbytes(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        managed = {id(s.param) for flat in self.grads.flat_params for s in flat.slices}
+        unmanaged = nbytes(p for p in self.module.parameters() if id(p) not in managed)
+        if self.stage3 is not None:
+            params = self.stage3.held_bytes()
+        else:
+            params = nbytes(flat.data for flat in self.flats)
+        comm_buffers = self.grads.buffer_bytes() if isinstance(self.grads, PartitionedGradients) else 0
+        self.ledger.state_bytes = {
+            "parameters": params + unmanaged,
+            "gradients": self.grads.held_bytes(),
+            "optimizer_states": self.sharded_optimizer.held_bytes(),
+            "buffers": nbytes(self.module.buffers()) + comm_buffers,
+        }
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
+               config: ZeroConfig | dict[str, Any] | str | None = None,
+               group: torch.distributed.ProcessGroup | None = None) -> ZeroEngine:
+    """Partitions `model` and `optimizer` across the ranks of `group` (default: the whole world)."""
+    return ZeroEngine(model, optimizer, config, group)

@@ -1,0 +1,30 @@
+"""The ZeRO paper's model-state accounting (section 5, Figure 1), in bytes per rank.
+
+Mixed-precision Adam: compute-dtype parameters (2Ψ) and gradients (2Ψ), plus K=12 bytes of
+optimizer state per parameter (fp32 master, momentum, variance). In fp32 the parameters are the
+master weights, so parameters 4Ψ, gradients 4Ψ and K=8 (momentum, variance).
+Stage 1 divides the optimizer states by Nd, stage 2 the gradients too, stage 3 everything.
+"""
+from __future__ import annotations
+
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def model_state_bytes(stage: int, psi: int, nd: int, dtype: str = "bf16") -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and Adam optimizer states, as the paper counts them."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be one of 0, 1, 2, 3; got {stage!r}")
+    if dtype not in BYTES_PER_ELEMENT:
+        raise ValueError(f"dtype must be one of {sorted(BYTES_PER_ELEMENT)}; got {dtype!r}")
+    element = BYTES_PER_ELEMENT[dtype]
+    k = 8 if dtype == "fp32" else 12
+    return {
+        "parameters": element * psi / (nd if stage >= 3 else 1),
+        "gradients": element * psi / (nd if stage >= 2 else 1),
+        "optimizer_states": k * psi / (nd if stage >= 1 else 1),
+    }
+
+
+def communication_elements(stage: int, psi: int) -> int:
+    """Elements each rank moves per step (section 7): 2Ψ for stages 0-2, 3Ψ for stage 3."""
+    return 3 * psi if stage == 3 else 2 * psi

@@ -1,0 +1,132 @@
+"""The main job: train a small byte-level GPT-2 with ZeRO on a local text, printing loss and the ledger.
+
+Default text: Python's own documentation topics (`pydoc_data.topics`, ~465k characters, ships with
+CPython), so the job runs offline on any machine. Run under torchrun, or through `hf-zero train`,
+which starts the processes itself.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+import hf_zero
+import model_zoo
+from hf_zero.launch import init_distributed
+from hf_zero.memory import model_state_bytes
+
+logger = logging.getLogger("hf_zero.train_lm")
+
+
+def load_text(path: str | None) -> bytes:
+    if path:
+        return Path(path).read_bytes()
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
+    """Endless random windows of seq_len bytes; each rank draws its own with its own seed."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=g)
+        yield torch.stack([data[s:s + seq_len] for s in starts.tolist()])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2-demo", choices=model_zoo.list())
+    p.add_argument("--text", default=None, help="a local text file (default: pydoc_data.topics)")
+    p.add_argument("--zero_stage", type=int, default=2)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--batch_size", type=int, default=8, help="micro-batch per rank")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max_steps", type=int, default=2000)
+    p.add_argument("--max_minutes", type=float, default=3.0, help="stop after this much training time")
+    p.add_argument("--log_every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> dict[str, float]:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    init_distributed()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    data = torch.frombuffer(bytearray(load_text(args.text)), dtype=torch.uint8).long()
+    split = int(0.95 * len(data))
+    train, val = data[:split], data[split:]
+    if args.seq_len >= len(val):
+        raise ValueError(f"--seq_len {args.seq_len} is longer than the validation text ({len(val)} bytes)")
+
+    torch.manual_seed(args.seed)
+    model = model_zoo.build(args.model, n_positions=max(args.seq_len, 128))
+    psi = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    warmup = max(1, args.max_steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / args.max_steps))))
+    engine = hf_zero.initialize(model, optimizer, {
+        "zero_stage": args.zero_stage, "dtype": args.dtype, "gradient_clipping": 1.0,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps})
+    if rank == 0:
+        formula = sum(model_state_bytes(args.zero_stage, psi, world, args.dtype).values()) / 2**20
+        logger.info(f"{args.model}: {psi:,} parameters, ZeRO stage {args.zero_stage}, {world} rank(s), "
+                    f"{args.dtype}; paper's model-state formula: {formula:.1f} MiB per rank")
+
+    stream = batches(train, args.batch_size, args.seq_len + 1, seed=args.seed * 1000 + rank)
+    start, losses = time.monotonic(), []
+    bar = tqdm(total=args.max_steps, desc="train", disable=rank != 0)
+    for step in range(args.max_steps):
+        for _ in range(args.gradient_accumulation_steps):
+            x = next(stream)
+            loss = engine(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+            engine.backward(loss)
+            engine.step()
+        schedule.step()
+        losses.append(loss.item())
+        bar.update(1)
+        if (step + 1) % args.log_every == 0 and rank == 0:
+            bar.write(f"step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
+                      f"grad_norm {engine.global_grad_norm:.3f} lr {schedule.get_last_lr()[0]:.2e}")
+        if time.monotonic() - start > 60 * args.max_minutes:
+            break
+    bar.close()
+    steps_done, elapsed = step + 1, time.monotonic() - start
+
+    engine.eval()
+    with torch.no_grad():
+        val_stream = batches(val, args.batch_size, args.seq_len + 1, seed=12345)
+        val_loss = sum(engine(input_ids=(x := next(val_stream))[:, :-1], labels=x[:, :-1]).loss.item()
+                       for _ in range(10)) / 10
+    # Every rank reports what it holds and sends, in rank order.
+    for r in range(world):
+        if r == rank:
+            logger.info(engine.ledger.report(rank))
+        if world > 1:
+            dist.barrier()
+    summary = {"steps": steps_done, "seconds_per_step": elapsed / steps_done,
+               "first_loss": losses[0], "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
+               "val_loss": val_loss}
+    if rank == 0:
+        logger.info(f"{steps_done} steps in {elapsed:.0f} s ({summary['seconds_per_step']:.3f} s/step): "
+                    f"loss {summary['first_loss']:.3f} -> {summary['final_train_loss']:.3f}, "
+                    f"validation loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits per byte)")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    main(parser.parse_args())

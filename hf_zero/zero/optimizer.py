@@ -1,0 +1,109 @@
+"""The user's torch optimizer, re-targeted at this rank's shard (stage 1 and up: P_os).
+
+Each param group of the optimizer keeps its hyper-parameters; its `params` become this rank's
+chunks of the group's flat buffer. In fp32 the chunks are updated in place (the parameters are the
+master weights). In bf16/fp16 each group gets one contiguous fp32 master shard; gradients are
+converted to fp32 only for the duration of the step, as the paper's 12Ψ/Nd optimizer-state budget
+assumes. Unscaling, global-norm clipping and the overflow check happen here, once, on the shard.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+from hf_zero.comm import Communicator
+from hf_zero.precision import LossScaler
+
+
+class ShardedOptimizer:
+    """Steps `optimizer` on the owned chunks.
+
+    param_chunks[g][k]: compute-dtype tensor this rank updates (bucket k of group g).
+    grad_chunks[g][k]: the reduced gradient of the same elements.
+    fp32_init[g][k]: their fp32 starting values (mixed precision only: the masters' initial values).
+    grads_replicated: every rank holds the same whole gradient (stage 0), so the norm needs no all-reduce.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
+                 grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
+                 comm: Communicator, scaler: LossScaler, gradient_clipping: float,
+                 grads_replicated: bool) -> None:
+        self.optimizer = optimizer
+        self.param_chunks, self.grad_chunks = param_chunks, grad_chunks
+        self.comm, self.scaler = comm, scaler
+        self.gradient_clipping = gradient_clipping
+        self.grads_replicated = grads_replicated
+        self.mixed = fp32_init is not None
+        self.master_shards: list[torch.Tensor] = []
+        self.masters: list[list[torch.Tensor]] = []
+        for g, group in enumerate(optimizer.param_groups):
+            if self.mixed:
+                shard = torch.cat([t.reshape(-1) for t in fp32_init[g]]).float()
+                self.master_shards.append(shard)
+                self.masters.append(list(torch.split(shard, [c.numel() for c in param_chunks[g]])))
+            else:
+                self.masters.append(param_chunks[g])
+                for master, grad in zip(param_chunks[g], grad_chunks[g]):
+                    master.grad = grad
+            group["params"] = self.masters[g]
+        self.global_grad_norm: float | None = None
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Unscales, clips and applies the update; returns False when the step was skipped (overflow)."""
+        local_sq = torch.zeros(1, dtype=torch.float32, device=self._device())
+        for grads in self.grad_chunks:
+            for grad in grads:
+                local_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        if not self.grads_replicated:
+            self.comm.all_reduce_(local_sq)
+        scale = self.scaler.scale
+        norm = math.sqrt(local_sq.item()) / scale
+        self.global_grad_norm = norm
+        if not math.isfinite(norm):
+            self.scaler.update(overflow=True)
+            return False
+        coef = 1.0 / scale
+        if self.gradient_clipping > 0:
+            coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
+        for g, grads in enumerate(self.grad_chunks):
+            for master, grad in zip(self.masters[g], grads):
+                if self.mixed:
+                    master.grad = grad.to(torch.float32).mul_(coef)
+                elif coef != 1.0:
+                    grad.mul_(coef)
+        self.optimizer.step()
+        if self.mixed:
+            for g, chunks in enumerate(self.param_chunks):
+                for master, chunk in zip(self.masters[g], chunks):
+                    chunk.copy_(master)
+                    master.grad = None
+        self.scaler.update(overflow=False)
+        return True
+
+    def _device(self) -> torch.device:
+        return self.param_chunks[0][0].device
+
+    def held_bytes(self) -> int:
+        """fp32 masters (mixed precision) plus every tensor in the optimizer's state."""
+        total = sum(s.numel() * s.element_size() for s in self.master_shards)
+        for state in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        return total
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Rejects optimizers the engine cannot shard, before any work starts."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer built on model.parameters(); "
+                        f"got {type(optimizer).__name__}")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"optimizer {type(optimizer).__name__} needs a closure in step(), which re-runs the "
+                         f"model; ZeRO shards the update and cannot do that. Use Adam, AdamW, SGD or another "
+                         f"optimizer whose step() takes no closure.")
+    if optimizer.state:
+        raise ValueError("optimizer already has state (it has stepped); pass a fresh optimizer to "
+                         "hf_zero.initialize and load its state through the engine")

@@ -1,0 +1,121 @@
+"""Flat buffers and shards.
+
+The parameters of one optimizer param group are laid end to end in one 1-D tensor, the
+`FlatParamBuffer`. That buffer is cut into buckets of a fixed size (C_B, paper section 6.2), each a
+multiple of the number of shards, and every bucket is split into equal chunks: rank r owns chunk r
+of every bucket. So a bucket's gradient is reduced with one reduce-scatter whose output is exactly
+the chunk this rank owns, and a bucket's parameters are rebuilt with one all-gather whose input is
+that chunk, both in place. Ownership is still a flat 1/Nd of every parameter group (paper section
+5.1), only interleaved per bucket so that communication can start before the backward pass ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """Where one parameter lives in its group's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A fixed-size range [start, end) of a flat buffer, split into `num_shards` equal chunks."""
+
+    index: int
+    start: int
+    end: int
+    num_shards: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.numel // self.num_shards
+
+    def owned_range(self, shard: int) -> tuple[int, int]:
+        lo = self.start + shard * self.chunk_numel
+        return lo, lo + self.chunk_numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that falls into one bucket."""
+
+    slice: ParamSlice
+    param_lo: int  # first element of the piece within the parameter
+    param_hi: int
+    bucket_lo: int  # where the piece starts within the bucket
+
+
+class FlatParamBuffer:
+    """The parameters of one param group laid end to end, padded, and cut into buckets.
+
+    `bucket_numel=None` makes the whole buffer one bucket (stage 3 units).
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], num_shards: int, dtype: torch.dtype,
+                 bucket_numel: int | None = None) -> None:
+        assert named_params, "a FlatParamBuffer needs at least one parameter"
+        self.num_shards = num_shards
+        self.slices: list[ParamSlice] = []
+        offset = 0
+        for name, param in named_params:
+            self.slices.append(ParamSlice(name, param, offset, param.numel(), param.shape))
+            offset += param.numel()
+        self.numel = offset
+        self.padded_numel = round_up(offset, num_shards)
+        step = self.padded_numel if bucket_numel is None else round_up(bucket_numel, num_shards)
+        self.buckets = [
+            Bucket(i, start, min(start + step, self.padded_numel), num_shards)
+            for i, start in enumerate(range(0, self.padded_numel, step))
+        ]
+        self.pieces: list[list[Piece]] = [self._pieces_in(b) for b in self.buckets]
+        self.data = torch.zeros(self.padded_numel, dtype=dtype, device=named_params[0][1].device)
+
+    def _pieces_in(self, bucket: Bucket) -> list[Piece]:
+        pieces = []
+        for s in self.slices:
+            lo, hi = max(s.offset, bucket.start), min(s.offset + s.numel, bucket.end)
+            if lo < hi:
+                pieces.append(Piece(s, lo - s.offset, hi - s.offset, lo - bucket.start))
+        return pieces
+
+    def read_params(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Fills `out` with flat elements [lo, hi) read from the parameters' current tensors (padding is 0)."""
+        out.zero_()
+        for s in self.slices:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                out[a - lo:b - lo].copy_(s.param.detach().reshape(-1)[a - s.offset:b - s.offset])
+
+    def view_of(self, s: ParamSlice, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameter's shape viewed inside `flat` (default: the parameter buffer)."""
+        flat = self.data if flat is None else flat
+        return flat[s.offset:s.offset + s.numel].view(s.shape)
+
+    @torch.no_grad()
+    def pack_and_bind(self) -> None:
+        """Copies the parameters into the buffer and makes each parameter a view of it (M_D: one allocation)."""
+        self.read_params(0, self.padded_numel, self.data)
+        for s in self.slices:
+            s.param.data = self.view_of(s)
+
+    def owned_chunk(self, bucket: Bucket, shard: int, flat: torch.Tensor | None = None) -> torch.Tensor:
+        lo, hi = bucket.owned_range(shard)
+        return (self.data if flat is None else flat)[lo:hi]

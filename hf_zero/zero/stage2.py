@@ -1,0 +1,83 @@
+"""Stage 2 (P_os+g): gradients partitioned.
+
+No rank keeps a whole gradient. During every backward each parameter's gradient is copied into the
+fixed-size buffer of its bucket (C_B) and dropped; when a bucket is full it is reduce-scattered in
+place, asynchronously, while backward goes on, and this rank's chunk is added into `grad_shards`,
+the one preallocated buffer per param group that holds this rank's gradients across accumulation
+steps (M_D). Stage 3 reuses this path with one bucket per unit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_zero.comm import Communicator
+from hf_zero.zero.partition import FlatParamBuffer
+from hf_zero.zero.reducer import BucketKey, GradientReducer
+
+
+class PartitionedGradients(GradientReducer):
+    def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool) -> None:
+        super().__init__(flat_params, comm, overlap_comm)
+        self.shard = comm.rank
+        self.dtype = flat_params[0].data.dtype
+        device = flat_params[0].data.device
+        # Offset of each bucket's owned chunk inside its group's grad shard.
+        self.shard_offsets: dict[BucketKey, int] = {}
+        self.grad_shards: list[torch.Tensor] = []
+        for fi, flat in enumerate(flat_params):
+            offset = 0
+            for b in flat.buckets:
+                self.shard_offsets[(fi, b.index)] = offset
+                offset += b.chunk_numel
+            self.grad_shards.append(torch.zeros(offset, dtype=self.dtype, device=device))
+        self.bucket_buffers: dict[BucketKey, torch.Tensor] = {}
+        self.spare_buffers: dict[int, list[torch.Tensor]] = {}
+        self.peak_buffer_bytes = 0
+
+    def _buffer(self, key: BucketKey) -> torch.Tensor:
+        buf = self.bucket_buffers.get(key)
+        if buf is None:
+            numel = self.flat_params[key[0]].buckets[key[1]].numel
+            spares = self.spare_buffers.get(numel)
+            buf = spares.pop().zero_() if spares else torch.zeros(
+                numel, dtype=self.dtype, device=self.grad_shards[0].device)
+            self.bucket_buffers[key] = buf
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
+        return buf
+
+    def buffer_bytes(self) -> int:
+        live = list(self.bucket_buffers.values()) + [b for v in self.spare_buffers.values() for b in v]
+        return sum(b.numel() * b.element_size() for b in live)
+
+    def accumulate(self, param: nn.Parameter) -> None:
+        grad = param.grad.reshape(-1)
+        for key, piece in self.param_pieces[param]:
+            n = piece.param_hi - piece.param_lo
+            self._buffer(key)[piece.bucket_lo:piece.bucket_lo + n].add_(grad[piece.param_lo:piece.param_hi])
+        param.grad = None
+
+    def reduce_bucket(self, key: BucketKey):
+        buf = self._buffer(key)
+        del self.bucket_buffers[key]
+        bucket = self.flat_params[key[0]].buckets[key[1]]
+        buf.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
+        owned = buf[self.shard * bucket.chunk_numel:(self.shard + 1) * bucket.chunk_numel]
+        work = self.comm.reduce_scatter_(owned, buf, async_op=True)
+
+        def add_to_shard() -> None:
+            self.owned_grad(*key).add_(owned)
+            self.spare_buffers.setdefault(buf.numel(), []).append(buf)
+
+        return work, add_to_shard
+
+    def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
+        offset = self.shard_offsets[(fi, bi)]
+        return self.grad_shards[fi][offset:offset + self.flat_params[fi].buckets[bi].chunk_numel]
+
+    def zero_grad(self) -> None:
+        for g in self.grad_shards:
+            g.zero_()
+
+    def held_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grad_shards)

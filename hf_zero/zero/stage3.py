@@ -1,0 +1,249 @@
+"""Stage 3 (P_os+g+p): parameters partitioned.
+
+Between uses each rank holds only its shard of every parameter. The model is cut into units (a
+transformer block by default, plus the root for whatever lies outside the blocks); a unit's full
+parameters are all-gathered just before its forward and again before its backward, and freed right
+after each. While one unit computes, the next ones in execution order are gathered asynchronously,
+up to `prefetch_bucket_size` elements ahead. Parameters smaller than `param_persistence_threshold`
+go to one persistent unit that stays gathered and is refreshed by one all-gather after each step.
+
+Freeing resizes the gathered buffer's storage to zero instead of dropping the tensor, so the views
+of it that autograd saved for backward (e.g. a weight's transpose) see the re-gathered values,
+and each parameter's `.data` is swapped to an empty tensor so that reading a freed parameter fails
+loudly instead of returning stale or uninitialised memory.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from hf_zero.comm import Communicator
+from hf_zero.zero.partition import FlatParamBuffer
+from hf_zero.zero.stage2 import PartitionedGradients
+
+
+class Unit:
+    """The parameters of one module, one flat buffer per optimizer param group, gathered as one."""
+
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParamBuffer], groups: list[int],
+                 comm: Communicator, persistent: bool = False) -> None:
+        self.name, self.module, self.flats, self.groups = name, module, flats, groups
+        self.comm, self.persistent = comm, persistent
+        self.numel = sum(f.padded_numel for f in flats)
+        self.shards: list[torch.Tensor] = []  # this rank's chunk of each flat buffer (set by Stage3Params)
+        self.gathered = True  # the model starts whole; Stage3Params frees after sharding
+        self.works: list = []
+        self.empty = torch.empty(0, dtype=flats[0].data.dtype, device=flats[0].data.device)
+
+    def gather(self) -> None:
+        """Starts the all-gather of every flat buffer of the unit (asynchronously)."""
+        if self.gathered:
+            return
+        for flat, shard in zip(self.flats, self.shards):
+            flat.data.untyped_storage().resize_(flat.padded_numel * flat.data.element_size())
+            # Writing into the buffer must not bump the version autograd checks on saved views of it.
+            with torch.autograd._unsafe_preserve_version_counter(flat.data):
+                self.works.append(self.comm.all_gather_(flat.data, shard, async_op=True))
+            for s in flat.slices:
+                s.param.data = flat.view_of(s)
+        self.gathered = True
+
+    def group_of(self, flat: FlatParamBuffer) -> int:
+        return self.groups[self.flats.index(flat)]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+
+    def free(self) -> None:
+        if self.persistent or not self.gathered:
+            return
+        self.wait()
+        for flat in self.flats:
+            for s in flat.slices:
+                s.param.data = self.empty
+            flat.data.untyped_storage().resize_(0)
+        self.gathered = False
+
+
+def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[tuple[str, nn.Module]]:
+    """The outermost modules to gather as units: named classes, else the model's `_no_split_modules`,
+    else the children of its ModuleLists."""
+    names = class_names or list(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        wanted = lambda m: type(m).__name__ in names  # noqa: E731
+    else:
+        in_lists = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+        wanted = lambda m: id(m) in in_lists  # noqa: E731
+    units: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is not model and wanted(module) and not any(name.startswith(u + ".") for u, _ in units):
+            units.append((name, module))
+    if class_names and not units:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"unit_module_classes {class_names} match no module of the model; its module "
+                         f"classes are {present}")
+    return units
+
+
+class Stage3Params:
+    """Owns the units, their shards and the hooks that gather and free them around each use."""
+
+    def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
+                 comm: Communicator, unit_module_classes: list[str] | None, persistence_threshold: int,
+                 prefetch_numel: int, overlap_comm: bool) -> None:
+        self.comm, self.prefetch_numel = comm, prefetch_numel
+        group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
+        unit_modules = find_unit_modules(model, unit_module_classes)
+        owner: dict[int, str] = {}
+        for uname, module in unit_modules:
+            for _, p in module.named_parameters():
+                owner.setdefault(id(p), uname)
+        members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], "<persistent>": []}
+        for name, p in model.named_parameters():
+            if id(p) in group_of:
+                key = "<persistent>" if p.numel() < persistence_threshold else owner.get(id(p), "")
+                members.setdefault(key, []).append((name, p))
+        modules = dict(unit_modules) | {"": model, "<persistent>": model}
+        self.units: list[Unit] = []
+        for uname, named in members.items():
+            if not named:
+                continue
+            by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+            for n, p in named:
+                by_group.setdefault(group_of[id(p)], []).append((n, p))
+            gs = sorted(by_group)
+            flats = [FlatParamBuffer(by_group[g], comm.world_size, dtype) for g in gs]
+            self.units.append(Unit(uname, modules[uname], flats, gs, comm, persistent=uname == "<persistent>"))
+        self.flats = [f for u in self.units for f in u.flats]
+        self.unit_of_flat = [u for u in self.units for _ in u.flats]
+        self.grads = Stage3Gradients(self, comm, overlap_comm)
+        self.fp32_init = self._shard(len(groups), dtype)
+        # Execution orders, recorded as units first run; prefetch follows them.
+        self.forward_order: list[Unit] = []
+        self.backward_order: list[Unit] = []
+        self._install_hooks(model)
+
+    def _shard(self, num_groups: int, dtype: torch.dtype) -> list[list[torch.Tensor]] | None:
+        """Cuts this rank's chunk out of every unit into one contiguous shard per param group (M_D).
+        Returns the chunks' fp32 values when computing in lower precision (the masters' start)."""
+        rank, device = self.comm.rank, self.flats[0].data.device
+        sizes = [0] * num_groups
+        for flat, unit in zip(self.flats, self.unit_of_flat):
+            sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
+        self.param_shards = [torch.zeros(n, dtype=dtype, device=device) for n in sizes]
+        self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
+        fp32_init: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        offsets = [0] * num_groups
+        for fi, (flat, unit) in enumerate(zip(self.flats, self.unit_of_flat)):
+            g = unit.group_of(flat)
+            lo, hi = flat.buckets[0].owned_range(rank)
+            chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
+            offsets[g] += hi - lo
+            if dtype == torch.float32:
+                flat.read_params(lo, hi, chunk)
+            else:
+                fp32_init[g].append(torch.empty(hi - lo, dtype=torch.float32, device=device))
+                flat.read_params(lo, hi, fp32_init[g][-1])
+                chunk.copy_(fp32_init[g][-1])
+            self.param_chunks[g].append(chunk)
+            self.chunk_flats[g].append(fi)
+            unit.shards.append(chunk)
+        with torch.no_grad():
+            for unit in self.units:
+                for flat in unit.flats:
+                    flat.pack_and_bind()
+                unit.free()
+        return None if dtype == torch.float32 else fp32_init
+
+    def grad_chunks(self) -> list[list[torch.Tensor]]:
+        return [[self.grads.owned_grad(fi, 0) for fi in flats] for flats in self.chunk_flats]
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _install_hooks(self, model: nn.Module) -> None:
+        for unit in self.units:
+            if not unit.persistent:
+                unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+                unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
+        # Units prefetched for a forward that then took another path are freed when the model returns.
+        model.register_forward_hook(lambda m, a, out: self.free_all())
+
+    def _pre_forward(self, unit: Unit) -> None:
+        self._fetch(unit, self.forward_order)
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        unit.free()
+        tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+        if torch.is_grad_enabled() and tensors:
+            register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, self.backward_order),
+                                     mode="any")
+
+    def _fetch(self, unit: Unit, order: list[Unit]) -> None:
+        """Gathers `unit`, then starts gathering the units that ran after it last time, up to
+        `prefetch_bucket_size` elements, so that their all-gathers overlap this unit's compute."""
+        if unit not in order:
+            order.append(unit)
+        unit.gather()
+        i, budget = order.index(unit) + 1, self.prefetch_numel
+        while i < len(order) and order[i].numel <= budget:
+            budget -= order[i].numel
+            order[i].gather()
+            i += 1
+        unit.wait()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered for the duration (read-only use: inspection, tests, export)."""
+        for unit in self.units:
+            unit.gather()
+        for unit in self.units:
+            unit.wait()
+        try:
+            yield
+        finally:
+            self.free_all()
+
+    def free_all(self) -> None:
+        for unit in self.units:
+            unit.free()
+
+    def regather_persistent(self) -> None:
+        """After the step, refresh the replicated small parameters from their updated shards."""
+        for unit in self.units:
+            if unit.persistent:
+                unit.gathered = False
+                unit.gather()
+                unit.wait()
+
+    def held_bytes(self) -> int:
+        gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)
+        return gathered + sum(s.numel() * s.element_size() for s in self.param_shards)
+
+
+class Stage3Gradients(PartitionedGradients):
+    """Stage 2's bucketed reduce-scatter with one bucket per unit and param group; a unit is freed as soon
+    as its last gradient has been copied into its bucket."""
+
+    def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool) -> None:
+        super().__init__(params.flats, comm, overlap_comm)
+        self.params = params
+        self.unit_pending: dict[int, int] = {}
+
+    def begin(self, reduce: bool) -> None:
+        super().begin(reduce)
+        self.unit_pending = {id(u): len(u.flats) for u in self.params.units}
+
+    def reduce_bucket(self, key):
+        result = super().reduce_bucket(key)
+        unit = self.params.unit_of_flat[key[0]]
+        self.unit_pending[id(unit)] -= 1
+        if self.unit_pending[id(unit)] == 0:
+            unit.free()
+        return result

@@ -1,0 +1,50 @@
+"""Session-wide spawned runs: each world size is spawned once and runs every scenario the tests read."""
+from __future__ import annotations
+
+import pytest
+
+from hf_zero.launch import spawn_gloo
+from tests.helpers import Scenario, run_scenarios
+
+SMALL_BUCKETS = {"reduce_bucket_size": 3000, "allgather_bucket_size": 6000}  # several buckets, straddling params
+
+
+def parity_scenarios(kind: str) -> list[Scenario]:
+    return [Scenario(f"ddp_{kind}", kind)] + [
+        Scenario(f"s{stage}_{kind}", kind, {"zero_stage": stage, **SMALL_BUCKETS}) for stage in (0, 1, 2, 3)
+    ]
+
+
+def world2_scenarios() -> list[Scenario]:
+    scenarios = parity_scenarios("gpt2") + parity_scenarios("bert")
+    scenarios += [
+        Scenario("s3_persistent_gpt2", config={"zero_stage": 3, "param_persistence_threshold": 100,
+                                               "prefetch_bucket_size": 0}),
+        Scenario("s2_no_overlap_gpt2", config={"zero_stage": 2, "overlap_comm": False, **SMALL_BUCKETS}),
+        Scenario("ddp_bf16", config={"dtype": "bf16"}),
+    ]
+    scenarios.append(Scenario("s0_bf16", config={"zero_stage": 0, "dtype": "bf16", **SMALL_BUCKETS}))
+    for stage in (1, 2, 3):
+        scenarios += [
+            Scenario(f"s{stage}_bf16", config={"zero_stage": stage, "dtype": "bf16", **SMALL_BUCKETS}),
+            Scenario(f"s{stage}_ga4", config={"zero_stage": stage, "gradient_accumulation_steps": 4, **SMALL_BUCKETS},
+                     steps=3, global_batch=16),
+            Scenario(f"s{stage}_fp16_overflow", config={"zero_stage": stage, "dtype": "fp16", **SMALL_BUCKETS},
+                     steps=3, poison_step=1),
+            Scenario(f"s{stage}_clip", config={"zero_stage": stage, "gradient_clipping": 0.05, **SMALL_BUCKETS}),
+        ]
+    return scenarios
+
+
+def world4_scenarios() -> list[Scenario]:
+    return [sc for kind in ("gpt2", "bert") for sc in parity_scenarios(kind) if not sc.name.startswith("s0")]
+
+
+@pytest.fixture(scope="session")
+def world2() -> list[dict]:
+    return spawn_gloo(run_scenarios, 2, world2_scenarios())
+
+
+@pytest.fixture(scope="session")
+def world4() -> list[dict]:
+    return spawn_gloo(run_scenarios, 4, world4_scenarios())

@@ -1,0 +1,168 @@
+"""Shared test models, data and references.
+
+Spawning gloo ranks costs seconds (each rank imports torch and transformers), so one spawn runs
+many scenarios: `run_scenarios` trains each one in the same process group and returns what the
+tests assert on. The references (single process, DDP) are computed from the same seed and data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+import hf_zero
+
+hf_logging.set_verbosity_error()
+VOCAB, SEQ = 96, 16
+
+
+def tiny_model(kind: str) -> nn.Module:
+    """Tiny GPT-2 or BERT from transformers with dropout off, so that runs are deterministic."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2LMHeadModel(cfg)
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                     vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, num_labels=3)
+    return BertForSequenceClassification(cfg)
+
+
+def batch(kind: str, step: int, size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    if kind == "gpt2":
+        return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": torch.randint(0, 3, (size,), generator=g)}
+
+
+def local_part(b: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(world)[rank] for k, v in b.items()}
+
+
+def make_optimizer(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """AdamW with the usual two groups: decay for matrices, no decay for biases and norms."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+def named_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def train_single_process(kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32,
+                         micro_batches: int = 1, clip: float = 0.0) -> dict[str, Any]:
+    """The reference: one process, the whole global batch, torch's own AdamW (and clip_grad_norm_).
+    For bf16/fp16 it is the textbook recipe: compute-dtype model, fp32 master copy stepped by AdamW."""
+    model = tiny_model(kind)
+    return _train_plain(model, kind, steps, global_batch, dtype, 0, 1, micro_batches, clip)
+
+
+def train_ddp(kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32) -> dict:
+    """The same recipe under torch's DistributedDataParallel (run inside a process group)."""
+    model = tiny_model(kind)
+    return _train_plain(model, kind, steps, global_batch, dtype, dist.get_rank(), dist.get_world_size())
+
+
+def _train_plain(model, kind, steps, global_batch, dtype, rank, world, micro_batches=1, clip=0.0):
+    masters = [p.detach().clone() for p in model.parameters()]
+    optimizer = make_optimizer(model)
+    if dtype != torch.float32:
+        # Re-target the optimizer at fp32 masters and compute in `dtype`.
+        by_id = {id(p): m for p, m in zip(model.parameters(), masters)}
+        for group in optimizer.param_groups:
+            group["params"] = [by_id[id(p)] for p in group["params"]]
+        model.to(dtype)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    norms = []
+    for step in range(steps):
+        b = local_part(batch(kind, step, global_batch), rank, world)
+        for mb in range(micro_batches):
+            part = {k: v.chunk(micro_batches)[mb] for k, v in b.items()}
+            (net(**part).loss / micro_batches).backward()
+        if dtype != torch.float32:
+            for p, m in zip(model.parameters(), masters):
+                m.grad = p.grad.float()
+        if clip > 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        if dtype != torch.float32:
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters):
+                    p.copy_(m)
+    return {"params": named_copy(model), "norms": norms}
+
+
+@dataclass
+class Scenario:
+    name: str
+    kind: str = "gpt2"
+    config: dict[str, Any] = field(default_factory=dict)
+    steps: int = 5
+    global_batch: int = 8
+    poison_step: int | None = None  # fp16: rank 1 makes one element owned by rank 0 inf at this step
+
+
+def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
+    """Runs inside a process group: trains each scenario with hf_zero (or DDP when its name starts with
+    'ddp'), returning final parameters, the ledger and per-step bookkeeping."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for sc in scenarios:
+        if sc.name.startswith("ddp"):
+            dtype = hf_zero.ZeroConfig(**sc.config).torch_dtype
+            results[sc.name] = train_ddp(sc.kind, sc.steps, sc.global_batch, dtype)
+            continue
+        model = tiny_model(sc.kind)
+        psi = sum(p.numel() for p in model.parameters())
+        engine = hf_zero.initialize(model, make_optimizer(model), sc.config)
+        ga = engine.gradient_accumulation_steps
+        record: dict[str, Any] = {"scales": [], "norms": [], "skipped": []}
+        for step in range(sc.steps):
+            hook = None
+            if sc.poison_step == step and rank == 1:
+                flat = (engine.flats or engine.stage3.flats)[0]
+                target = flat.slices[0].param  # its element 0 sits in rank 0's chunk of bucket 0
+                hook = target.register_hook(lambda g: g.index_put((torch.tensor([0]),) * g.dim(),
+                                                                  torch.tensor(float("inf"), dtype=g.dtype)))
+            if sc.poison_step == step:
+                with engine.gathered_parameters():
+                    record["before_poison"] = named_copy(model)
+            b = local_part(batch(sc.kind, step, sc.global_batch), rank, world)
+            for mb in range(ga):
+                part = {k: v.chunk(ga)[mb] for k, v in b.items()}
+                engine.backward(engine(**part).loss)
+                engine.step()
+            if hook is not None:
+                hook.remove()
+            record["scales"].append(engine.scaler.scale)
+            record["norms"].append(engine.global_grad_norm)
+            record["skipped"].append(engine.skipped_steps)
+            if sc.poison_step == step:
+                with engine.gathered_parameters():
+                    record["after_poison"] = named_copy(model)
+        with engine.gathered_parameters():
+            record["params"] = named_copy(model)
+        record["comm_elements"] = engine.ledger.last_step_elements
+        record["state_bytes"] = engine.ledger.state_bytes
+        flats = engine.flats or engine.stage3.flats
+        record["padding"] = sum(f.padded_numel - f.numel for f in flats)
+        record["psi"] = psi
+        record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
+        results[sc.name] = record
+    return results

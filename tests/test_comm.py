@@ -1,0 +1,63 @@
+"""The ledger counts what the paper counts: 2Ψ per step for stages 0-2, 3Ψ for stage 3, and
+model-state bytes per rank equal to the paper's formulas, within padding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zero.comm import Communicator, Ledger
+from hf_zero.memory import communication_elements, model_state_bytes
+
+NORM_ALL_REDUCE = 2  # the global gradient norm: one scalar all-reduce, counted 2 x 1 element
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_communication_per_step_is_2psi_for_stages_0_to_2_and_3psi_for_stage_3(world2, stage):
+    for rank_result in world2:
+        r = rank_result[f"s{stage}_gpt2"]
+        sent = r["comm_elements"]
+        bulk = sent.get("reduce_scatter", 0) + sent.get("all_gather", 0)
+        if stage == 0:
+            assert sent == {"all_reduce": 2 * r["psi"]}
+            continue
+        assert sent["all_reduce"] == NORM_ALL_REDUCE
+        expected = communication_elements(stage, r["psi"])
+        passes = 3 if stage == 3 else 2
+        assert expected <= bulk <= expected + passes * r["padding"]
+        if stage == 3:
+            assert sent["all_gather"] >= 2 * r["psi"], "forward and backward each gather every unit"
+
+
+STATE_RUNS = [("world2", f"s{stage}_gpt2", stage, "fp32") for stage in (0, 1, 2, 3)] + \
+    [("world4", f"s{stage}_gpt2", stage, "fp32") for stage in (1, 2, 3)] + \
+    [("world2", f"s{stage}_bf16", stage, "bf16") for stage in (0, 1, 2, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, name, stage, dtype", STATE_RUNS)
+def test_model_state_bytes_per_rank_follow_the_paper(request, world, name, stage, dtype):
+    results = request.getfixturevalue(world)
+    for rank_result in results:
+        r = rank_result[name]
+        formula = model_state_bytes(stage, r["psi"], len(results), dtype)
+        slack = 16 * r["padding"] + 8 * r["optimizer_tensors"]  # padding elements, Adam's step counters
+        for category, expected in formula.items():
+            assert abs(r["state_bytes"][category] - expected) <= slack, (category, r["state_bytes"])
+
+
+def test_paper_figure1_example_7_5b_on_64_gpus():
+    """Figure 1: Ψ=7.5B, Nd=64, K=12 gives 120, 31.4, 16.6 and 1.9 GB per device."""
+    gb = [sum(model_state_bytes(s, int(7.5e9), 64, "bf16").values()) / 1e9 for s in (0, 1, 2, 3)]
+    assert gb == pytest.approx([120, 31.4, 16.6, 1.875], abs=0.05)
+
+
+def test_single_process_collectives_are_local_and_count_nothing():
+    ledger = Ledger()
+    comm = Communicator(ledger)
+    full, part = torch.zeros(4), torch.arange(4.0)
+    comm.all_gather_(full, part)
+    comm.reduce_scatter_(part, torch.ones(4))
+    ledger.close_step()
+    assert torch.equal(full, torch.arange(4.0)) and torch.equal(part, torch.ones(4))
+    assert ledger.last_step_elements == {}

@@ -1,0 +1,141 @@
+"""The engine trains exactly as data parallelism does, at every stage, on 1, 2 and 4 gloo ranks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import hf_zero
+from tests.helpers import (batch, make_optimizer, max_diff, named_copy, tiny_model, train_single_process)
+
+FP32_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """Single-process references, computed once per (model, recipe)."""
+    cache = {}
+
+    def get(kind="gpt2", dtype=torch.float32, global_batch=8, steps=5, micro_batches=1, clip=0.0):
+        key = (kind, dtype, global_batch, steps, micro_batches, clip)
+        if key not in cache:
+            cache[key] = train_single_process(kind, steps, global_batch, dtype, micro_batches, clip)
+        return cache[key]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_matches_single_process_and_ddp_on_2_ranks(world2, single_process, kind, stage):
+    ref = single_process(kind)["params"]
+    for rank_result in world2:
+        ours = rank_result[f"s{stage}_{kind}"]["params"]
+        assert max_diff(ours, ref) < FP32_TOL
+        assert max_diff(ours, rank_result[f"ddp_{kind}"]["params"]) < FP32_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_matches_single_process_and_ddp_on_4_ranks(world4, single_process, kind, stage):
+    ref = single_process(kind)["params"]
+    for rank_result in world4:
+        ours = rank_result[f"s{stage}_{kind}"]["params"]
+        assert max_diff(ours, ref) < FP32_TOL
+        assert max_diff(ours, rank_result[f"ddp_{kind}"]["params"]) < FP32_TOL
+
+
+@pytest.mark.slow
+def test_stage0_is_bitwise_ddp(world2):
+    for rank_result in world2:
+        assert max_diff(rank_result["s0_gpt2"]["params"], rank_result["ddp_gpt2"]["params"]) == 0.0
+
+
+@pytest.mark.slow
+def test_stage3_with_persistent_params_and_no_prefetch_matches(world2, single_process):
+    for rank_result in world2:
+        assert max_diff(rank_result["s3_persistent_gpt2"]["params"], single_process()["params"]) < FP32_TOL
+
+
+@pytest.mark.slow
+def test_stage2_without_overlap_matches(world2, single_process):
+    for rank_result in world2:
+        assert max_diff(rank_result["s2_no_overlap_gpt2"]["params"], single_process()["params"]) < FP32_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_within_the_difference_ddp_shows(world2, single_process, stage):
+    ref = single_process(dtype=torch.bfloat16)["params"]
+    for rank_result in world2:
+        ddp_gap = max_diff(rank_result["ddp_bf16"]["params"], ref)
+        ours_gap = max_diff(rank_result[f"s{stage}_bf16"]["params"], ref)
+        assert ours_gap <= ddp_gap, f"stage {stage} bf16 is {ours_gap:.3g} from single process, DDP {ddp_gap:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_overflow_on_one_shard_skips_the_step_on_every_rank(world2, stage):
+    for rank_result in world2:
+        r = rank_result[f"s{stage}_fp16_overflow"]
+        assert r["skipped"] == [0, 1, 1], "exactly the poisoned step 1 is skipped"
+        assert r["scales"] == [2.0**16, 2.0**15, 2.0**15], "the dynamic scale halves once"
+        assert max_diff(r["before_poison"], r["after_poison"]) == 0.0, "skipped step leaves parameters as they were"
+        assert math.isinf(r["norms"][1]) or math.isnan(r["norms"][1])
+        assert math.isfinite(r["norms"][2])
+    finals = [rank_result[f"s{stage}_fp16_overflow"]["params"] for rank_result in world2]
+    assert max_diff(finals[0], finals[1]) == 0.0, "ranks stay in step"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_four_accumulated_micro_batches_equal_one_step_on_the_concatenated_batch(world2, single_process, stage):
+    ref = single_process(global_batch=16, steps=3)["params"]
+    for rank_result in world2:
+        assert max_diff(rank_result[f"s{stage}_ga4"]["params"], ref) < FP32_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_global_norm_clipping_matches_torch_clip_grad_norm(world2, single_process, stage):
+    ref = single_process(clip=0.05)
+    assert max(ref["norms"]) > 0.05, "the test must actually clip"
+    for rank_result in world2:
+        r = rank_result[f"s{stage}_clip"]
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-4)
+        assert max_diff(r["params"], ref["params"]) < FP32_TOL
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_world_size_1_without_process_group_matches_plain_training(stage):
+    ref = train_single_process("gpt2", steps=3, global_batch=4)["params"]
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": stage, "reduce_bucket_size": 3000})
+    for step in range(3):
+        b = batch("gpt2", step, 4)
+        engine.backward(engine(**b).loss)
+        engine.step()
+    with engine.gathered_parameters():
+        assert max_diff(named_copy(model), ref) < 1e-6
+
+
+def test_stage3_eval_forward_with_and_without_grad_matches_the_unpartitioned_model():
+    reference = tiny_model("gpt2").eval()
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 3}).eval()
+    b = batch("gpt2", 0, 4)
+    expected = reference(**b).logits
+    with torch.no_grad():
+        assert torch.allclose(engine(**b).logits, expected, atol=1e-6)
+    out = engine(**b)  # with grad, never back-propagated: units must still be freed
+    assert torch.allclose(out.logits, expected, atol=1e-6)
+    assert all(p.numel() == 0 for p in model.transformer.h.parameters()), "blocks are freed after forward"
+
+
+def test_loss_backward_outside_the_engine_is_refused():
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2})
+    with pytest.raises(RuntimeError, match="engine.backward"):
+        engine(**batch("gpt2", 0, 2)).loss.backward()
