@@ -136,7 +136,8 @@ class ZeroEngine:
     def _apply_stage3(self, model, groups):
         cfg = self.config
         self.stage3 = Stage3Params(model, groups, self.dtype, self.comm, cfg.unit_module_classes,
-                                   cfg.param_persistence_threshold, cfg.prefetch_bucket_size, cfg.overlap_comm)
+                                   cfg.param_persistence_threshold, cfg.prefetch_bucket_size, cfg.overlap_comm,
+                                   cfg.reshard_root_after_forward)
         self.grads = self.stage3.grads
         fp32_init, self.stage3.fp32_init = self.stage3.fp32_init, None
         return self.stage3.param_chunks, self.stage3.grad_chunks(), fp32_init

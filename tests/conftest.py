@@ -20,6 +20,8 @@ def world2_scenarios() -> list[Scenario]:
     scenarios += [
         Scenario("s3_persistent_gpt2", config={"zero_stage": 3, "param_persistence_threshold": 100,
                                                "prefetch_bucket_size": 0}),
+        Scenario("s3_paper_schedule_gpt2", config={"zero_stage": 3, "reshard_root_after_forward": True,
+                                                   **SMALL_BUCKETS}),
         Scenario("s2_no_overlap_gpt2", config={"zero_stage": 2, "overlap_comm": False, **SMALL_BUCKETS}),
         Scenario("ddp_bf16", config={"dtype": "bf16"}),
     ]

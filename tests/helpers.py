@@ -163,6 +163,8 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
         flats = engine.flats or engine.stage3.flats
         record["padding"] = sum(f.padded_numel - f.numel for f in flats)
         record["psi"] = psi
+        record["root_numel"] = sum(f.numel for u in engine.stage3.units if u.name == "" for f in u.flats) \
+            if engine.stage3 else 0
         record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
         results[sc.name] = record
     return results

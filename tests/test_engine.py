@@ -60,6 +60,12 @@ def test_stage3_with_persistent_params_and_no_prefetch_matches(world2, single_pr
 
 
 @pytest.mark.slow
+def test_stage3_with_the_papers_root_schedule_matches(world2, single_process):
+    for rank_result in world2:
+        assert max_diff(rank_result["s3_paper_schedule_gpt2"]["params"], single_process()["params"]) < FP32_TOL
+
+
+@pytest.mark.slow
 def test_stage2_without_overlap_matches(world2, single_process):
     for rank_result in world2:
         assert max_diff(rank_result["s2_no_overlap_gpt2"]["params"], single_process()["params"]) < FP32_TOL

@@ -97,8 +97,9 @@ class Stage3Params:
 
     def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
                  comm: Communicator, unit_module_classes: list[str] | None, persistence_threshold: int,
-                 prefetch_numel: int, overlap_comm: bool) -> None:
+                 prefetch_numel: int, overlap_comm: bool, reshard_root_after_forward: bool) -> None:
         self.comm, self.prefetch_numel = comm, prefetch_numel
+        self.reshard_root_after_forward = reshard_root_after_forward
         group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
         unit_modules = find_unit_modules(model, unit_module_classes)
         owner: dict[int, str] = {}
@@ -173,15 +174,17 @@ class Stage3Params:
                 unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
                 unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         # Units prefetched for a forward that then took another path are freed when the model returns.
-        model.register_forward_hook(lambda m, a, out: self.free_all())
+        model.register_forward_hook(lambda m, a, out: self._free_all_but_root())
 
     def _pre_forward(self, unit: Unit) -> None:
         self._fetch(unit, self.forward_order)
 
     def _post_forward(self, unit: Unit, output) -> None:
-        unit.free()
         tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-        if torch.is_grad_enabled() and tensors:
+        backward_follows = torch.is_grad_enabled() and bool(tensors)
+        if not (unit.name == "" and backward_follows and not self.reshard_root_after_forward):
+            unit.free()
+        if backward_follows:
             register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, self.backward_order),
                                      mode="any")
 
@@ -209,6 +212,11 @@ class Stage3Params:
             yield
         finally:
             self.free_all()
+
+    def _free_all_but_root(self) -> None:
+        for unit in self.units:
+            if unit.name != "":
+                unit.free()
 
     def free_all(self) -> None:
         for unit in self.units:

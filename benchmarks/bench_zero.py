@@ -1,0 +1,144 @@
+"""hf_zero stages 1-3 side by side with DDP, torch ZeroRedundancyOptimizer, FSDP2 and DeepSpeed.
+
+Every system trains the same model from the same seed with fp32 AdamW on 2 gloo ranks (one thread
+each), each run in fresh processes so that peak RSS (ru_maxrss) is that system's own. Runs are
+interleaved (system A, B, C, then A, B, C again ...) so that drift of the machine hits all alike;
+the table gives medians over repeats and ratios to DDP.
+
+  python benchmarks/bench_zero.py --workload speed --repeats 3
+  python benchmarks/bench_zero.py --workload memory --repeats 1
+
+DeepSpeed is optional (`pip install -e ".[bench]"`); without it its rows are left out and said so.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_zero  # noqa: E402
+import model_zoo  # noqa: E402
+from hf_zero.launch import spawn_gloo  # noqa: E402
+from hf_zero.memory import model_state_bytes  # noqa: E402
+
+WORKLOADS = {
+    # model, micro-batch, sequence, warm-up steps, timed steps
+    "speed": dict(model="gpt2-bench-speed", batch=4, seq=128, warmup=2, steps=8),
+    "memory": dict(model="gpt2-bench-memory", batch=1, seq=64, warmup=0, steps=3),
+}
+SYSTEMS = ["ddp", "torch_zero_redundancy", "fsdp2", "deepspeed_1", "deepspeed_2", "deepspeed_3",
+           "hf_zero_1", "hf_zero_2", "hf_zero_3"]
+FORMULA_STAGE = {"ddp": 0, "hf_zero_1": 1, "hf_zero_2": 2, "hf_zero_3": 3, "deepspeed_1": 1, "deepspeed_2": 2,
+                 "deepspeed_3": 3, "torch_zero_redundancy": 1, "fsdp2": 3}
+
+
+def build(system: str, model: torch.nn.Module, micro_batch: int):
+    """Returns (forward_backward_step(batch) -> None) for the system, built on `model`."""
+    if system == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif system == "torch_zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    elif system == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.transformer.h:
+            fully_shard(block)
+        net = fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif system.startswith("deepspeed"):
+        import deepspeed
+        config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": int(system[-1])}}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                          config=config)
+
+        def ds_step(b):
+            engine.backward(engine(**b).loss)
+            engine.step()
+        return ds_step
+    else:
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                    {"zero_stage": int(system[-1])})
+
+        def zero_step(b):
+            engine.backward(engine(**b).loss)
+            engine.step()
+        return zero_step
+
+    def plain_step(b):
+        net(**b).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return plain_step
+
+
+def run_system(system: str, workload: str) -> dict:
+    w = WORKLOADS[workload]
+    if system.startswith("deepspeed"):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    torch.manual_seed(0)
+    model = model_zoo.build(w["model"])
+    psi = sum(p.numel() for p in model.parameters())
+    step = build(system, model, w["batch"])
+    g = torch.Generator().manual_seed(dist.get_rank())
+    times = []
+    for i in range(w["warmup"] + w["steps"]):
+        ids = torch.randint(0, model.config.vocab_size, (w["batch"], w["seq"]), generator=g)
+        dist.barrier()
+        start = time.perf_counter()
+        step({"input_ids": ids, "labels": ids})
+        dist.barrier()
+        if i >= w["warmup"]:
+            times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "psi": psi}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    p.add_argument("--json", type=Path, help="also write the raw results here")
+    args = p.parse_args()
+    systems = [s for s in args.systems if not s.startswith("deepspeed") or importlib.util.find_spec("deepspeed")]
+    if len(systems) < len(args.systems):
+        print("deepspeed is not installed: its rows are left out (pip install -e '.[bench]')")
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(args.repeats):
+        for s in systems:
+            ranks = spawn_gloo(run_system, 2, s, args.workload)
+            runs[s].append({"step_s": max(x["step_s"] for x in ranks),
+                            "peak_rss_mib": max(x["peak_rss_mib"] for x in ranks), "psi": ranks[0]["psi"]})
+            print(f"repeat {r} {s}: {runs[s][-1]['step_s']:.3f} s/step, peak RSS {runs[s][-1]['peak_rss_mib']:.0f} MiB",
+                  flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+    ddp_step = statistics.median(x["step_s"] for x in runs["ddp"]) if "ddp" in runs else None
+    psi = next(iter(runs.values()))[0]["psi"]
+    print(f"\n{args.workload}: {WORKLOADS[args.workload]}, Ψ = {psi:,}, 2 ranks, fp32 AdamW, "
+          f"{args.repeats} interleaved repeat(s)\n")
+    print("| system | s/step (median) | x DDP | peak RSS per rank (MiB) | paper formula, model states (MiB) |")
+    print("|---|---|---|---|---|")
+    for s in systems:
+        step = statistics.median(x["step_s"] for x in runs[s])
+        rss = statistics.median(x["peak_rss_mib"] for x in runs[s])
+        formula = sum(model_state_bytes(FORMULA_STAGE[s], psi, 2, "fp32").values()) / 2**20
+        ratio = f"{step / ddp_step:.2f}" if ddp_step else "-"
+        print(f"| {s} | {step:.3f} | {ratio} | {rss:.0f} | {formula:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
