@@ -112,7 +112,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     p.add_argument("--json", type=Path, help="also write the raw results here")
+    p.add_argument("--mmap_threshold", type=int, default=1 << 20,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ for every system's processes, in bytes (0: glibc default). "
+                        "glibc otherwise raises the threshold as tensors are freed and keeps later frees in its "
+                        "heap, so peak RSS reflects allocation history more than what a system holds")
     args = p.parse_args()
+    if args.mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # inherited by every spawned rank
     systems = [s for s in args.systems if not s.startswith("deepspeed") or importlib.util.find_spec("deepspeed")]
     if len(systems) < len(args.systems):
         print("deepspeed is not installed: its rows are left out (pip install -e '.[bench]')")
@@ -128,8 +134,9 @@ def main() -> None:
         args.json.write_text(json.dumps(runs, indent=1))
     ddp_step = statistics.median(x["step_s"] for x in runs["ddp"]) if "ddp" in runs else None
     psi = next(iter(runs.values()))[0]["psi"]
+    malloc = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "glibc default malloc"
     print(f"\n{args.workload}: {WORKLOADS[args.workload]}, Ψ = {psi:,}, 2 ranks, fp32 AdamW, "
-          f"{args.repeats} interleaved repeat(s)\n")
+          f"{args.repeats} interleaved repeat(s), {malloc}\n")
     print("| system | s/step (median) | x DDP | peak RSS per rank (MiB) | paper formula, model states (MiB) |")
     print("|---|---|---|---|---|")
     for s in systems:

@@ -30,6 +30,16 @@ class _Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
+
+def _copy_locally(output: torch.Tensor, input: torch.Tensor) -> _Done:
+    """With one rank, reduce-scatter and all-gather both leave output equal to input."""
+    if output.data_ptr() != input.data_ptr():
+        output.copy_(input)
+    return _Done()
+
 
 @dataclass
 class Ledger:
@@ -84,18 +94,14 @@ class Communicator:
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Sums `input` over ranks; this rank receives its 1/world_size part in `output` (may alias input)."""
         if self.world_size == 1:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return _Done()
+            return _copy_locally(output, input)
         self.ledger.record("reduce_scatter", input.numel(), input.element_size())
         return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
 
     def all_gather_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenates every rank's `input` into `output` (input may be this rank's slice of output)."""
         if self.world_size == 1:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return _Done()
+            return _copy_locally(output, input)
         self.ledger.record("all_gather", output.numel(), output.element_size())
         return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
 

@@ -24,6 +24,8 @@ def world2_scenarios() -> list[Scenario]:
                                                    **SMALL_BUCKETS}),
         Scenario("s2_no_overlap_gpt2", config={"zero_stage": 2, "overlap_comm": False, **SMALL_BUCKETS}),
         Scenario("ddp_bf16", config={"dtype": "bf16"}),
+        Scenario("s2_deep", "gpt2-deep", {"zero_stage": 2, **SMALL_BUCKETS}, steps=2),
+        Scenario("s3_deep", "gpt2-deep", {"zero_stage": 3, **SMALL_BUCKETS}, steps=2),
     ]
     scenarios.append(Scenario("s0_bf16", config={"zero_stage": 0, "dtype": "bf16", **SMALL_BUCKETS}))
     for stage in (1, 2, 3):

@@ -24,8 +24,8 @@ VOCAB, SEQ = 96, 16
 def tiny_model(kind: str) -> nn.Module:
     """Tiny GPT-2 or BERT from transformers with dropout off, so that runs are deterministic."""
     torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+    if kind.startswith("gpt2"):
+        cfg = GPT2Config(n_layer=8 if kind == "gpt2-deep" else 2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
                          eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return GPT2LMHeadModel(cfg)
     cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
@@ -37,7 +37,7 @@ def tiny_model(kind: str) -> nn.Module:
 def batch(kind: str, step: int, size: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):
         return {"input_ids": ids, "labels": ids}
     return {"input_ids": ids, "labels": torch.randint(0, 3, (size,), generator=g)}
 
@@ -163,6 +163,10 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
         flats = engine.flats or engine.stage3.flats
         record["padding"] = sum(f.padded_numel - f.numel for f in flats)
         record["psi"] = psi
+        record["peak_buffer_bytes"] = getattr(engine.grads, "peak_buffer_bytes", 0)
+        group_bytes = sorted(sum(t.numel() * 4 for t in g["params"]) * world for g in engine.optimizer.param_groups)
+        record["smaller_groups_bytes"] = sum(group_bytes[:-1])
+        record["largest_bucket_bytes"] = max(b.numel for f in flats for b in f.buckets) * flats[0].data.element_size()
         record["root_numel"] = sum(f.numel for u in engine.stage3.units if u.name == "" for f in u.flats) \
             if engine.stage3 else 0
         record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())

@@ -12,13 +12,18 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.zero.partition import FlatParamBuffer
+from hf_zero.zero.partition import FlatParamBuffer, Piece
 from hf_zero.zero.reducer import BucketKey, GradientReducer
 
 
 class PartitionedGradients(GradientReducer):
-    def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool) -> None:
+    def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
+                 reuse_buffers: bool = True) -> None:
         super().__init__(flat_params, comm, overlap_comm)
+        # Stage 2's buckets share one size, so reduced buffers are kept for the next bucket (M_D).
+        # Stage 3's buckets are units of many sizes: keeping one of each (the root's is vocabulary
+        # sized) would hold memory for good, so there the allocator gets them back.
+        self.reuse_buffers = reuse_buffers
         self.shard = comm.rank
         self.dtype = flat_params[0].data.dtype
         device = flat_params[0].data.device
@@ -50,11 +55,12 @@ class PartitionedGradients(GradientReducer):
         live = list(self.bucket_buffers.values()) + [b for v in self.spare_buffers.values() for b in v]
         return sum(b.numel() * b.element_size() for b in live)
 
-    def accumulate(self, param: nn.Parameter) -> None:
-        grad = param.grad.reshape(-1)
-        for key, piece in self.param_pieces[param]:
-            n = piece.param_hi - piece.param_lo
-            self._buffer(key)[piece.bucket_lo:piece.bucket_lo + n].add_(grad[piece.param_lo:piece.param_hi])
+    def write_piece(self, key: BucketKey, piece: Piece, param: nn.Parameter) -> None:
+        n = piece.param_hi - piece.param_lo
+        grad = param.grad.reshape(-1)[piece.param_lo:piece.param_hi]
+        self._buffer(key)[piece.bucket_lo:piece.bucket_lo + n].add_(grad)
+
+    def release(self, param: nn.Parameter) -> None:
         param.grad = None
 
     def reduce_bucket(self, key: BucketKey):
@@ -67,7 +73,8 @@ class PartitionedGradients(GradientReducer):
 
         def add_to_shard() -> None:
             self.owned_grad(*key).add_(owned)
-            self.spare_buffers.setdefault(buf.numel(), []).append(buf)
+            if self.reuse_buffers:
+                self.spare_buffers.setdefault(buf.numel(), []).append(buf)
 
         return work, add_to_shard
 

@@ -240,7 +240,7 @@ class Stage3Gradients(PartitionedGradients):
     as its last gradient has been copied into its bucket."""
 
     def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool) -> None:
-        super().__init__(params.flats, comm, overlap_comm)
+        super().__init__(params.flats, comm, overlap_comm, reuse_buffers=False)
         self.params = params
         self.unit_pending: dict[int, int] = {}
 
