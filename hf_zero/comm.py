@@ -72,7 +72,7 @@ class Ledger:
         sent = ", ".join(
             f"{op} {self.last_step_bytes[op] / mib:.2f} MiB ({self.last_step_elements[op]:,} el)"
             for op in sorted(self.last_step_bytes)
-        ) or "nothing yet"
+        ) or "nothing"
         return f"{who} holds {held}; last step sent {sent}"
 
 

@@ -36,7 +36,11 @@ class Unit:
         self.comm, self.persistent = comm, persistent
         self.numel = sum(f.padded_numel for f in flats)
         self.shards: list[torch.Tensor] = []  # this rank's chunk of each flat buffer (set by Stage3Params)
-        self.gathered = True  # the model starts whole; Stage3Params frees after sharding
+        # Storage is released at once: holding every unit's buffer while sharding would hold a second
+        # whole copy of the model; `adopt_params` fills and frees them one unit at a time.
+        for flat in flats:
+            flat.data.untyped_storage().resize_(0)
+        self.gathered = False
         self.works: list = []
         self.empty = torch.empty(0, dtype=flats[0].data.dtype, device=flats[0].data.device)
 
@@ -52,6 +56,15 @@ class Unit:
             for s in flat.slices:
                 s.param.data = flat.view_of(s)
         self.gathered = True
+
+    @torch.no_grad()
+    def adopt_params(self) -> None:
+        """Moves the module's own parameter tensors into the unit's buffers, then frees them (once, at start)."""
+        for flat in self.flats:
+            flat.data.untyped_storage().resize_(flat.padded_numel * flat.data.element_size())
+            flat.pack_and_bind()
+        self.gathered = True
+        self.free()
 
     def group_of(self, flat: FlatParamBuffer) -> int:
         return self.groups[self.flats.index(flat)]
@@ -157,11 +170,8 @@ class Stage3Params:
             self.param_chunks[g].append(chunk)
             self.chunk_flats[g].append(fi)
             unit.shards.append(chunk)
-        with torch.no_grad():
-            for unit in self.units:
-                for flat in unit.flats:
-                    flat.pack_and_bind()
-                unit.free()
+        for unit in self.units:
+            unit.adopt_params()
         return None if dtype == torch.float32 else fp32_init
 
     def grad_chunks(self) -> list[list[torch.Tensor]]:
