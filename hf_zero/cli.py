@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_zero import ZeroConfig
+from hf_zero import ZeroConfig, ZeroConfigError
 from hf_zero.launch import free_port
 
 
@@ -17,7 +17,8 @@ def _train(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     # Refuse bad settings here, before any process starts.
     ZeroConfig.from_any({"zero_stage": args.zero_stage, "dtype": args.dtype,
-                         "gradient_accumulation_steps": args.gradient_accumulation_steps})
+                         "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                         "reduce_bucket_size": args.reduce_bucket_size})
     if args.nproc_per_node < 1:
         parser.error(f"--nproc_per_node must be >= 1; got {args.nproc_per_node}")
     if args.nproc_per_node == 1:
@@ -45,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:10s} {help_text}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
-    return COMMANDS[command][0](rest)
+    try:
+        return COMMANDS[command][0](rest)
+    except ZeroConfigError as error:
+        print(f"hf-zero {command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch_size", type=int, default=8, help="micro-batch per rank")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--reduce_bucket_size", type=int, default=500_000,
+                   help="gradient bucket in elements; below the demo model's size, so that stage 2 keeps "
+                        "a few buckets rather than one as large as the model")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max_steps", type=int, default=2000)
     p.add_argument("--max_minutes", type=float, default=3.0, help="stop after this much training time")
@@ -77,7 +80,8 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         1 + math.cos(math.pi * min(1.0, s / args.max_steps))))
     engine = hf_zero.initialize(model, optimizer, {
         "zero_stage": args.zero_stage, "dtype": args.dtype, "gradient_clipping": 1.0,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps})
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "reduce_bucket_size": args.reduce_bucket_size})
     if rank == 0:
         formula = sum(model_state_bytes(args.zero_stage, psi, world, args.dtype).values()) / 2**20
         logger.info(f"{args.model}: {psi:,} parameters, ZeRO stage {args.zero_stage}, {world} rank(s), "
