@@ -164,10 +164,11 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
         record["padding"] = sum(f.padded_numel - f.numel for f in flats)
         record["psi"] = psi
         record["peak_buffer_bytes"] = getattr(engine.grads, "peak_buffer_bytes", 0)
-        group_bytes = sorted(sum(t.numel() * 4 for t in g["params"]) * world for g in engine.optimizer.param_groups)
+        element = flats[0].data.element_size()
+        group_bytes = sorted(sum(t.numel() for t in g["params"]) * world * element for g in engine.optimizer.param_groups)
         record["smaller_groups_bytes"] = sum(group_bytes[:-1])
-        record["largest_bucket_bytes"] = max(b.numel for f in flats for b in f.buckets) * flats[0].data.element_size()
-        record["root_numel"] = sum(f.numel for u in engine.stage3.units if u.name == "" for f in u.flats) \
+        record["largest_bucket_bytes"] = max(b.numel for f in flats for b in f.buckets) * element
+        record["root_numel"] = sum(f.numel for u in engine.stage3.units if u.is_root for f in u.flats) \
             if engine.stage3 else 0
         record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
         results[sc.name] = record

@@ -109,6 +109,14 @@ class FlatParamBuffer:
         flat = self.data if flat is None else flat
         return flat[s.offset:s.offset + s.numel].view(s.shape)
 
+    def allocate_storage(self) -> None:
+        """Gives the buffer its memory back after `release_storage` (views of it see the new memory)."""
+        self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+
+    def release_storage(self) -> None:
+        """Frees the buffer's memory but keeps the tensor, so views autograd saved stay valid to refill."""
+        self.data.untyped_storage().resize_(0)
+
     @torch.no_grad()
     def pack_and_bind(self) -> None:
         """Copies the parameters into the buffer and makes each parameter a view of it (M_D: one allocation)."""

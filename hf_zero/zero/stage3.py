@@ -39,7 +39,7 @@ class Unit:
         # Storage is released at once: holding every unit's buffer while sharding would hold a second
         # whole copy of the model; `adopt_params` fills and frees them one unit at a time.
         for flat in flats:
-            flat.data.untyped_storage().resize_(0)
+            flat.release_storage()
         self.gathered = False
         self.works: list = []
         self.empty = torch.empty(0, dtype=flats[0].data.dtype, device=flats[0].data.device)
@@ -49,7 +49,7 @@ class Unit:
         if self.gathered:
             return
         for flat, shard in zip(self.flats, self.shards):
-            flat.data.untyped_storage().resize_(flat.padded_numel * flat.data.element_size())
+            flat.allocate_storage()
             # Writing into the buffer must not bump the version autograd checks on saved views of it.
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
                 self.works.append(self.comm.all_gather_(flat.data, shard, async_op=True))
@@ -61,10 +61,15 @@ class Unit:
     def adopt_params(self) -> None:
         """Moves the module's own parameter tensors into the unit's buffers, then frees them (once, at start)."""
         for flat in self.flats:
-            flat.data.untyped_storage().resize_(flat.padded_numel * flat.data.element_size())
+            flat.allocate_storage()
             flat.pack_and_bind()
         self.gathered = True
         self.free()
+
+    @property
+    def is_root(self) -> bool:
+        """The unit of the parameters outside every block (embeddings, final norm, head)."""
+        return self.name == ""
 
     def group_of(self, flat: FlatParamBuffer) -> int:
         return self.groups[self.flats.index(flat)]
@@ -81,7 +86,7 @@ class Unit:
         for flat in self.flats:
             for s in flat.slices:
                 s.param.data = self.empty
-            flat.data.untyped_storage().resize_(0)
+            flat.release_storage()
         self.gathered = False
 
 
@@ -192,7 +197,7 @@ class Stage3Params:
     def _post_forward(self, unit: Unit, output) -> None:
         tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         backward_follows = torch.is_grad_enabled() and bool(tensors)
-        if not (unit.name == "" and backward_follows and not self.reshard_root_after_forward):
+        if not (unit.is_root and backward_follows and not self.reshard_root_after_forward):
             unit.free()
         if backward_follows:
             register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, self.backward_order),
@@ -225,7 +230,7 @@ class Stage3Params:
 
     def _free_all_but_root(self) -> None:
         for unit in self.units:
-            if unit.name != "":
+            if not unit.is_root:
                 unit.free()
 
     def free_all(self) -> None:
