@@ -24,18 +24,46 @@ def _train(argv: list[str]) -> int:
     if args.nproc_per_node == 1:
         train_lm.main(args)
         return 0
-    from torch.distributed.run import main as torchrun
-
     job_args = [a for a in argv if not a.startswith("--nproc_per_node")]
     if "--nproc_per_node" in argv:  # drop the flag's separate value too
         i = argv.index("--nproc_per_node")
         job_args = argv[:i] + argv[i + 2:]
-    torchrun(["--nproc_per_node", str(args.nproc_per_node), "--master_addr", "127.0.0.1",
-              "--master_port", str(free_port()), "-m", "hf_zero.train_lm", *job_args])
+    return _torchrun(args.nproc_per_node, "hf_zero.train_lm", job_args)
+
+
+def _run(argv: list[str]) -> int:
+    from hf_zero import run
+
+    parser = argparse.ArgumentParser(prog="hf-zero run", description=run.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc_per_node", type=int, default=1, help="processes to start (default 1)")
+    parser.add_argument("script", help="a script that builds TrainingArguments and Trainer from transformers")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    args = parser.parse_args(argv)
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc_per_node must be >= 1; got {args.nproc_per_node}")
+    if args.nproc_per_node == 1:
+        return run.main([args.script, *args.script_args])
+    return _torchrun(args.nproc_per_node, "hf_zero.run", [args.script, *args.script_args])
+
+
+def _torchrun(nproc: int, module: str, module_args: list[str]) -> int:
+    """Starts `nproc` local processes of `python -m module module_args` through torchrun."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                  "-m", module, *module_args])
+    except ChildFailedError:  # torchrun has already printed which rank failed and why
+        return 1
     return 0
 
 
-COMMANDS = {"train": (_train, "train a small GPT-2 with ZeRO on a local text (the main job)")}
+COMMANDS = {
+    "train": (_train, "train a small GPT-2 with ZeRO on a local text (the main job)"),
+    "run": (_run, "run an unmodified Hugging Face Trainer script with --zero_* flags"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,18 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# Settings whose capability is specified but not built yet: a value other than the default is refused
+# with "not available yet" rather than silently ignored.
+NOT_BUILT_YET = {
+    "offload_optimizer": "none", "offload_param": "none", "nvme_path": None, "delayed_param_update": False,
+    "partition_activations": False, "cpu_checkpointing": False,
+}
 
 
 class ZeroConfigError(ValueError):
@@ -45,6 +52,16 @@ class ZeroConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
+    # ZeRO-Offload / ZeRO-Infinity: where this rank's optimizer states (stages 1-3) and parameter
+    # shards (stage 3) live; nvme needs nvme_path. delayed_param_update overlaps the CPU step with the
+    # next forward and backward (ZeRO-Offload section 5.2).
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    nvme_path: str | None = None
+    delayed_param_update: bool = False
+    # ZeRO-R: activation checkpoints split across the tensor-parallel group, and/or kept in host memory.
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
 
     @classmethod
     def from_any(cls, config: "ZeroConfig | dict[str, Any] | str | Path | None") -> "ZeroConfig":
@@ -68,38 +85,72 @@ class ZeroConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def validate(self) -> None:
+    def validate(self, name: Callable[[str], str] = str) -> None:
+        """Raises ZeroConfigError on the first bad setting. `name(key)` is how a message names a setting:
+        the key itself for engine configs, the command-line flag for ZeroTrainingArguments."""
+        def fail(key: str, message: str) -> None:
+            raise ZeroConfigError(f"{name(key)} {message}")
+
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
-            raise ZeroConfigError(f"zero_stage must be one of 0, 1, 2, 3; got {self.zero_stage!r}")
+            fail("zero_stage", f"must be one of 0, 1, 2, 3; got {self.zero_stage!r}")
         if self.dtype not in DTYPES:
-            raise ZeroConfigError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "gradient_accumulation_steps",
-                     "loss_scale_window"):
-            value = getattr(self, name)
+            fail("dtype", f"must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "gradient_accumulation_steps",
+                    "loss_scale_window"):
+            value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ZeroConfigError(f"{name} must be a positive integer; got {value!r}")
-        for name in ("prefetch_bucket_size", "param_persistence_threshold"):
-            value = getattr(self, name)
+                fail(key, f"must be a positive integer; got {value!r}")
+        for key in ("prefetch_bucket_size", "param_persistence_threshold"):
+            value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ZeroConfigError(f"{name} must be an integer >= 0; got {value!r}")
-        for name in ("gradient_clipping", "loss_scale"):
-            value = getattr(self, name)
+                fail(key, f"must be an integer >= 0; got {value!r}")
+        for key in ("gradient_clipping", "loss_scale"):
+            value = getattr(self, key)
             if not isinstance(value, (int, float)) or value < 0:
-                raise ZeroConfigError(f"{name} must be a number >= 0 (0 turns it off); got {value!r}")
+                fail(key, f"must be a number >= 0 (0 turns it off); got {value!r}")
         if self.loss_scale > 0 and self.dtype != "fp16":
-            raise ZeroConfigError(f"loss_scale applies to fp16 only (bf16 and fp32 need no scaling); "
-                                  f"got loss_scale={self.loss_scale} with dtype={self.dtype!r}")
+            fail("loss_scale", f"applies to fp16 only (bf16 and fp32 need no scaling); got "
+                               f"{name('loss_scale')}={self.loss_scale} with {name('dtype')}={self.dtype!r}")
         if self.min_loss_scale <= 0:
-            raise ZeroConfigError(f"min_loss_scale must be > 0; got {self.min_loss_scale!r}")
+            fail("min_loss_scale", f"must be > 0; got {self.min_loss_scale!r}")
         if not isinstance(self.initial_scale_power, int) or not 0 <= self.initial_scale_power <= 64:
-            raise ZeroConfigError(f"initial_scale_power must be an integer in 0..64; got {self.initial_scale_power!r}")
+            fail("initial_scale_power", f"must be an integer in 0..64; got {self.initial_scale_power!r}")
         if self.unit_module_classes is not None and (
             not isinstance(self.unit_module_classes, (list, tuple))
             or not all(isinstance(c, str) for c in self.unit_module_classes)
         ):
-            raise ZeroConfigError(
-                f"unit_module_classes must be a list of module class names; got {self.unit_module_classes!r}"
-            )
+            fail("unit_module_classes", f"must be a list of module class names; got {self.unit_module_classes!r}")
+        self._validate_offload(name, fail)
+
+    def _validate_offload(self, name: Callable[[str], str], fail: Callable[[str, str], None]) -> None:
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(self, key) not in OFFLOAD_DEVICES:
+                fail(key, f"must be one of {', '.join(OFFLOAD_DEVICES)}; got {getattr(self, key)!r}")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            fail("offload_param", f"needs {name('zero_stage')} 3 (only stage 3 partitions parameters); got "
+                                  f"{name('offload_param')} {self.offload_param} with {name('zero_stage')} "
+                                  f"{self.zero_stage}")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            fail("offload_optimizer", f"needs {name('zero_stage')} 1, 2 or 3 (each rank offloads its own "
+                                      f"partition); got {name('zero_stage')} 0")
+        uses_nvme = "nvme" in (self.offload_optimizer, self.offload_param)
+        if uses_nvme and not self.nvme_path:
+            fail("nvme_path", f"is required when {name('offload_optimizer')} or {name('offload_param')} is nvme")
+        if self.nvme_path and not uses_nvme:
+            fail("nvme_path", f"is set but nothing is offloaded to nvme; set {name('offload_optimizer')} "
+                              f"or {name('offload_param')} to nvme, or drop {name('nvme_path')}")
+        if self.delayed_param_update and self.offload_optimizer == "none":
+            fail("delayed_param_update", f"overlaps the CPU optimizer step; it needs {name('offload_optimizer')} "
+                                         f"cpu or nvme")
+        for key, default in NOT_BUILT_YET.items():
+            if getattr(self, key) != default:
+                fail(key, f"is not available yet in hf_zero {_version()}: {getattr(self, key)!r} was asked for; "
+                          f"leave it at {default!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _version() -> str:
+    from hf_zero import __version__
+    return __version__

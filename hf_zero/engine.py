@@ -68,12 +68,17 @@ def trainable_params_by_group(model: nn.Module, optimizer: torch.optim.Optimizer
     return groups
 
 
-class ZeroEngine:
-    """Wraps a model and its optimizer. Use `out = engine(batch)`, `engine.backward(loss)`, `engine.step()`."""
+class ZeroEngine(nn.Module):
+    """Wraps a model and its optimizer. Use `out = engine(batch)`, `engine.backward(loss)`, `engine.step()`.
+
+    An nn.Module holding the model as `engine.module`, as DeepSpeed's engine and DDP do, so that a
+    training loop written for a wrapped model (the Trainer's) can call it, train() it and zero_grad() it.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  config: ZeroConfig | dict[str, Any] | str | None = None,
                  group: torch.distributed.ProcessGroup | None = None) -> None:
+        super().__init__()
         # 1. check_inputs
         self.config = cfg = ZeroConfig.from_any(config)
         check_model(model)
@@ -86,6 +91,7 @@ class ZeroEngine:
         self.scaler = LossScaler(cfg)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.global_grad_norm: float | None = None
+        self.last_step_skipped = False
         # 2. sync_module_states
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
@@ -155,10 +161,8 @@ class ZeroEngine:
                         setattr(m, name, b.to(self.dtype))
 
     # ---- training ----------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-    forward = __call__
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -167,12 +171,22 @@ class ZeroEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagates `loss` of one micro-batch; gradients are reduced as their buckets fill."""
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool | None = None) -> None:
+        """Back-propagates `loss` of one micro-batch; gradients are reduced as their buckets fill.
+
+        The loss is divided by gradient_accumulation_steps. `last_micro_batch` says whether this
+        backward closes the accumulation window; by default the engine counts micro-batches itself.
+        Callers that decide the window themselves (the Trainer, whose last window of an epoch may be
+        short) pass it, set gradient_accumulation_steps to 1 and scale the loss themselves.
+        """
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss of one micro-batch")
+        self._check_params_bound()
+        if last_micro_batch is None:
+            last_micro_batch = self.is_gradient_accumulation_boundary()
+        self.sharded_optimizer.norm_is_current = False
         # Stages 0-1 keep whole gradients and reduce once per step; stages 2-3 reduce every backward.
-        self.grads.begin(reduce=self.zero_stage >= 2 or self.is_gradient_accumulation_boundary())
+        self.grads.begin(reduce=self.zero_stage >= 2 or last_micro_batch)
         try:
             (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
         finally:
@@ -180,13 +194,30 @@ class ZeroEngine:
             if self.stage3 is not None:
                 self.stage3.free_all()
 
+    def _check_params_bound(self) -> None:
+        moved = [name for flat in self.flats for name in flat.moved_params()]
+        if moved:
+            raise RuntimeError(
+                f"parameters {moved[:3]}{' ...' if len(moved) > 3 else ''} no longer live in the engine's flat "
+                f"buffers: model.to(...), model.half() or `param.data = ...` was called after hf_zero.initialize. "
+                f"Move or cast the model before initialize; after it, the engine owns the parameters' storage")
+
     def step(self) -> None:
-        """Counts a micro-batch; at the accumulation boundary updates the shard and re-shares parameters."""
+        """Counts a micro-batch; at the accumulation boundary runs optimizer_step()."""
         self.micro_steps += 1
-        if self.micro_steps % self.gradient_accumulation_steps:
-            return
+        if self.micro_steps % self.gradient_accumulation_steps == 0:
+            self.optimizer_step()
+
+    def compute_grad_norm(self) -> float:
+        """The global gradient norm of the reduced gradients (one all-reduce); the next optimizer_step()
+        clips to gradient_clipping with it instead of computing it again."""
+        return self.sharded_optimizer.compute_grad_norm()
+
+    def optimizer_step(self) -> None:
+        """Updates this rank's shard from the reduced gradients and re-shares the parameters."""
         stepped = self.sharded_optimizer.step()
         self.global_grad_norm = self.sharded_optimizer.global_grad_norm
+        self.last_step_skipped = not stepped
         if stepped:
             self._share_updated_params()
         else:
@@ -220,7 +251,8 @@ class ZeroEngine:
         for work, _ in in_flight:
             work.wait()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the accumulated gradients; they live in the engine's buffers, so `set_to_none` changes nothing."""
         self.grads.zero_grad()
 
     @contextlib.contextmanager
@@ -231,13 +263,6 @@ class ZeroEngine:
         else:
             with self.stage3.gathered():
                 yield self.module
-
-    def train(self, mode: bool = True) -> "ZeroEngine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "ZeroEngine":
-        return self.train(False)
 
     # ---- accounting --------------------------------------------------------------------------
     def _update_state_bytes(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +36,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A bounded timeout turns a collective one rank never joins into an error instead of a hung run.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")

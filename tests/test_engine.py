@@ -152,3 +152,13 @@ def test_loss_backward_outside_the_engine_is_refused():
     engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2})
     with pytest.raises(RuntimeError, match="engine.backward"):
         engine(**batch("gpt2", 0, 2)).loss.backward()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_moving_the_model_after_initialize_is_refused_instead_of_training_stale_buffers(stage):
+    """model.to('cpu:0') copies every parameter; the engine would go on stepping buffers the model no longer reads."""
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": stage})
+    model.to(torch.device("cpu", 0))
+    with pytest.raises(RuntimeError, match=r"no longer live in the engine's flat buffers: model.to\(...\)"):
+        engine.backward(engine(**batch("gpt2", 0, 4)).loss)

@@ -49,19 +49,28 @@ class ShardedOptimizer:
                     master.grad = grad
             group["params"] = self.masters[g]
         self.global_grad_norm: float | None = None
+        self.norm_is_current = False  # computed for the gradients the next step() applies
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Unscales, clips and applies the update; returns False when the step was skipped (overflow)."""
+    def compute_grad_norm(self) -> float:
+        """The unscaled global gradient norm (one all-reduce), kept for the step that follows.
+        inf or NaN when any rank's shard overflowed."""
         local_sq = torch.zeros(1, dtype=torch.float32, device=self._device())
         for grads in self.grad_chunks:
             for grad in grads:
                 local_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         if not self.grads_replicated:
             self.comm.all_reduce_(local_sq)
+        self.global_grad_norm = math.sqrt(local_sq.item()) / self.scaler.scale
+        self.norm_is_current = True
+        return self.global_grad_norm
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Unscales, clips and applies the update; returns False when the step was skipped (overflow)."""
+        norm = self.global_grad_norm if self.norm_is_current else self.compute_grad_norm()
+        self.norm_is_current = False
         scale = self.scaler.scale
-        norm = math.sqrt(local_sq.item()) / scale
-        self.global_grad_norm = norm
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
             return False

@@ -124,6 +124,13 @@ class FlatParamBuffer:
         for s in self.slices:
             s.param.data = self.view_of(s)
 
+    def moved_params(self) -> list[str]:
+        """Parameters no longer viewing this buffer: something (model.to(), param.data = ...) replaced their
+        storage after the engine bound them, so the optimizer would update memory the model does not use."""
+        base = self.data.data_ptr()
+        return [s.name for s in self.slices
+                if s.param.data_ptr() != base + s.offset * self.data.element_size()]
+
     def owned_chunk(self, bucket: Bucket, shard: int, flat: torch.Tensor | None = None) -> torch.Tensor:
         lo, hi = bucket.owned_range(shard)
         return (self.data if flat is None else flat)[lo:hi]

@@ -15,6 +15,7 @@ loudly instead of returning stale or uninitialised memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -190,6 +191,28 @@ class Stage3Params:
                 unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         # Units prefetched for a forward that then took another path are freed when the model returns.
         model.register_forward_hook(lambda m, a, out: self._free_all_but_root())
+        if callable(getattr(model, "generate", None)):
+            self._gather_root_around(model, "generate")
+
+    def _gather_root_around(self, model: nn.Module, method: str) -> None:
+        """Runs model.<method> with the root unit gathered, as a forward would be. generate() calls parts
+        of the model directly (an encoder-decoder's encoder), outside the root's forward hooks; FSDP2's
+        register_fsdp_forward_method exists for the same reason."""
+        root = next((u for u in self.units if u.is_root), None)
+        if root is None:
+            return
+        original = getattr(model, method)
+
+        @functools.wraps(original)
+        def with_root_gathered(*args, **kwargs):
+            self._fetch(root, self.forward_order)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._free_all_but_root()
+                root.free()
+
+        setattr(model, method, with_root_gathered)
 
     def _pre_forward(self, unit: Unit) -> None:
         self._fetch(unit, self.forward_order)

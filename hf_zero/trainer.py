@@ -1,0 +1,151 @@
+"""ZeroTrainer: transformers' Trainer with the ZeRO engine in place of DDP.
+
+The Trainer's own code keeps running (data, loss scaling for accumulation, schedulers, logging,
+callbacks, evaluation); the engine takes over at these points, in the order a step meets them:
+
+  create_optimizer      the Trainer builds its optimizer as usual (--optim, decay groups); the engine
+                        then partitions the model and re-targets that optimizer at this rank's shard
+  _wrap_model           training runs through the engine, never DDP; evaluation calls the model,
+                        whose stage-3 hooks gather each unit on use
+  accelerator.backward  becomes the engine's backward, told whether the accumulation window closes
+  _clip_grad_norm       the engine's global norm (one all-reduce over the shards); clipping to
+                        --max_grad_norm happens inside the engine's step
+  optimizer.step        the engine's step; lr schedulers act on the user optimizer's param groups
+  save_model            gathers whole parameters (stage 3) and writes a normal transformers folder
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+from transformers import Seq2SeqTrainer, Trainer
+from transformers.trainer import logger
+
+import hf_zero
+from hf_zero.engine import ZeroEngine
+from training_args import ZeroArgumentsMixin
+
+
+class ZeroOptimizer(AcceleratedOptimizer):
+    """What the Trainer holds as its optimizer. param_groups are the user optimizer's (so schedulers
+    set the learning rates the engine's shards are stepped with); step() and zero_grad() go to the engine."""
+
+    # accelerate must not wrap it a second time (with its own GradScaler for fp16).
+    _is_accelerate_prepared = True
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        super().__init__(engine.optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("ZeRO shards the optimizer step and cannot re-run a closure")
+        self.engine.optimizer_step()
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        self.engine.zero_grad()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True after an fp16 overflow; the Trainer then leaves the lr schedule where it is."""
+        return self.engine.last_step_skipped
+
+
+class ZeroTrainerMixin:
+    """The overrides shared by ZeroTrainer and ZeroSeq2SeqTrainer."""
+
+    engine: ZeroEngine | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, ZeroArgumentsMixin):
+            raise TypeError(f"{type(self).__name__} needs its arguments as training_args.ZeroTrainingArguments "
+                            f"(or ZeroSeq2SeqTrainingArguments), not {type(self.args).__name__}")
+        if self.args.n_gpu > 1:
+            raise ValueError(f"this process sees {self.args.n_gpu} GPUs; ZeRO runs one process per device: "
+                             f"hf-zero run --nproc_per_node {self.args.n_gpu} SCRIPT.py ..., or torchrun")
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # training_step ends in accelerator.backward(loss). Routing that one call to the engine keeps
+        # the Trainer's own loss scaling (num_items_in_batch, a short last window) exactly as it is.
+        self.accelerator.backward = self._engine_backward
+
+    def _engine_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.engine.backward(loss, last_micro_batch=self.accelerator.sync_gradients)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.engine is None or self.optimizer is None:
+            optimizer = super().create_optimizer(model)
+            self.engine = hf_zero.initialize(self.model, optimizer, self.args.zero_engine_config)
+            self.optimizer = ZeroOptimizer(self.engine)
+            # The engine has placed the model and owns its parameters' storage; accelerate's
+            # prepare_model (run by evaluate) would otherwise call model.to(device), which copies
+            # parameters out of the engine's buffers when the device is spelled differently (cpu:0).
+            self.model._is_accelerate_prepared = True
+            logger.info(self.engine.ledger.report(self.engine.comm.rank))
+        return self.optimizer
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        return self.engine if training else self.model
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        # The engine's forward is the model's; handing the model itself to the Trainer lets it
+        # recognise the model class (label smoothing treats causal LMs differently).
+        model = self.model if model is self.engine else model
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def _clip_grad_norm(self, model: nn.Module) -> float:
+        return self.engine.compute_grad_norm()
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: float | None = None) -> float:
+        return self.engine.compute_grad_norm() if grad_norm is None else grad_norm
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        if resume_from_checkpoint:
+            raise ValueError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r}: resuming a ZeroTrainer run is not available "
+                f"yet in hf_zero {hf_zero.__version__}; it needs the per-rank engine checkpoints (optimizer "
+                f"shards), which checkpoints do not hold yet. Start from the saved weights with "
+                f"from_pretrained(checkpoint) instead")
+        return super().train(resume_from_checkpoint=None, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # The optimizer state is sharded across ranks; rank 0's shard alone would load as a wrong
+        # whole, so checkpoints keep the weights, the schedule and the Trainer state only for now.
+        if not getattr(self, "_warned_no_optimizer_state", False):
+            logger.warning("ZeroTrainer checkpoints hold the weights, lr schedule and trainer state but not the "
+                           "optimizer shards yet; they cannot be resumed exactly")
+            self._warned_no_optimizer_state = True
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), f"{output_dir}/scheduler.pt")
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Writes a transformers folder (config, safetensors, tokenizer) that from_pretrained loads.
+        At stage 3 every rank takes part in gathering the parameters; the main process writes."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        with self.engine.gathered_parameters():
+            super().save_model(output_dir, _internal_call)
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """transformers.Trainer trained by the ZeRO engine; build it with training_args.ZeroTrainingArguments."""
+
+
+class ZeroSeq2SeqTrainer(ZeroTrainerMixin, Seq2SeqTrainer):
+    """transformers.Seq2SeqTrainer trained by the ZeRO engine; use ZeroSeq2SeqTrainingArguments."""
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None, **gen_kwargs: Any) -> Any:
+        # At stage 3 each forward gathers parameters from every rank, so a rank whose sequences are
+        # finished must keep stepping until all are: generate's synced_gpus does exactly that.
+        if not gen_kwargs:
+            gen_kwargs = dict(getattr(self, "_gen_kwargs", {}))
+        gen_kwargs.setdefault("synced_gpus", self.args.zero_engine_config.zero_stage == 3
+                              and self.args.world_size > 1)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)

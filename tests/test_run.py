@@ -1,0 +1,66 @@
+"""`hf-zero run`: unmodified Trainer scripts get the --zero_* flags and the engine."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+SCRIPT = Path(__file__).parent / "scripts" / "hf_style_clm.py"
+COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
+
+
+def hf_zero(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_zero", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_unmodified_script_trains_at_stage3_on_two_processes_and_saves_a_loadable_model(tmp_path):
+    out = tmp_path / "out"
+    run = hf_zero("run", "--nproc_per_node", "2", str(SCRIPT), "--zero_stage", "3", "--output_dir", str(out),
+                  "--do_train", "--do_eval", "--do_predict", "--max_steps", "8", "--learning_rate", "3e-3", *COMMON)
+    assert run.returncode == 0, run.stderr[-3000:]
+    args = torch.load(out / "training_args.bin", weights_only=False)
+    assert type(args).__name__ == "ZeroTrainingArguments" and args.zero_engine_config.zero_stage == 3
+    assert json.loads((out / "eval_results.json").read_text())["eval_loss"] < 4.15  # ln(64) = 4.16 untrained
+
+    engine_logits = torch.load(out / "predict_logits.pt")  # what the trained, partitioned model computed
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(2))  # the script's eval blocks
+    with torch.no_grad():
+        reloaded_logits = model(input_ids=ids).logits
+    torch.testing.assert_close(reloaded_logits, engine_logits, atol=1e-5, rtol=0)
+
+
+def test_patched_classes_survive_the_transformers_module_swap():
+    code = ("from hf_zero.run import patch_transformers; patch_transformers(); import evaluate; "
+            "import transformers.processing_utils; "
+            "from transformers import TrainingArguments, Trainer, Seq2SeqTrainer, Seq2SeqTrainingArguments; "
+            "print(TrainingArguments.__name__, Trainer.__name__, Seq2SeqTrainer.__name__, "
+            "Seq2SeqTrainingArguments.__name__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.split() == ["ZeroTrainingArguments", "ZeroTrainer", "ZeroSeq2SeqTrainer",
+                                  "ZeroSeq2SeqTrainingArguments"], run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--zero_stage", "2", "--zero_offload_param", "cpu"],
+     "--zero_offload_param needs --zero_stage 3 (only stage 3 partitions parameters)"),
+    (["--zero_stage", "3", "--deepspeed", "ds_config.json"],
+     "--deepspeed and hf_zero's ZeRO engine cannot both run the training"),
+    (["--zero_delayed_param_update"], "--zero_delayed_param_update overlaps the CPU optimizer step"),
+])
+def test_bad_flags_stop_the_script_before_training_with_the_flag_named(tmp_path, flags, message):
+    run = hf_zero("run", str(SCRIPT), "--output_dir", str(tmp_path), "--do_train", *flags, *COMMON, timeout=300)
+    assert run.returncode == 2
+    assert message in run.stderr
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_missing_script_is_named():
+    run = hf_zero("run", "no_such_script.py")
+    assert run.returncode == 2 and "no such script: no_such_script.py" in run.stderr

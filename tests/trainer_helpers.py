@@ -1,0 +1,123 @@
+"""Trainer runs for the tests: the stock transformers Trainer (DDP) and ZeroTrainer on the same data and seed.
+
+One spawn of 2 gloo ranks runs every TrainerRun in turn (the Trainer's process group is the spawned one)
+and returns what the tests compare: logged losses and grad norms, eval loss, predictions, generations.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import (LogitsProcessor, LogitsProcessorList, Seq2SeqTrainer, Seq2SeqTrainingArguments,
+                          T5Config, T5ForConditionalGeneration, Trainer, TrainingArguments)
+
+from hf_zero import ZeroSeq2SeqTrainer, ZeroTrainer
+from tests.helpers import SEQ, VOCAB, tiny_model
+from training_args import ZeroSeq2SeqTrainingArguments, ZeroTrainingArguments
+
+# 88 examples on 2 ranks at batch 4: 11 micro-batches per epoch, so with accumulation 2 every epoch
+# ends in a short window of one micro-batch, which the Trainer scales and the engine must reduce.
+TRAIN_EXAMPLES, EVAL_EXAMPLES = 88, 24
+
+
+def lm_examples(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (count, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def gpt2_model() -> torch.nn.Module:
+    """The tiny GPT-2 with embeddings scaled up, so that gradient norms exceed max_grad_norm=1.0 and clipping acts."""
+    model = tiny_model("gpt2")
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(10)
+    return model
+
+
+def t5_model() -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0,
+                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return T5ForConditionalGeneration(cfg)
+
+
+class EndAfter(LogitsProcessor):
+    """Forces end-of-sequence once `length` tokens exist, so that ranks finish generating at different steps.
+    Before that, padding and end-of-sequence are banned, so the tokens are the model's own greedy choice."""
+
+    def __init__(self, length: int, eos: int, pad: int) -> None:
+        self.length, self.eos, self.pad = length, eos, pad
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] >= self.length:
+            scores = torch.full_like(scores, -float("inf"))
+            scores[:, self.eos] = 0.0
+        else:
+            scores[:, [self.pad, self.eos]] = -float("inf")
+        return scores
+
+
+@dataclass
+class TrainerRun:
+    name: str
+    zero_stage: int | None  # None: the stock Trainer (DDP)
+    model: str = "gpt2"  # "gpt2" or "t5" (Seq2Seq with generation)
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _arguments(run: TrainerRun, output_dir: str) -> TrainingArguments:
+    seq2seq = run.model == "t5"
+    common = dict(output_dir=output_dir, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                  gradient_accumulation_steps=2, max_steps=20, max_grad_norm=1.0, learning_rate=2e-3,
+                  warmup_steps=3, lr_scheduler_type="linear", logging_steps=1, save_strategy="no", use_cpu=True,
+                  report_to=[], seed=0, disable_tqdm=True,
+                  # Evaluating first puts accelerate's prepare_model (and its model.to) before training.
+                  eval_on_start=True)
+    common.update(run.args)
+    if seq2seq:
+        common["predict_with_generate"] = True
+    if run.zero_stage is None:
+        return (Seq2SeqTrainingArguments if seq2seq else TrainingArguments)(**common)
+    cls = ZeroSeq2SeqTrainingArguments if seq2seq else ZeroTrainingArguments
+    return cls(zero_stage=run.zero_stage, zero_reduce_bucket_size=3000, zero_allgather_bucket_size=6000, **common)
+
+
+def _trainer_class(run: TrainerRun) -> type[Trainer]:
+    if run.model == "t5":
+        return Seq2SeqTrainer if run.zero_stage is None else ZeroSeq2SeqTrainer
+    return Trainer if run.zero_stage is None else ZeroTrainer
+
+
+def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
+    """Runs inside the spawned process group; returns each run's record on this rank."""
+    rank = dist.get_rank()
+    results = {}
+    for run in runs:
+        with tempfile.TemporaryDirectory() as output_dir:
+            model = t5_model() if run.model == "t5" else gpt2_model()
+            trainer = _trainer_class(run)(model=model, args=_arguments(run, output_dir),
+                                          train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
+                                          eval_dataset=lm_examples(EVAL_EXAMPLES, seed=2))
+            trainer.train()
+            logs = [h for h in trainer.state.log_history if "loss" in h]
+            record: dict[str, Any] = {
+                "losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
+                "lrs": [h["learning_rate"] for h in logs], "eval_loss": trainer.evaluate()["eval_loss"],
+                "global_step": trainer.state.global_step,
+            }
+            if run.model == "t5":
+                # Rank 0 ends every sequence after 3 tokens, rank 1 after 6: without synced
+                # generation at stage 3, rank 0 would stop joining the all-gathers and rank 1 would hang.
+                out = trainer.predict(lm_examples(8, seed=3), max_new_tokens=8,
+                                      logits_processor=LogitsProcessorList([EndAfter(3 + 3 * rank, eos=1, pad=0)]))
+                record["generated"] = torch.as_tensor(out.predictions)
+            else:
+                record["predictions"] = torch.as_tensor(trainer.predict(lm_examples(8, seed=3)).predictions)
+            if isinstance(trainer, (ZeroTrainer, ZeroSeq2SeqTrainer)):
+                record["engine_stage"] = trainer.engine.zero_stage
+                record["engine_global_grad_norm"] = trainer.engine.global_grad_norm
+            results[run.name] = record
+    return results

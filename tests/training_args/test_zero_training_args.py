@@ -1,0 +1,97 @@
+"""ZeroTrainingArguments: the --zero_* flags resolve into one validated engine config at parse time."""
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_zero import ZeroConfig, ZeroConfigError
+from hf_zero.config import NOT_BUILT_YET
+from training_args import ZeroTrainingArguments
+
+
+def parse(*flags: str, output_dir: str = "unused") -> ZeroTrainingArguments:
+    (args,) = HfArgumentParser(ZeroTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", output_dir, "--use_cpu", "--report_to", "none", *flags])
+    return args
+
+
+def test_defaults_are_the_engines_and_trainer_flags_fill_precision_and_clipping():
+    args = parse("--bf16", "--max_grad_norm", "0.5", "--gradient_accumulation_steps", "4")
+    config = args.zero_engine_config
+    assert config.zero_stage == ZeroConfig().zero_stage
+    assert config.reduce_bucket_size == ZeroConfig().reduce_bucket_size
+    assert (config.dtype, config.gradient_clipping) == ("bf16", 0.5)
+    # The Trainer scales the loss for accumulation and tells the engine where each window ends.
+    assert config.gradient_accumulation_steps == 1
+    assert args.mixed_precision == "no"  # no accelerate autocast on top of the engine's own casting
+    assert parse("--fp16").zero_engine_config.dtype == "fp16"
+
+
+def test_flags_win_over_the_config_file_which_wins_over_defaults(tmp_path):
+    file = tmp_path / "zero.json"
+    file.write_text(json.dumps({"zero_stage": 1, "reduce_bucket_size": 1234, "allgather_bucket_size": 999}))
+    config = parse("--zero_config", str(file), "--zero_stage", "3", "--zero_reduce_bucket_size", "77",
+                   "--zero_param_persistence_threshold", "10").zero_engine_config
+    assert (config.zero_stage, config.reduce_bucket_size, config.allgather_bucket_size) == (3, 77, 999)
+    assert config.param_persistence_threshold == 10
+
+
+def test_arguments_pickle_as_the_trainer_saves_them(tmp_path):
+    args = parse("--zero_stage", "3")
+    restored = pickle.loads(pickle.dumps(args))
+    assert type(restored) is ZeroTrainingArguments
+    assert restored.zero_engine_config == args.zero_engine_config
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--zero_stage", "2", "--zero_offload_param", "cpu"], "--zero_offload_param needs --zero_stage 3"),
+    (["--zero_stage", "0", "--zero_offload_optimizer", "cpu"], "--zero_offload_optimizer needs --zero_stage 1, 2 or 3"),
+    (["--zero_offload_optimizer", "nvme"], "--zero_nvme_path is required when --zero_offload_optimizer"),
+    (["--zero_nvme_path", "/tmp"], "--zero_nvme_path is set but nothing is offloaded to nvme"),
+    (["--zero_reduce_bucket_size", "0"], "--zero_reduce_bucket_size must be a positive integer; got 0"),
+    (["--zero_prefetch_bucket_size", "-1"], "--zero_prefetch_bucket_size must be an integer >= 0; got -1"),
+    (["--zero_stage", "3", "--fsdp", "full_shard"], "--fsdp and hf_zero's ZeRO engine cannot both run"),
+])
+def test_contradictions_and_bad_values_name_the_flag(flags, message):
+    with pytest.raises(ZeroConfigError, match=message):
+        parse(*flags)
+
+
+def test_out_of_range_choice_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse("--zero_stage", "4")
+    assert "argument --zero_stage/--zero-stage: invalid choice: 4 (choose from 0, 1, 2, 3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", sorted(NOT_BUILT_YET))
+def test_capabilities_not_built_yet_say_so_instead_of_being_ignored(key, tmp_path):
+    flags = {"offload_optimizer": ["--zero_stage", "2", "--zero_offload_optimizer", "cpu"],
+             "offload_param": ["--zero_stage", "3", "--zero_offload_param", "cpu"],
+             "nvme_path": ["--zero_offload_optimizer", "nvme", "--zero_nvme_path", str(tmp_path)],
+             "delayed_param_update": ["--zero_offload_optimizer", "cpu", "--zero_delayed_param_update"],
+             "partition_activations": ["--zero_partition_activations"],
+             "cpu_checkpointing": ["--zero_cpu_checkpointing", "true"]}[key]
+    with pytest.raises(ZeroConfigError, match=r"is not available yet in hf_zero"):
+        parse(*flags)
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"gradient_accumulation_steps": 4}, "sets 'gradient_accumulation_steps', which the Trainer's "
+                                         "--gradient_accumulation_steps sets; remove it from the file"),
+    ({"dtype": "bf16"}, "sets 'dtype', which the Trainer's --bf16/--fp16 sets"),
+    ({"zero_stag": 3}, "unknown setting 'zero_stag'"),
+    ([1, 2], "must hold a JSON object of engine settings"),
+])
+def test_config_file_problems_name_the_file_and_key(tmp_path, content, message):
+    file = tmp_path / "zero.json"
+    file.write_text(json.dumps(content))
+    with pytest.raises(ZeroConfigError, match=message):
+        parse("--zero_config", str(file))
+
+
+def test_a_missing_config_file_is_named():
+    with pytest.raises(ZeroConfigError, match="--zero_config nowhere.json: no such file"):
+        parse("--zero_config", "nowhere.json")
