@@ -15,13 +15,14 @@ callbacks, evaluation); the engine takes over at these points, in the order a st
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 from transformers import Seq2SeqTrainer, Trainer
-from transformers.trainer import logger
+from transformers.trainer import SCHEDULER_NAME, logger
 
 import hf_zero
 from hf_zero.engine import ZeroEngine
@@ -122,7 +123,7 @@ class ZeroTrainerMixin:
                            "optimizer shards yet; they cannot be resumed exactly")
             self._warned_no_optimizer_state = True
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), f"{output_dir}/scheduler.pt")
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Writes a transformers folder (config, safetensors, tokenizer) that from_pretrained loads.

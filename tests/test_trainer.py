@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import TrainingArguments
 
+from hf_zero import ZeroTrainer
 from hf_zero.launch import spawn_gloo
-from tests.trainer_helpers import TrainerRun, run_trainers
+from tests.trainer_helpers import TrainerRun, gpt2_model, lm_examples, run_trainers
+from training_args import ZeroTrainingArguments
 
 STAGES = (0, 1, 2, 3)
 RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s in STAGES]
+        + [TrainerRun(f"zero{s}_checkpointing_gpt2", s, args={"gradient_checkpointing": True}) for s in (2, 3)]
         + [TrainerRun("stock_t5", None, "t5"), TrainerRun("zero3_t5", 3, "t5")])
 
 
@@ -17,9 +21,7 @@ def trainer_runs() -> list[dict]:
     return spawn_gloo(run_trainers, 2, RUNS)
 
 
-pytestmark = pytest.mark.slow
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_trainer_logs_the_stock_trainers_losses(trainer_runs, stage):
     """20 optimizer steps, accumulation 2 (with a short last window each epoch), max_grad_norm 1.0."""
@@ -31,6 +33,7 @@ def test_zero_trainer_logs_the_stock_trainers_losses(trainer_runs, stage):
     assert stock["losses"][-1] < stock["losses"][0] - 0.1  # it trains: the comparison is not between constants
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_logged_grad_norm_is_the_global_norm(trainer_runs, stage):
     stock, zero = trainer_runs[0]["stock_gpt2"], trainer_runs[0][f"zero{stage}_gpt2"]
@@ -42,6 +45,7 @@ def test_logged_grad_norm_is_the_global_norm(trainer_runs, stage):
         assert rank[f"zero{stage}_gpt2"]["grad_norms"] == zero["grad_norms"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_evaluate_and_predict_match_the_stock_trainer(trainer_runs, stage):
     stock, zero = trainer_runs[0]["stock_gpt2"], trainer_runs[0][f"zero{stage}_gpt2"]
@@ -49,6 +53,15 @@ def test_evaluate_and_predict_match_the_stock_trainer(trainer_runs, stage):
     torch.testing.assert_close(zero["predictions"], stock["predictions"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_checkpointing_recomputes_with_the_same_losses(trainer_runs, stage):
+    """At stage 3 recomputation in backward runs the blocks' forward hooks again, gathering their units."""
+    stock, zero = trainer_runs[0]["stock_gpt2"], trainer_runs[0][f"zero{stage}_checkpointing_gpt2"]
+    assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
+
+
+@pytest.mark.slow
 def test_seq2seq_generation_at_stage3_with_ranks_finishing_at_different_lengths(trainer_runs):
     for rank, result in enumerate(trainer_runs):
         stock, zero = result["stock_t5"], result["zero3_t5"]
@@ -59,3 +72,20 @@ def test_seq2seq_generation_at_stage3_with_ranks_finishing_at_different_lengths(
     eos_position = (generated == 1).int().argmax(dim=1)
     assert eos_position.tolist() == [3] * 4 + [6] * 4
     assert len(set(generated[:, 1:6].flatten().tolist())) > 2  # real tokens, not a constant
+
+
+def test_checkpoints_hold_weights_and_schedule_and_resuming_is_refused_not_faked(tmp_path):
+    args = ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage=2, max_steps=2, save_steps=1, use_cpu=True,
+                                 report_to=[], disable_tqdm=True, per_device_train_batch_size=4)
+    trainer = ZeroTrainer(model=gpt2_model(), args=args, train_dataset=lm_examples(16, seed=1))
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    assert {"model.safetensors", "scheduler.pt", "trainer_state.json"} <= {f.name for f in checkpoint.iterdir()}
+    assert not (checkpoint / "optimizer.pt").exists()  # rank 0's shard alone would load as a wrong whole
+    with pytest.raises(ValueError, match="resuming a ZeroTrainer run is not available yet"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_zero_trainer_needs_zero_training_arguments(tmp_path):
+    with pytest.raises(TypeError, match="needs its arguments as training_args.ZeroTrainingArguments"):
+        ZeroTrainer(model=gpt2_model(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
