@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,3 +111,12 @@ class Communicator:
         if self.world_size > 1:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
                            group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (small, picklable): control messages such as "this rank's save failed".
+        Not recorded: the ledger counts model-state traffic, the quantity the paper accounts for."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered

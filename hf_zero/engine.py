@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections import deque
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_zero import checkpoint
 from hf_zero.comm import Communicator, Ledger
 from hf_zero.config import ZeroConfig
 from hf_zero.precision import LossScaler
@@ -263,6 +266,49 @@ class ZeroEngine(nn.Module):
         else:
             with self.stage3.gathered():
                 yield self.module
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
+        """Every rank writes its own partition (safetensors) and rank 0 a manifest; all ranks must call it.
+        `client_state` (JSON: a scheduler's state, a data position) comes back from load_checkpoint."""
+        return checkpoint.save(self, directory, client_state)
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> dict[str, Any] | None:
+        """Loads a checkpoint saved at any world size and stage; returns its client_state."""
+        return checkpoint.load(self, directory)
+
+    def managed_flats(self) -> list[list[FlatParamBuffer]]:
+        """The flat buffers of each optimizer param group."""
+        if self.stage3 is not None:
+            return [[self.stage3.flats[fi] for fi in flats] for flats in self.stage3.chunk_flats]
+        return [[flat] for flat in self.flats]
+
+    def owned_chunk_ranges(self) -> list[list[tuple[FlatParamBuffer, int, int]]]:
+        """For each param group, the (flat buffer, lo, hi) of every chunk this rank steps, in the
+        optimizer's order."""
+        if self.stage3 is not None:
+            return [[(flat, *flat.buckets[0].owned_range(self.comm.rank)) for flat in flats]
+                    for flats in self.managed_flats()]
+        return [[(flat, *b.owned_range(self.shard)) for b in flat.buckets] for flat in self.flats]
+
+    def unmanaged_state(self) -> dict[str, torch.Tensor]:
+        """Frozen parameters and buffers: replicated on every rank, outside the engine's shards."""
+        managed = {id(s.param) for flats in self.managed_flats() for flat in flats for s in flat.slices}
+        return {name: t for name, t in self.module.state_dict(keep_vars=True).items() if id(t) not in managed}
+
+    @torch.no_grad()
+    def restore(self, module_state: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
+        """After the masters are set from a checkpoint: the rest of the state, then whole parameters again."""
+        own = self.unmanaged_state()
+        for name, value in module_state.items():
+            own[name].copy_(value)
+        self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]
+        self.skipped_steps = manifest["skipped_steps"]
+        self.scaler.load_state_dict(manifest["loss_scaler"])
+        if self.stage3 is not None:
+            self.stage3.free_all()
+        self._share_updated_params()
+        self.zero_grad()
 
     # ---- accounting --------------------------------------------------------------------------
     def _update_state_bytes(self) -> None:

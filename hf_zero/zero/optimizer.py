@@ -92,6 +92,13 @@ class ShardedOptimizer:
         self.scaler.update(overflow=False)
         return True
 
+    @torch.no_grad()
+    def set_master(self, g: int, k: int, values: torch.Tensor) -> None:
+        """Sets the fp32 master of chunk k of group g (and its compute-dtype copy), e.g. from a checkpoint."""
+        self.masters[g][k].copy_(values)
+        if self.mixed:
+            self.param_chunks[g][k].copy_(values)
+
     def _device(self) -> torch.device:
         return self.param_chunks[0][0].device
 

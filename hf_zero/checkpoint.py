@@ -1,0 +1,285 @@
+"""Sharded engine checkpoints: each rank writes its own partition; any world size and stage can load them.
+
+A checkpoint folder holds one safetensors file per writing rank and one `manifest.json`. Tensors are
+addressed by parameter name and element offset (`exp_avg/transformer.h.0.attn.c_attn.weight/4096`),
+never by flat-buffer position, so a loader with another world size, bucket size or stage finds the
+elements it now owns by name and reads only those slices (safetensors reads slices without loading
+the file). No rank ever holds more than its own partition.
+
+Saving is all-or-nothing: files go to `<dir>.partial`, every rank reports success or its error, and
+only then does rank 0 rename the folder into place. A failure on any rank becomes the same error on
+every rank (no rank is left waiting in a collective) and the previous checkpoint stays loadable.
+Loading checks the manifest against the model and every file's size and SHA-256 before it changes
+any state.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from hf_zero.engine import ZeroEngine
+
+FORMAT, VERSION = "hf_zero.checkpoint", 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the file and what is wrong."""
+
+
+# (name, param_lo, param_hi, chunk_lo): elements [param_lo, param_hi) of parameter `name` (flattened)
+# sit at [chunk_lo, chunk_lo + param_hi - param_lo) of an owned chunk.
+Piece = tuple[str, int, int, int]
+
+
+def chunk_pieces(engine: "ZeroEngine") -> list[list[list[Piece]]]:
+    """pieces[g][k]: the parameter pieces inside chunk k of param group g that this rank owns."""
+    result = []
+    for ranges in engine.owned_chunk_ranges():
+        result.append([])
+        for flat, lo, hi in ranges:
+            pieces = []
+            for s in flat.slices:
+                a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+                if a < b:
+                    pieces.append((s.name, a - s.offset, b - s.offset, a - lo))
+            result[-1].append(pieces)
+    return result
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _agree(engine: "ZeroEngine", action: Callable[[], Any], what: str) -> list[Any]:
+    """Runs `action` on every rank; if it failed anywhere, raises that rank's error on every rank."""
+    try:
+        result, error = action(), None
+    except Exception as e:  # reported to every rank below, then raised
+        result, error = None, f"{type(e).__name__}: {e}"
+    outcomes = engine.comm.all_gather_object((result, error))
+    failed = [(rank, err) for rank, (_, err) in enumerate(outcomes) if err is not None]
+    if failed:
+        rank, err = failed[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {err}")
+    return [res for res, _ in outcomes]
+
+
+# ---- save ------------------------------------------------------------------------------------
+def save(engine: "ZeroEngine", directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
+    final = Path(directory)
+    partial = final.with_name(final.name + ".partial")
+    rank = engine.comm.rank
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save: never a checkpoint
+    try:
+        _agree(engine, lambda: partial.mkdir(parents=True, exist_ok=True), f"creating {partial}")
+        shards = _agree(engine, lambda: _write_shard(engine, partial), f"writing the shards under {partial}")
+        _agree(engine, lambda: _commit(engine, partial, final, shards, client_state) if rank == 0 else None,
+               f"committing {final}")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def _write_shard(engine: "ZeroEngine", partial: Path) -> dict[str, Any] | None:
+    """Writes this rank's partition; returns what the manifest says about the file."""
+    writes = engine.zero_stage >= 1 or engine.comm.rank == 0  # stage 0: every rank holds the same state
+    if not writes:
+        return None
+    opt = engine.sharded_optimizer
+    tensors: dict[str, torch.Tensor] = {}
+    listed = []
+    for g, chunks in enumerate(chunk_pieces(engine)):
+        for k, pieces in enumerate(chunks):
+            master = opt.masters[g][k]
+            state = opt.optimizer.state.get(master, {})
+            for name, lo, hi, at in pieces:
+                listed.append([name, lo, hi])
+                tensors[f"master/{name}/{lo}"] = master.detach()[at:at + hi - lo].float().clone()
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
+                        tensors[f"{key}/{name}/{lo}"] = value[at:at + hi - lo].clone()
+    if engine.comm.rank == 0:
+        for name, tensor in engine.unmanaged_state().items():
+            tensors[f"module/{name}"] = tensor.detach().clone()
+    file = partial / f"rank{engine.comm.rank:05d}-of-{engine.comm.world_size:05d}.safetensors"
+    save_file(tensors, str(file))
+    return {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file), "pieces": listed}
+
+
+def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, client_state: Any) -> None:
+    manifest = {
+        "format": FORMAT, "version": VERSION, "zero_stage": engine.zero_stage,
+        "world_size": engine.comm.world_size, "dtype": engine.config.dtype,
+        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps, "loss_scaler": engine.scaler.state_dict(),
+        "parameters": {s.name: {"shape": list(s.shape), "group": g}
+                       for g, flats in enumerate(engine.managed_flats()) for flat in flats for s in flat.slices},
+        "optimizer": _optimizer_manifest(engine),
+        "module_state": sorted(engine.unmanaged_state()),
+        "shards": [s for s in shards if s is not None],
+        "client_state": client_state,
+    }
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    # Swap the new folder in; the old one is removed only once the new one is in place.
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _optimizer_manifest(engine: "ZeroEngine") -> dict[str, Any]:
+    """The optimizer's hyper-parameters and per-step scalars (e.g. Adam's step), per param group."""
+    opt = engine.sharded_optimizer.optimizer
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+    scalars, elementwise = [], set()
+    for group in opt.param_groups:
+        values: dict[str, float] = {}
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    elementwise.add(key)
+                else:
+                    values[key] = float(value)
+        scalars.append(values)
+    return {"class": type(opt).__name__, "param_groups": groups, "scalars": scalars,
+            "elementwise": sorted(elementwise)}
+
+
+# ---- load ------------------------------------------------------------------------------------
+def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] | None:
+    folder = Path(directory)
+    manifest = _read_manifest(folder)
+    _check_model(engine, manifest, folder)
+    _check_files(manifest, folder)
+    index = _index(manifest)
+    opt = engine.sharded_optimizer
+    elementwise = manifest["optimizer"]["elementwise"]
+    new_state: dict[int, dict[str, Any]] = {}
+    position = 0
+    with torch.no_grad():
+        for g, chunks in enumerate(chunk_pieces(engine)):
+            for k, pieces in enumerate(chunks):
+                master = opt.masters[g][k]
+                values = {kind: torch.zeros(master.numel(), dtype=torch.float32) for kind in ["master", *elementwise]}
+                for name, lo, hi, at in pieces:
+                    for kind, out in values.items():
+                        _read_range(folder, index, kind, name, lo, hi, out[at:at + hi - lo])
+                opt.set_master(g, k, values.pop("master"))
+                if values:
+                    new_state[position] = {**manifest["optimizer"]["scalars"][g], **values}
+                position += 1
+        _load_optimizer(opt.optimizer, manifest, new_state)
+        module_state = _read_module_state(folder, manifest)
+        engine.restore(module_state, manifest)
+    return manifest["client_state"]
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    if not path.is_file():
+        hint = ""
+        if folder.with_name(folder.name + ".old").is_dir():
+            hint = f"; an interrupted save left the previous checkpoint at {folder.name}.old"
+        raise CheckpointError(f"{path}: no checkpoint manifest here{hint}")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is damaged") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path} is not an {FORMAT} v{VERSION} manifest")
+    return manifest
+
+
+def _check_model(engine: "ZeroEngine", manifest: dict[str, Any], folder: Path) -> None:
+    mine = {s.name: (list(s.shape), g) for g, flats in enumerate(engine.managed_flats())
+            for flat in flats for s in flat.slices}
+    saved = {name: (p["shape"], p["group"]) for name, p in manifest["parameters"].items()}
+    for name in sorted(set(mine) | set(saved)):
+        if mine.get(name) != saved.get(name):
+            raise CheckpointError(
+                f"{folder / MANIFEST} is from another model or optimizer grouping: parameter {name!r} is "
+                f"{_describe(saved.get(name))} in the checkpoint and {_describe(mine.get(name))} in this engine")
+    if manifest["optimizer"]["class"] != type(engine.sharded_optimizer.optimizer).__name__:
+        raise CheckpointError(f"{folder / MANIFEST} holds {manifest['optimizer']['class']} state; this engine "
+                              f"steps {type(engine.sharded_optimizer.optimizer).__name__}")
+
+
+def _describe(entry: tuple[list[int], int] | None) -> str:
+    return "absent" if entry is None else f"shape {entry[0]} in param group {entry[1]}"
+
+
+def _check_files(manifest: dict[str, Any], folder: Path) -> None:
+    for shard in manifest["shards"]:
+        path = folder / shard["file"]
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+        if path.stat().st_size != shard["bytes"]:
+            raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the manifest says {shard['bytes']}: "
+                                  f"the file is truncated or was replaced")
+        if _sha256(path) != shard["sha256"]:
+            raise CheckpointError(f"{path} does not match its SHA-256 in the manifest: the file is corrupted")
+
+
+def _index(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
+    """name -> the saved pieces (lo, hi, file) covering it; refuses a checkpoint with a gap."""
+    index: dict[str, list[tuple[int, int, str]]] = {name: [] for name in manifest["parameters"]}
+    for shard in manifest["shards"]:
+        for name, lo, hi in shard["pieces"]:
+            index[name].append((lo, hi, shard["file"]))
+    for name, pieces in index.items():
+        numel = 1
+        for d in manifest["parameters"][name]["shape"]:
+            numel *= d
+        covered = sum(hi - lo for lo, hi, _ in pieces)
+        if covered != numel:
+            raise CheckpointError(f"the checkpoint's shards hold {covered} of the {numel} elements of {name!r}")
+        pieces.sort()
+    return index
+
+
+def _read_range(folder: Path, index: dict, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Fills `out` with elements [lo, hi) of `kind` for parameter `name`, reading only overlapping slices."""
+    for a, b, file in index[name]:
+        s, e = max(a, lo), min(b, hi)
+        if s < e:
+            with safe_open(str(folder / file), framework="pt") as f:
+                out[s - lo:e - lo].copy_(f.get_slice(f"{kind}/{name}/{a}")[s - a:e - a])
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], state: dict[int, dict]) -> None:
+    """Through the optimizer's own load_state_dict, which casts and places the state as it expects."""
+    current = optimizer.state_dict()
+    for group, saved in zip(current["param_groups"], manifest["optimizer"]["param_groups"]):
+        group.update(saved)
+    for entry in state.values():
+        for key, value in entry.items():
+            if not torch.is_tensor(value):
+                entry[key] = torch.tensor(value, dtype=torch.float32)
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def _read_module_state(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    if not manifest["module_state"]:
+        return {}
+    writer = next(s["file"] for s in manifest["shards"] if s["file"].startswith("rank00000-"))
+    with safe_open(str(folder / writer), framework="pt") as f:
+        return {name: f.get_tensor(f"module/{name}") for name in manifest["module_state"]}

@@ -1,0 +1,120 @@
+"""Engine checkpoints: exact resume, resume on other world sizes and stages, atomic saves, damaged files."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from hf_zero.checkpoint import CheckpointError
+from hf_zero.launch import spawn_gloo
+from tests.checkpoint_helpers import (continue_from, continue_on_this_world, new_engine, train,
+                                      whole_params, world2_checkpoint_runs)
+from tests.helpers import max_diff, tiny_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    return str(root), spawn_gloo(world2_checkpoint_runs, 2, str(root))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["s0", "s1", "s2", "s3", "s2_bf16", "s1_fp16"])
+def test_resume_on_the_same_world_size_is_bitwise_the_uninterrupted_run(saved, name):
+    for rank_result in saved[1]:
+        result = rank_result[name]
+        assert result["steps"][0] == result["steps"][1] == 6
+        assert result["scales"][0] == result["scales"][1]
+        for n, p in result["straight"].items():
+            assert torch.equal(p, result["resumed"][n]), f"{name}: {n} differs after resuming"
+
+
+@pytest.mark.slow
+def test_a_stage2_checkpoint_continues_at_stage3(saved):
+    result = saved[1][0]["s2_to_s3"]
+    assert max_diff(result["straight"], result["resumed"]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_a_two_rank_checkpoint_continues_the_same_trajectory_on_other_world_sizes(saved, world):
+    root, results = saved
+    straight = results[0]["s2"]["straight"]
+    if world == 1:
+        resumed = continue_from(f"{root}/s2", {"zero_stage": 2})
+    else:
+        resumed = spawn_gloo(continue_on_this_world, world, root)[0]
+    assert max_diff(straight, resumed) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_checkpoint(saved):
+    for rank_result in saved[1]:
+        result = rank_result["failing_save"]
+        assert "failed on rank 1: OSError: [Errno 28] No space left on device" in result["error"]
+        assert not result["partial_left"]
+        for n, p in result["good"].items():
+            assert torch.equal(p, result["reloaded"][n])
+
+
+@pytest.fixture
+def one_checkpoint(tmp_path):
+    engine = new_engine({"zero_stage": 1})
+    train(engine, 0, 2)
+    folder = tmp_path / "ckpt"
+    engine.save_checkpoint(folder)
+    return folder, whole_params(engine)
+
+
+def test_the_manifest_names_every_file_with_its_checksum(one_checkpoint):
+    folder, _ = one_checkpoint
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["rank00000-of-00001.safetensors"]
+    assert len(manifest["shards"][0]["sha256"]) == 64
+    assert manifest["optimizer"]["elementwise"] == ["exp_avg", "exp_avg_sq"]
+    assert manifest["optimizer"]["scalars"][0] == {"step": 2.0}
+    assert set(manifest["parameters"]) == {n for n, _ in tiny_model("gpt2").named_parameters()}
+
+
+def test_a_truncated_shard_is_named_and_nothing_is_loaded(one_checkpoint):
+    folder, _ = one_checkpoint
+    shard = folder / "rank00000-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    engine = new_engine({"zero_stage": 1})
+    before = whole_params(engine)
+    with pytest.raises(CheckpointError, match=r"rank00000-of-00001.safetensors is \d+ bytes, the manifest says"):
+        engine.load_checkpoint(folder)
+    assert max_diff(before, whole_params(engine)) == 0
+    assert engine.global_steps == 0
+
+
+def test_a_corrupted_shard_is_named(one_checkpoint):
+    folder, _ = one_checkpoint
+    shard = folder / "rank00000-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank00000-of-00001.safetensors does not match its SHA-256"):
+        new_engine({"zero_stage": 1}).load_checkpoint(folder)
+
+
+def test_a_missing_rank_file_is_named(one_checkpoint):
+    folder, _ = one_checkpoint
+    (folder / "rank00000-of-00001.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="rank00000-of-00001.safetensors is missing"):
+        new_engine({"zero_stage": 1}).load_checkpoint(folder)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(one_checkpoint):
+    folder, _ = one_checkpoint
+    with pytest.raises(CheckpointError, match=r"from another model.*parameter 'bert.embeddings"):
+        new_engine({"zero_stage": 1}, kind="bert").load_checkpoint(folder)
+
+
+def test_an_interrupted_swap_points_to_the_previous_checkpoint(one_checkpoint):
+    folder, _ = one_checkpoint
+    shutil.move(folder, folder.with_name("ckpt.old"))
+    with pytest.raises(CheckpointError, match="an interrupted save left the previous checkpoint at ckpt.old"):
+        new_engine({"zero_stage": 1}).load_checkpoint(folder)
