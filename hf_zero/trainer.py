@@ -12,6 +12,8 @@ callbacks, evaluation); the engine takes over at these points, in the order a st
                         --max_grad_norm happens inside the engine's step
   optimizer.step        the engine's step; lr schedulers act on the user optimizer's param groups
   save_model            gathers whole parameters (stage 3) and writes a normal transformers folder
+  checkpoints           each rank's optimizer shard and fp32 masters go to <checkpoint>/zero_checkpoint,
+                        which resume_from_checkpoint and load_best_model_at_end load (any world size)
 """
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ from transformers.trainer import SCHEDULER_NAME, logger
 import hf_zero
 from hf_zero.engine import ZeroEngine
 from training_args import ZeroArgumentsMixin
+
+
+# Sub-folder of each Trainer checkpoint holding the engine's per-rank shards (hf_zero/checkpoint.py).
+ENGINE_CHECKPOINT = "zero_checkpoint"
 
 
 class ZeroOptimizer(AcceleratedOptimizer):
@@ -106,24 +112,22 @@ class ZeroTrainerMixin:
     def _get_grad_norm(self, model: nn.Module, grad_norm: float | None = None) -> float:
         return self.engine.compute_grad_norm() if grad_norm is None else grad_norm
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
-        if resume_from_checkpoint:
-            raise ValueError(
-                f"resume_from_checkpoint={resume_from_checkpoint!r}: resuming a ZeroTrainer run is not available "
-                f"yet in hf_zero {hf_zero.__version__}; it needs the per-rank engine checkpoints (optimizer "
-                f"shards), which checkpoints do not hold yet. Start from the saved weights with "
-                f"from_pretrained(checkpoint) instead")
-        return super().train(resume_from_checkpoint=None, **kwargs)
-
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # The optimizer state is sharded across ranks; rank 0's shard alone would load as a wrong
-        # whole, so checkpoints keep the weights, the schedule and the Trainer state only for now.
-        if not getattr(self, "_warned_no_optimizer_state", False):
-            logger.warning("ZeroTrainer checkpoints hold the weights, lr schedule and trainer state but not the "
-                           "optimizer shards yet; they cannot be resumed exactly")
-            self._warned_no_optimizer_state = True
+        # Every rank writes its own shard of the optimizer state (and fp32 masters) beside the
+        # consolidated weights save_model wrote; rank 0 alone would hold only its 1/Nd.
+        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        self.engine.load_checkpoint(os.path.join(checkpoint, ENGINE_CHECKPOINT))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self) -> None:
+        logger.info(f"Loading the best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric})")
+        self.engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, ENGINE_CHECKPOINT))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Writes a transformers folder (config, safetensors, tokenizer) that from_pretrained loads.

@@ -7,7 +7,7 @@ from transformers import TrainingArguments
 
 from hf_zero import ZeroTrainer
 from hf_zero.launch import spawn_gloo
-from tests.trainer_helpers import TrainerRun, gpt2_model, lm_examples, run_trainers
+from tests.trainer_helpers import TrainerRun, gpt2_model, resume_runs, run_trainers
 from training_args import ZeroTrainingArguments
 
 STAGES = (0, 1, 2, 3)
@@ -74,16 +74,14 @@ def test_seq2seq_generation_at_stage3_with_ranks_finishing_at_different_lengths(
     assert len(set(generated[:, 1:6].flatten().tolist())) > 2  # real tokens, not a constant
 
 
-def test_checkpoints_hold_weights_and_schedule_and_resuming_is_refused_not_faked(tmp_path):
-    args = ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage=2, max_steps=2, save_steps=1, use_cpu=True,
-                                 report_to=[], disable_tqdm=True, per_device_train_batch_size=4)
-    trainer = ZeroTrainer(model=gpt2_model(), args=args, train_dataset=lm_examples(16, seed=1))
-    trainer.train()
-    checkpoint = tmp_path / "checkpoint-2"
-    assert {"model.safetensors", "scheduler.pt", "trainer_state.json"} <= {f.name for f in checkpoint.iterdir()}
-    assert not (checkpoint / "optimizer.pt").exists()  # rank 0's shard alone would load as a wrong whole
-    with pytest.raises(ValueError, match="resuming a ZeroTrainer run is not available yet"):
-        trainer.train(resume_from_checkpoint=str(checkpoint))
+@pytest.mark.slow
+def test_resuming_a_two_rank_run_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    results = spawn_gloo(resume_runs, 2, str(tmp_path))
+    for stage in (1, 2, 3):
+        assert results[0][f"stage{stage}_checkpoints"] == ["checkpoint-3", "checkpoint-6"]
+        straight, resumed = results[0][f"stage{stage}"]["straight"], results[0][f"stage{stage}"]["resumed"]
+        for name, p in straight.items():
+            assert torch.equal(p, resumed[name]), f"stage {stage}: {name} differs after resuming"
 
 
 def test_zero_trainer_needs_zero_training_arguments(tmp_path):

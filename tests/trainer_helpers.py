@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,4 +121,26 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
                 record["engine_stage"] = trainer.engine.zero_stage
                 record["engine_global_grad_norm"] = trainer.engine.global_grad_norm
             results[run.name] = record
+    return results
+
+
+def resume_runs(root: str) -> dict[str, dict[str, Any]]:
+    """For stages 1-3: 6 steps straight (checkpointing every 3) against resuming a fresh Trainer from step 3."""
+    results = {}
+    for stage in (1, 2, 3):
+        params = {}
+        for mode in ("straight", "resumed"):
+            run = TrainerRun(f"resume{stage}", stage, args={"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
+                                                            "eval_on_start": False})
+            out = f"{root}/stage{stage}_{mode}" if mode == "straight" else f"{root}/stage{stage}_straight_copy"
+            trainer = ZeroTrainer(model=gpt2_model(), args=_arguments(run, out),
+                                  train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1))
+            trainer.train(resume_from_checkpoint=f"{root}/stage{stage}_straight/checkpoint-3"
+                          if mode == "resumed" else None)
+            with trainer.engine.gathered_parameters():
+                params[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            if mode == "straight":
+                dist.barrier()
+                results[f"stage{stage}_checkpoints"] = sorted(p.name for p in Path(out).glob("checkpoint-*"))
+        results[f"stage{stage}"] = params
     return results
