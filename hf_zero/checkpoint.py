@@ -14,8 +14,10 @@ any state.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -24,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from hf_zero.zero.partition import Piece
 
 if TYPE_CHECKING:
     from hf_zero.engine import ZeroEngine
@@ -36,24 +40,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file and what is wrong."""
 
 
-# (name, param_lo, param_hi, chunk_lo): elements [param_lo, param_hi) of parameter `name` (flattened)
-# sit at [chunk_lo, chunk_lo + param_hi - param_lo) of an owned chunk.
-Piece = tuple[str, int, int, int]
-
-
 def chunk_pieces(engine: "ZeroEngine") -> list[list[list[Piece]]]:
     """pieces[g][k]: the parameter pieces inside chunk k of param group g that this rank owns."""
-    result = []
-    for ranges in engine.owned_chunk_ranges():
-        result.append([])
-        for flat, lo, hi in ranges:
-            pieces = []
-            for s in flat.slices:
-                a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-                if a < b:
-                    pieces.append((s.name, a - s.offset, b - s.offset, a - lo))
-            result[-1].append(pieces)
-    return result
+    return [[flat.pieces_between(lo, hi) for flat, lo, hi in ranges] for ranges in engine.owned_chunk_ranges()]
+
+
+def parameter_layout(engine: "ZeroEngine") -> dict[str, dict[str, Any]]:
+    """Each managed parameter's shape and optimizer param group: what a checkpoint must match."""
+    return {s.name: {"shape": list(s.shape), "group": g}
+            for g, flats in enumerate(engine.managed_flats()) for flat in flats for s in flat.slices}
+
+
+def is_elementwise(value: Any, master: torch.Tensor) -> bool:
+    """Optimizer state with one value per element (Adam's moments), as opposed to per-step scalars."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel()
 
 
 def _sha256(path: Path) -> str:
@@ -109,11 +109,12 @@ def _write_shard(engine: "ZeroEngine", partial: Path) -> dict[str, Any] | None:
         for k, pieces in enumerate(chunks):
             master = opt.masters[g][k]
             state = opt.optimizer.state.get(master, {})
-            for name, lo, hi, at in pieces:
+            for piece in pieces:
+                name, lo, hi, at = piece.slice.name, piece.param_lo, piece.param_hi, piece.range_lo
                 listed.append([name, lo, hi])
                 tensors[f"master/{name}/{lo}"] = master.detach()[at:at + hi - lo].float().clone()
                 for key, value in state.items():
-                    if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
+                    if is_elementwise(value, master):
                         tensors[f"{key}/{name}/{lo}"] = value[at:at + hi - lo].clone()
     if engine.comm.rank == 0:
         for name, tensor in engine.unmanaged_state().items():
@@ -129,8 +130,7 @@ def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, clie
         "world_size": engine.comm.world_size, "dtype": engine.config.dtype,
         "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps, "loss_scaler": engine.scaler.state_dict(),
-        "parameters": {s.name: {"shape": list(s.shape), "group": g}
-                       for g, flats in enumerate(engine.managed_flats()) for flat in flats for s in flat.slices},
+        "parameters": parameter_layout(engine),
         "optimizer": _optimizer_manifest(engine),
         "module_state": sorted(engine.unmanaged_state()),
         "shards": [s for s in shards if s is not None],
@@ -155,7 +155,7 @@ def _optimizer_manifest(engine: "ZeroEngine") -> dict[str, Any]:
         values: dict[str, float] = {}
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if is_elementwise(value, p):
                     elementwise.add(key)
                 else:
                     values[key] = float(value)
@@ -169,26 +169,32 @@ def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] |
     folder = Path(directory)
     manifest = _read_manifest(folder)
     _check_model(engine, manifest, folder)
-    _check_files(manifest, folder)
+    # Each rank hashes its share of the files; any failure stops every rank before any state changes.
+    shards, rank, world = manifest["shards"], engine.comm.rank, engine.comm.world_size
+    _agree(engine, lambda: _check_files(shards[rank::world], folder), f"checking {folder}")
     index = _index(manifest)
     opt = engine.sharded_optimizer
     elementwise = manifest["optimizer"]["elementwise"]
     new_state: dict[int, dict[str, Any]] = {}
     position = 0
-    with torch.no_grad():
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        files = {shard["file"]: stack.enter_context(safe_open(str(folder / shard["file"]), framework="pt"))
+                 for shard in shards}
         for g, chunks in enumerate(chunk_pieces(engine)):
             for k, pieces in enumerate(chunks):
                 master = opt.masters[g][k]
                 values = {kind: torch.zeros(master.numel(), dtype=torch.float32) for kind in ["master", *elementwise]}
-                for name, lo, hi, at in pieces:
+                for piece in pieces:
+                    n = piece.param_hi - piece.param_lo
                     for kind, out in values.items():
-                        _read_range(folder, index, kind, name, lo, hi, out[at:at + hi - lo])
+                        _read_range(files, index, kind, piece.slice.name, piece.param_lo, piece.param_hi,
+                                    out[piece.range_lo:piece.range_lo + n])
                 opt.set_master(g, k, values.pop("master"))
                 if values:
                     new_state[position] = {**manifest["optimizer"]["scalars"][g], **values}
                 position += 1
         _load_optimizer(opt.optimizer, manifest, new_state)
-        module_state = _read_module_state(folder, manifest)
+        module_state = _read_module_state(files, manifest)
         engine.restore(module_state, manifest)
     return manifest["client_state"]
 
@@ -210,8 +216,7 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def _check_model(engine: "ZeroEngine", manifest: dict[str, Any], folder: Path) -> None:
-    mine = {s.name: (list(s.shape), g) for g, flats in enumerate(engine.managed_flats())
-            for flat in flats for s in flat.slices}
+    mine = {name: (p["shape"], p["group"]) for name, p in parameter_layout(engine).items()}
     saved = {name: (p["shape"], p["group"]) for name, p in manifest["parameters"].items()}
     for name in sorted(set(mine) | set(saved)):
         if mine.get(name) != saved.get(name):
@@ -227,8 +232,8 @@ def _describe(entry: tuple[list[int], int] | None) -> str:
     return "absent" if entry is None else f"shape {entry[0]} in param group {entry[1]}"
 
 
-def _check_files(manifest: dict[str, Any], folder: Path) -> None:
-    for shard in manifest["shards"]:
+def _check_files(shards: list[dict[str, Any]], folder: Path) -> None:
+    for shard in shards:
         path = folder / shard["file"]
         if not path.is_file():
             raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
@@ -246,9 +251,7 @@ def _index(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
         for name, lo, hi in shard["pieces"]:
             index[name].append((lo, hi, shard["file"]))
     for name, pieces in index.items():
-        numel = 1
-        for d in manifest["parameters"][name]["shape"]:
-            numel *= d
+        numel = math.prod(manifest["parameters"][name]["shape"])
         covered = sum(hi - lo for lo, hi, _ in pieces)
         if covered != numel:
             raise CheckpointError(f"the checkpoint's shards hold {covered} of the {numel} elements of {name!r}")
@@ -256,13 +259,13 @@ def _index(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
     return index
 
 
-def _read_range(folder: Path, index: dict, kind: str, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+def _read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int, hi: int,
+                out: torch.Tensor) -> None:
     """Fills `out` with elements [lo, hi) of `kind` for parameter `name`, reading only overlapping slices."""
     for a, b, file in index[name]:
         s, e = max(a, lo), min(b, hi)
         if s < e:
-            with safe_open(str(folder / file), framework="pt") as f:
-                out[s - lo:e - lo].copy_(f.get_slice(f"{kind}/{name}/{a}")[s - a:e - a])
+            out[s - lo:e - lo].copy_(files[file].get_slice(f"{kind}/{name}/{a}")[s - a:e - a])
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], state: dict[int, dict]) -> None:
@@ -277,9 +280,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], 
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
 
-def _read_module_state(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _read_module_state(files: dict[str, Any], manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     if not manifest["module_state"]:
         return {}
-    writer = next(s["file"] for s in manifest["shards"] if s["file"].startswith("rank00000-"))
-    with safe_open(str(folder / writer), framework="pt") as f:
-        return {name: f.get_tensor(f"module/{name}") for name in manifest["module_state"]}
+    writer = files[next(s["file"] for s in manifest["shards"] if s["file"].startswith("rank00000-"))]
+    return {name: writer.get_tensor(f"module/{name}") for name in manifest["module_state"]}

@@ -8,19 +8,25 @@ from hf_zero import ZeroConfig, ZeroConfigError
 from hf_zero.launch import free_port
 
 
+def _nproc(value: str) -> int:
+    """argparse type of --nproc_per_node: a process count of at least 1."""
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {count}")
+    return count
+
+
 def _train(argv: list[str]) -> int:
     from hf_zero import train_lm
 
     parser = argparse.ArgumentParser(prog="hf-zero train", description=train_lm.__doc__)
-    parser.add_argument("--nproc_per_node", type=int, default=2, help="processes to start (gloo on CPU, NCCL on GPU)")
+    parser.add_argument("--nproc_per_node", type=_nproc, default=2, help="processes to start (gloo on CPU, NCCL on GPU)")
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
     # Refuse bad settings here, before any process starts.
     ZeroConfig.from_any({"zero_stage": args.zero_stage, "dtype": args.dtype,
                          "gradient_accumulation_steps": args.gradient_accumulation_steps,
                          "reduce_bucket_size": args.reduce_bucket_size})
-    if args.nproc_per_node < 1:
-        parser.error(f"--nproc_per_node must be >= 1; got {args.nproc_per_node}")
     if args.nproc_per_node == 1:
         train_lm.main(args)
         return 0
@@ -36,12 +42,10 @@ def _run(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="hf-zero run", description=run.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc_per_node", type=int, default=1, help="processes to start (default 1)")
+    parser.add_argument("--nproc_per_node", type=_nproc, default=1, help="processes to start (default 1)")
     parser.add_argument("script", help="a script that builds TrainingArguments and Trainer from transformers")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args(argv)
-    if args.nproc_per_node < 1:
-        parser.error(f"--nproc_per_node must be >= 1; got {args.nproc_per_node}")
     if args.nproc_per_node == 1:
         return run.main([args.script, *args.script_args])
     return _torchrun(args.nproc_per_node, "hf_zero.run", [args.script, *args.script_args])

@@ -106,6 +106,9 @@ class ZeroEngine(nn.Module):
             param_chunks, grad_chunks, fp32_init = self._apply_stage3(model, groups)
         else:
             param_chunks, grad_chunks, fp32_init = self._apply_flat_buffers(groups)
+        # What the engine partitions; everything else in the model stays replicated as it is.
+        self.managed_param_ids = {id(s.param) for flats in self.managed_flats() for flat in flats
+                                  for s in flat.slices}
         self._cast_rest(model)
         # 5. apply_optimizer
         self.sharded_optimizer = ShardedOptimizer(
@@ -153,10 +156,9 @@ class ZeroEngine(nn.Module):
 
     def _cast_rest(self, model: nn.Module) -> None:
         """Frozen parameters and floating buffers follow the compute dtype, as model.to(dtype) would."""
-        managed = {id(s.param) for flat in self.grads.flat_params for s in flat.slices}
         with torch.no_grad():
             for p in model.parameters():
-                if id(p) not in managed and p.is_floating_point():
+                if id(p) not in self.managed_param_ids and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
             for m in model.modules():
                 for name, b in m.named_buffers(recurse=False):
@@ -293,8 +295,8 @@ class ZeroEngine(nn.Module):
 
     def unmanaged_state(self) -> dict[str, torch.Tensor]:
         """Frozen parameters and buffers: replicated on every rank, outside the engine's shards."""
-        managed = {id(s.param) for flats in self.managed_flats() for flat in flats for s in flat.slices}
-        return {name: t for name, t in self.module.state_dict(keep_vars=True).items() if id(t) not in managed}
+        return {name: t for name, t in self.module.state_dict(keep_vars=True).items()
+                if id(t) not in self.managed_param_ids}
 
     @torch.no_grad()
     def restore(self, module_state: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
@@ -315,8 +317,7 @@ class ZeroEngine(nn.Module):
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        managed = {id(s.param) for flat in self.grads.flat_params for s in flat.slices}
-        unmanaged = nbytes(p for p in self.module.parameters() if id(p) not in managed)
+        unmanaged = nbytes(p for p in self.module.parameters() if id(p) not in self.managed_param_ids)
         if self.stage3 is not None:
             params = self.stage3.held_bytes()
         else:

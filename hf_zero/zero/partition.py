@@ -55,12 +55,12 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Piece:
-    """The part of one parameter that falls into one bucket."""
+    """The part of one parameter that falls into a range of the flat buffer (a bucket, an owned chunk)."""
 
     slice: ParamSlice
     param_lo: int  # first element of the piece within the parameter
     param_hi: int
-    bucket_lo: int  # where the piece starts within the bucket
+    range_lo: int  # where the piece starts within the range
 
 
 class FlatParamBuffer:
@@ -85,24 +85,25 @@ class FlatParamBuffer:
             Bucket(i, start, min(start + step, self.padded_numel), num_shards)
             for i, start in enumerate(range(0, self.padded_numel, step))
         ]
-        self.pieces: list[list[Piece]] = [self._pieces_in(b) for b in self.buckets]
+        self.pieces: list[list[Piece]] = [self.pieces_between(b.start, b.end) for b in self.buckets]
         self.data = torch.zeros(self.padded_numel, dtype=dtype, device=named_params[0][1].device)
 
-    def _pieces_in(self, bucket: Bucket) -> list[Piece]:
+    def pieces_between(self, lo: int, hi: int) -> list[Piece]:
+        """The parameter pieces inside flat elements [lo, hi) (padding belongs to no piece)."""
         pieces = []
         for s in self.slices:
-            lo, hi = max(s.offset, bucket.start), min(s.offset + s.numel, bucket.end)
-            if lo < hi:
-                pieces.append(Piece(s, lo - s.offset, hi - s.offset, lo - bucket.start))
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                pieces.append(Piece(s, a - s.offset, b - s.offset, a - lo))
         return pieces
 
     def read_params(self, lo: int, hi: int, out: torch.Tensor) -> None:
         """Fills `out` with flat elements [lo, hi) read from the parameters' current tensors (padding is 0)."""
         out.zero_()
-        for s in self.slices:
-            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-            if a < b:
-                out[a - lo:b - lo].copy_(s.param.detach().reshape(-1)[a - s.offset:b - s.offset])
+        for piece in self.pieces_between(lo, hi):
+            n = piece.param_hi - piece.param_lo
+            out[piece.range_lo:piece.range_lo + n].copy_(
+                piece.slice.param.detach().reshape(-1)[piece.param_lo:piece.param_hi])
 
     def view_of(self, s: ParamSlice, flat: torch.Tensor | None = None) -> torch.Tensor:
         """The parameter's shape viewed inside `flat` (default: the parameter buffer)."""

@@ -58,7 +58,7 @@ class PartitionedGradients(GradientReducer):
     def write_piece(self, key: BucketKey, piece: Piece, param: nn.Parameter) -> None:
         n = piece.param_hi - piece.param_lo
         grad = param.grad.reshape(-1)[piece.param_lo:piece.param_hi]
-        self._buffer(key)[piece.bucket_lo:piece.bucket_lo + n].add_(grad)
+        self._buffer(key)[piece.range_lo:piece.range_lo + n].add_(grad)
 
     def release(self, param: nn.Parameter) -> None:
         param.grad = None
