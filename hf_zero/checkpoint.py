@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hf_zero.export import weights_to_save
 from hf_zero.zero.partition import Piece
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 FORMAT, VERSION = "hf_zero.checkpoint", 1
 MANIFEST = "manifest.json"
+# Where a ZeroTrainer checkpoint-N folder keeps the engine checkpoint, beside the config and tokenizer.
+TRAINER_SUBFOLDER = "zero_checkpoint"
 
 
 class CheckpointError(RuntimeError):
@@ -49,6 +52,26 @@ def parameter_layout(engine: "ZeroEngine") -> dict[str, dict[str, Any]]:
     """Each managed parameter's shape and optimizer param group: what a checkpoint must match."""
     return {s.name: {"shape": list(s.shape), "group": g}
             for g, flats in enumerate(engine.managed_flats()) for flat in flats for s in flat.slices}
+
+
+def saved_weights(engine: "ZeroEngine") -> list[list[str]]:
+    """[name save_pretrained writes, key of the stored tensor] for every weight, in state_dict order:
+    what `hf-zero consolidate` writes, with tied weights once, as save_pretrained does."""
+    managed = {id(s.param): s.name for flats in engine.managed_flats() for flat in flats for s in flat.slices}
+    return [[name, f"master/{managed[id(t)]}" if id(t) in managed else f"module/{name}"]
+            for name, t in weights_to_save(engine.module).items()]
+
+
+def write_model_files(module: torch.nn.Module, folder: Path) -> None:
+    """config.json (and generation_config.json) of a transformers model, so the checkpoint consolidates
+    into a folder from_pretrained can load without the training script."""
+    config = getattr(module, "config", None)
+    if not hasattr(config, "save_pretrained"):
+        return
+    config.architectures = [type(module).__name__]  # as save_pretrained records it
+    config.save_pretrained(folder)
+    if getattr(module, "can_generate", lambda: False)() and getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(folder)
 
 
 def is_elementwise(value: Any, master: torch.Tensor) -> bool:
@@ -133,9 +156,11 @@ def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, clie
         "parameters": parameter_layout(engine),
         "optimizer": _optimizer_manifest(engine),
         "module_state": sorted(engine.unmanaged_state()),
+        "weights": saved_weights(engine),
         "shards": [s for s in shards if s is not None],
         "client_state": client_state,
     }
+    write_model_files(engine.module, partial)
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
     # Swap the new folder in; the old one is removed only once the new one is in place.
     old = final.with_name(final.name + ".old")
@@ -167,12 +192,12 @@ def _optimizer_manifest(engine: "ZeroEngine") -> dict[str, Any]:
 # ---- load ------------------------------------------------------------------------------------
 def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] | None:
     folder = Path(directory)
-    manifest = _read_manifest(folder)
+    manifest = read_manifest(folder)
     _check_model(engine, manifest, folder)
     # Each rank hashes its share of the files; any failure stops every rank before any state changes.
     shards, rank, world = manifest["shards"], engine.comm.rank, engine.comm.world_size
-    _agree(engine, lambda: _check_files(shards[rank::world], folder), f"checking {folder}")
-    index = _index(manifest)
+    _agree(engine, lambda: check_files(shards[rank::world], folder), f"checking {folder}")
+    index = index_pieces(manifest)
     opt = engine.sharded_optimizer
     elementwise = manifest["optimizer"]["elementwise"]
     new_state: dict[int, dict[str, Any]] = {}
@@ -187,7 +212,7 @@ def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] |
                 for piece in pieces:
                     n = piece.param_hi - piece.param_lo
                     for kind, out in values.items():
-                        _read_range(files, index, kind, piece.slice.name, piece.param_lo, piece.param_hi,
+                        read_range(files, index, kind, piece.slice.name, piece.param_lo, piece.param_hi,
                                     out[piece.range_lo:piece.range_lo + n])
                 opt.set_master(g, k, values.pop("master"))
                 if values:
@@ -199,7 +224,7 @@ def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] |
     return manifest["client_state"]
 
 
-def _read_manifest(folder: Path) -> dict[str, Any]:
+def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
         hint = ""
@@ -232,7 +257,7 @@ def _describe(entry: tuple[list[int], int] | None) -> str:
     return "absent" if entry is None else f"shape {entry[0]} in param group {entry[1]}"
 
 
-def _check_files(shards: list[dict[str, Any]], folder: Path) -> None:
+def check_files(shards: list[dict[str, Any]], folder: Path) -> None:
     for shard in shards:
         path = folder / shard["file"]
         if not path.is_file():
@@ -244,7 +269,7 @@ def _check_files(shards: list[dict[str, Any]], folder: Path) -> None:
             raise CheckpointError(f"{path} does not match its SHA-256 in the manifest: the file is corrupted")
 
 
-def _index(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
+def index_pieces(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
     """name -> the saved pieces (lo, hi, file) covering it; refuses a checkpoint with a gap."""
     index: dict[str, list[tuple[int, int, str]]] = {name: [] for name in manifest["parameters"]}
     for shard in manifest["shards"]:
@@ -259,7 +284,7 @@ def _index(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
     return index
 
 
-def _read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int, hi: int,
+def read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int, hi: int,
                 out: torch.Tensor) -> None:
     """Fills `out` with elements [lo, hi) of `kind` for parameter `name`, reading only overlapping slices."""
     for a, b, file in index[name]:
@@ -280,8 +305,13 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], 
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
 
+def module_state_file(manifest: dict[str, Any]) -> str:
+    """The shard that holds the replicated module state (rank 0's)."""
+    return next(s["file"] for s in manifest["shards"] if s["file"].startswith("rank00000-"))
+
+
 def _read_module_state(files: dict[str, Any], manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     if not manifest["module_state"]:
         return {}
-    writer = files[next(s["file"] for s in manifest["shards"] if s["file"].startswith("rank00000-"))]
+    writer = files[module_state_file(manifest)]
     return {name: writer.get_tensor(f"module/{name}") for name in manifest["module_state"]}

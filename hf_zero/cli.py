@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from hf_zero import ZeroConfig, ZeroConfigError
+from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import free_port
 
 
@@ -51,6 +52,40 @@ def _run(argv: list[str]) -> int:
     return _torchrun(args.nproc_per_node, "hf_zero.run", [args.script, *args.script_args])
 
 
+def _size(value: str) -> int:
+    """argparse type of --max-shard-size: 5GB, 500MB, or a byte count."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        size = parse_size_to_int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 1000000; got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte; got {value!r}")
+    return size
+
+
+def _consolidate(argv: list[str]) -> int:
+    from hf_zero import consolidate
+
+    parser = argparse.ArgumentParser(prog="hf-zero consolidate", description=consolidate.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint_dir", help="an engine checkpoint, or a ZeroTrainer checkpoint-N folder")
+    parser.add_argument("output_dir", help="where to write the transformers folder")
+    parser.add_argument("--dtype", choices=list(consolidate.OUTPUT_DTYPES), default="fp32",
+                        help="dtype of the written weights, cast from the fp32 masters (default fp32)")
+    parser.add_argument("--max-shard-size", type=_size, default="5GB", help="largest weight file (default 5GB)")
+    parser.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub repository")
+    parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
+    args = parser.parse_args(argv)
+    consolidate.find_engine_checkpoint(args.checkpoint_dir)  # a wrong folder is named before any work
+    report = consolidate.consolidate(args.checkpoint_dir, args.output_dir, args.dtype, args.max_shard_size)
+    print(f"{args.output_dir}: {report.summary()}")
+    if args.push_to_hub:
+        print(f"pushed: {consolidate.push_to_hub(args.output_dir, args.push_to_hub, private=args.private or None)}")
+    return 0
+
+
 def _torchrun(nproc: int, module: str, module_args: list[str]) -> int:
     """Starts `nproc` local processes of `python -m module module_args` through torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -67,6 +102,7 @@ def _torchrun(nproc: int, module: str, module_args: list[str]) -> int:
 COMMANDS = {
     "train": (_train, "train a small GPT-2 with ZeRO on a local text (the main job)"),
     "run": (_run, "run an unmodified Hugging Face Trainer script with --zero_* flags"),
+    "consolidate": (_consolidate, "write a checkpoint's weights as a transformers folder (streaming)"),
 }
 
 
@@ -80,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     try:
         return COMMANDS[command][0](rest)
-    except ZeroConfigError as error:
+    except (ZeroConfigError, CheckpointError) as error:
         print(f"hf-zero {command}: {error}", file=sys.stderr)
         return 2
 

@@ -28,3 +28,20 @@ def model_state_bytes(stage: int, psi: int, nd: int, dtype: str = "bf16") -> dic
 def communication_elements(stage: int, psi: int) -> int:
     """Elements each rank moves per step (section 7): 2Ψ for stages 0-2, 3Ψ for stage 3."""
     return 3 * psi if stage == 3 else 2 * psi
+
+
+def reset_peak_rss() -> None:
+    """Starts a new peak-resident-memory window for `peak_rss` (Linux: writing 5 to /proc/self/clear_refs
+    resets the high-water mark). ru_maxrss cannot be reset, and after fork+exec it can even report the
+    parent's size, which is why the window is kept here."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes since `reset_peak_rss` (or since it started)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line; peak memory is measured on Linux only")

@@ -11,7 +11,7 @@ callbacks, evaluation); the engine takes over at these points, in the order a st
   _clip_grad_norm       the engine's global norm (one all-reduce over the shards); clipping to
                         --max_grad_norm happens inside the engine's step
   optimizer.step        the engine's step; lr schedulers act on the user optimizer's param groups
-  save_model            gathers whole parameters (stage 3) and writes a normal transformers folder
+  save_model            a normal transformers folder; at stage 3 gathered and written one unit at a time
   checkpoints           each rank's optimizer shard and fp32 masters go to <checkpoint>/zero_checkpoint,
                         which resume_from_checkpoint and load_best_model_at_end load (any world size)
 """
@@ -27,12 +27,10 @@ from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer import SCHEDULER_NAME, logger
 
 import hf_zero
+from hf_zero import export
+from hf_zero.checkpoint import TRAINER_SUBFOLDER
 from hf_zero.engine import ZeroEngine
 from training_args import ZeroArgumentsMixin
-
-
-# Sub-folder of each Trainer checkpoint holding the engine's per-rank shards (hf_zero/checkpoint.py).
-ENGINE_CHECKPOINT = "zero_checkpoint"
 
 
 class ZeroOptimizer(AcceleratedOptimizer):
@@ -115,27 +113,34 @@ class ZeroTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # Every rank writes its own shard of the optimizer state (and fp32 masters) beside the
         # consolidated weights save_model wrote; rank 0 alone would hold only its 1/Nd.
-        self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT))
+        self.engine.save_checkpoint(os.path.join(output_dir, TRAINER_SUBFOLDER))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        self.engine.load_checkpoint(os.path.join(checkpoint, ENGINE_CHECKPOINT))
+        self.engine.load_checkpoint(os.path.join(checkpoint, TRAINER_SUBFOLDER))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_best_model(self) -> None:
         logger.info(f"Loading the best model from {self.state.best_model_checkpoint} (score: {self.state.best_metric})")
-        self.engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, ENGINE_CHECKPOINT))
+        self.engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, TRAINER_SUBFOLDER))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Writes a transformers folder (config, safetensors, tokenizer) that from_pretrained loads.
-        At stage 3 every rank takes part in gathering the parameters; the main process writes."""
-        if self.engine is None:
-            return super().save_model(output_dir, _internal_call)
-        with self.engine.gathered_parameters():
-            super().save_model(output_dir, _internal_call)
+        At stage 3 the ranks gather one unit at a time and the main process writes it as it arrives,
+        so no rank holds more than its shard and one unit."""
+        if self.engine is None or self.engine.stage3 is None:
+            return super().save_model(output_dir, _internal_call)  # stages 0-2: every rank holds whole weights
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        if self.args.should_save:
+            # Config, generation config, tokenizer, training arguments; the weights follow. The empty
+            # state dict is what the Trainer passes for DeepSpeed's ZeRO-3 too.
+            self._save(output_dir, state_dict={})
+        export.save_stage3_weights(self.engine, output_dir, write=self.args.should_save)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
 
 class ZeroTrainer(ZeroTrainerMixin, Trainer):

@@ -100,3 +100,99 @@ def world2_checkpoint_runs(root: str) -> dict[str, Any]:
 
 def continue_on_this_world(root: str) -> dict[str, torch.Tensor]:
     return continue_from(f"{root}/s2", {"zero_stage": 2, "reduce_bucket_size": 1000})
+
+
+PROBE_IDS = torch.arange(2 * 16).reshape(2, 16) % 96  # a fixed input whose logits the exports must reproduce
+
+
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same weights in another process: equal up to the order in which threads sum the matmuls."""
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def logits_of(engine: hf_zero.ZeroEngine) -> torch.Tensor:
+    with torch.no_grad():
+        return engine(input_ids=PROBE_IDS).logits.float()
+
+
+def consolidation_runs(root: str) -> dict[str, Any]:
+    """Trained 2-rank engines (stage 3 fp32, stage 2 bf16) with their checkpoints, logits and whole
+    parameters; the stage-3 one also writes its weights the way ZeroTrainer.save_model does."""
+    from hf_zero import export
+    from hf_zero.zero import stage3
+
+    results = {}
+    for name, config in [("s3", {"zero_stage": 3}), ("s2_bf16", {"zero_stage": 2, "dtype": "bf16"}),
+                         ("s3_frozen_positions", {"zero_stage": 3})]:
+        if name == "s3_frozen_positions":  # a frozen parameter is saved whole, outside the shards
+            model = tiny_model("gpt2")
+            model.transformer.wpe.weight.requires_grad_(False)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            engine = hf_zero.initialize(model, torch.optim.AdamW(trainable, lr=1e-3), {"zero_stage": 3})
+        else:
+            engine = new_engine(config)
+        train(engine, 0, SAVE_AT)
+        engine.save_checkpoint(f"{root}/{name}")
+        results[name] = {"logits": logits_of(engine), "params": whole_params(engine)}
+    # How many non-persistent units are gathered at once while the weights are written.
+    engine_s3 = new_engine({"zero_stage": 3})
+    train(engine_s3, 0, SAVE_AT)
+    gathered_at_once = []
+    gather = stage3.Unit.gather
+
+    def counting_gather(unit):
+        gather(unit)
+        gathered_at_once.append(sum(u.gathered and not u.persistent for u in engine_s3.stage3.units))
+
+    stage3.Unit.gather = counting_gather
+    try:
+        export.save_stage3_weights(engine_s3, f"{root}/s3_saved_model", write=rank_world()[0] == 0,
+                                   max_shard_size="20KB")
+    finally:
+        stage3.Unit.gather = gather
+    results["s3_saved_model"] = {"logits": logits_of(engine_s3), "gathered_at_once": gathered_at_once,
+                                 "units": len(engine_s3.stage3.units)}
+    return results
+
+
+LARGE_GPT2 = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=8192, n_positions=128)  # 92M parameters, 366 MB fp32
+
+
+def save_large_checkpoint(folder: str) -> int:
+    """A stage-3 checkpoint of a 92M-parameter GPT-2 from 2 ranks (masters only: no step taken)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**LARGE_GPT2))
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
+    engine.save_checkpoint(folder)
+    return max(s.numel for flats in engine.managed_flats() for flat in flats for s in flat.slices)
+
+
+def world4_checkpoint_runs(root: str) -> dict[str, Any]:
+    """On 4 ranks: exact resume per stage, a save failing on rank 3, and a stage-3 checkpoint's logits."""
+    results = {name: uninterrupted_and_resumed(config, f"{root}/{name}")
+               for name, config in [("s1", {"zero_stage": 1}), ("s2", {"zero_stage": 2}), ("s3", {"zero_stage": 3})]}
+    results["failing_save"] = failing_save(f"{root}/failing", failing_rank=3)
+    engine = new_engine({"zero_stage": 3})
+    engine.load_checkpoint(f"{root}/s3")
+    results["s3_logits"] = logits_of(engine)
+    return results
+
+
+def crash_during_save(folder: str) -> None:
+    """Run as a script: saves a checkpoint, trains on, then dies (os._exit) halfway through the next save."""
+    import os
+
+    engine = new_engine({"zero_stage": 1})
+    train(engine, 0, SAVE_AT)
+    engine.save_checkpoint(folder)
+    train(engine, SAVE_AT, STOP)
+    write = checkpoint.save_file
+
+    def write_then_die(tensors, filename, *args, **kwargs):
+        write(tensors, filename, *args, **kwargs)
+        os._exit(17)
+
+    checkpoint.save_file = write_then_die
+    engine.save_checkpoint(folder)

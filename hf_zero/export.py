@@ -1,0 +1,190 @@
+"""Transformers-format weights written as the tensors arrive, so no process ever holds the whole model.
+
+`save_pretrained` takes a complete state dict, and safetensors writes a file only from a complete dict
+of tensors: there is no streaming writer. The format itself is simple, though: a JSON header giving
+each tensor's dtype, shape and byte range, then the raw bytes. So once the shapes and dtypes are known
+the headers can be written first and each tensor copied into its byte range whenever it arrives, in
+any order; that is all `ShardedWeightsWriter` does by hand. The split into files is huggingface_hub's
+(`split_torch_state_dict_into_shards`, the one save_pretrained uses) and the files are read back by
+safetensors and `from_pretrained` unchanged.
+
+Two writers feed it: `hf-zero consolidate` (one parameter at a time, read from a checkpoint's shards)
+and the stage-3 `save_model` (one unit at a time, gathered across the ranks).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from torch import nn
+
+if TYPE_CHECKING:
+    from hf_zero.engine import ZeroEngine
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# Weight files a previous save may have left; from_pretrained prefers model.safetensors over an index.
+STALE_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+SAVE_PRETRAINED_MAX_SHARD_SIZE = "50GB"  # save_pretrained's default
+
+
+def weights_to_save(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict entries save_pretrained writes, in state_dict order: a tensor known under several
+    names (tied embeddings) once, under the name that is not a tied target, as from_pretrained expects."""
+    entries = module.state_dict(keep_vars=True)
+    tied_targets = set(getattr(module, "all_tied_weights_keys", None) or {})
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in entries.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    kept = set()
+    for names in names_of.values():
+        kept.add(([n for n in names if n not in tied_targets] or names)[0])
+    return {name: tensor for name, tensor in entries.items() if name in kept}
+
+
+def _header(entries: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, dict[str, int], int]:
+    """A safetensors header for `entries` laid end to end; returns it, each tensor's start in the file
+    and the file's size."""
+    described: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in entries.items():
+        nbytes = t.numel() * t.element_size()
+        described[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                           "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header = json.dumps(described, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    start = 8 + len(header)
+    starts = {name: start + d["data_offsets"][0] for name, d in described.items() if name != "__metadata__"}
+    return struct.pack("<Q", len(header)) + header, starts, start + offset
+
+
+class ShardedWeightsWriter:
+    """Writes `model.safetensors` (or `model-0000k-of-0000N.safetensors` and the index) for tensors
+    described up front by `planned` (meta tensors do: only shape and dtype are read), accepting each
+    tensor's values later, in any order. Files appear under their final names only on `close()`."""
+
+    def __init__(self, folder: str | os.PathLike, planned: dict[str, torch.Tensor],
+                 max_shard_size: int | str = SAVE_PRETRAINED_MAX_SHARD_SIZE) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.split = split_torch_state_dict_into_shards(planned, filename_pattern="model{suffix}.safetensors",
+                                                        max_shard_size=max_shard_size)
+        self.planned = planned
+        self.place: dict[str, tuple[Any, int]] = {}  # name -> (open partial file, byte offset)
+        self.files = {}
+        for filename, names in self.split.filename_to_tensors.items():
+            header, starts, size = _header({n: planned[n] for n in names}, {"format": "pt"})
+            f = open(self.folder / (filename + ".partial"), "wb")
+            f.write(header)
+            f.truncate(size)
+            self.files[filename] = f
+            self.place.update({n: (f, starts[n]) for n in names})
+        self.written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Copies `tensor`, cast to the planned dtype, into its place in its file."""
+        want = self.planned[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise ValueError(f"{name}: got shape {list(tensor.shape)}, planned {list(want.shape)}")
+        f, start = self.place[name]
+        data = tensor.detach().to(device="cpu", dtype=want.dtype).contiguous()
+        f.seek(start)
+        f.write(_bytes_of(data))
+        self.written.add(name)
+
+    def close(self) -> list[str]:
+        """Checks that every planned tensor was written, then puts the files in place; returns their names."""
+        missing = [n for n in self.planned if n not in self.written]
+        if missing:
+            self.abort()
+            raise RuntimeError(f"{len(missing)} planned tensors were never written (first: {missing[0]!r})")
+        for f in self.files.values():
+            f.close()
+        for filename in os.listdir(self.folder):
+            if STALE_WEIGHTS.fullmatch(filename) and filename not in self.files:
+                (self.folder / filename).unlink()
+        for filename in self.files:
+            os.replace(self.folder / (filename + ".partial"), self.folder / filename)
+        if self.split.is_sharded:
+            index = {"metadata": self.split.metadata, "weight_map": self.split.tensor_to_filename}
+            (self.folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            return [*self.files, WEIGHTS_INDEX]
+        return list(self.files)
+
+    def abort(self) -> None:
+        """Removes the partial files; whatever the folder held before is untouched."""
+        for filename, f in self.files.items():
+            f.close()
+            (self.folder / (filename + ".partial")).unlink(missing_ok=True)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as bytes, without a copy. Not through numpy: a storage handed to numpy can no
+    longer be resized, and stage 3 frees gathered buffers by resizing their storage to zero."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def meta_like(shape: torch.Size | list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+@torch.no_grad()
+def save_stage3_weights(engine: "ZeroEngine", folder: str | os.PathLike, write: bool,
+                        max_shard_size: int | str = SAVE_PRETRAINED_MAX_SHARD_SIZE) -> None:
+    """Every rank gathers the model one unit at a time; the rank with `write` copies each unit's tensors
+    into the files as it arrives. No rank holds more than its shard plus one gathered unit.
+    A write error is raised on every rank only after the last gather, so no rank waits forever."""
+    stage3 = engine.stage3
+    slices = {id(s.param): s for flats in engine.managed_flats() for flat in flats for s in flat.slices}
+    weights = weights_to_save(engine.module)
+    save_name = {id(t): name for name, t in weights.items()}
+    planned = {name: meta_like(slices[id(t)].shape if id(t) in slices else t.shape, t.dtype)
+               for name, t in weights.items()}
+    writer, error = None, None
+
+    def attempt(action: Callable[[], Any]) -> None:
+        nonlocal error
+        if write and error is None:
+            try:
+                action()
+            except Exception as e:  # raised on every rank below
+                error = f"{type(e).__name__}: {e}"
+
+    def open_writer() -> None:
+        nonlocal writer
+        writer = ShardedWeightsWriter(folder, planned, max_shard_size)
+
+    attempt(open_writer)
+    for unit in stage3.units:
+        was_gathered = unit.gathered
+        unit.gather()
+        unit.wait()
+        for flat in unit.flats:
+            for s in flat.slices:
+                if id(s.param) in save_name:
+                    attempt(lambda: writer.write(save_name[id(s.param)], s.param.data))
+        if not was_gathered:
+            unit.free()
+    for name, t in weights.items():
+        if id(t) not in slices:  # buffers and frozen parameters: whole on every rank
+            attempt(lambda: writer.write(name, t))
+    attempt(lambda: writer.close())
+    if error is not None and writer is not None:
+        writer.abort()
+    errors = engine.comm.all_gather_object(error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RuntimeError(f"writing the weights to {folder} failed on rank {failed[0][0]}: {failed[0][1]}")
