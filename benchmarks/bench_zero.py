@@ -1,7 +1,7 @@
 """hf_zero stages 1-3 side by side with DDP, torch ZeroRedundancyOptimizer, FSDP2 and DeepSpeed.
 
 Every system trains the same model from the same seed with fp32 AdamW on 2 gloo ranks (one thread
-each), each run in fresh processes so that peak RSS (ru_maxrss) is that system's own. Runs are
+each), each run in fresh processes so that peak RSS (VmHWM) is that system's own. Runs are
 interleaved (system A, B, C, then A, B, C again ...) so that drift of the machine hits all alike;
 the table gives medians over repeats and ratios to DDP.
 
@@ -16,7 +16,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_zero  # noqa: E402
 import model_zoo  # noqa: E402
 from hf_zero.launch import spawn_gloo  # noqa: E402
-from hf_zero.memory import model_state_bytes  # noqa: E402
+from hf_zero.memory import model_state_bytes, peak_rss  # noqa: E402
 
 WORKLOADS = {
     # model, micro-batch, sequence, warm-up steps, timed steps
@@ -102,8 +101,8 @@ def run_system(system: str, workload: str) -> dict:
         dist.barrier()
         if i >= w["warmup"]:
             times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "psi": psi}
+    # VmHWM, not ru_maxrss: after fork+exec ru_maxrss can report the launching process's size instead.
+    return {"step_s": statistics.median(times), "peak_rss_mib": peak_rss() / 2**20, "psi": psi}
 
 
 def main() -> None:

@@ -86,6 +86,58 @@ def _consolidate(argv: list[str]) -> int:
     return 0
 
 
+def _estimate(argv: list[str]) -> int:
+    from hf_zero import estimate
+
+    parser = argparse.ArgumentParser(prog="hf-zero estimate", description=estimate.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="a model_zoo name (python -c 'import model_zoo; print(model_zoo.list())')")
+    what.add_argument("--params", type=_typed(estimate.parse_count), help="a parameter count: 7.5e9, 7.5B, 350M")
+    parser.add_argument("--num_gpus", type=_nproc, required=True, help="data-parallel devices (Nd)")
+    parser.add_argument("--zero_stage", type=int, choices=estimate.STAGES, default=3)
+    parser.add_argument("--gpu_memory", type=_typed(estimate.parse_bytes), default="32GB",
+                        help="memory per device (default 32GB, the paper's V100)")
+    parser.add_argument("--offload_optimizer", choices=estimate.OFFLOADS, default="none")
+    parser.add_argument("--offload_param", choices=estimate.OFFLOADS, default="none")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--batch_size", type=_nproc, help="micro-batch per device, for activation memory")
+    parser.add_argument("--seq_len", type=_nproc, help="sequence length, for activation memory")
+    parser.add_argument("--checkpoint_activations", action="store_true")
+    args = parser.parse_args(argv)
+    if args.offload_optimizer != "none" and args.zero_stage == 0:
+        parser.error("--offload_optimizer needs --zero_stage 1, 2 or 3 (stage 0 does not partition the optimizer)")
+    if args.offload_param != "none" and args.zero_stage != 3:
+        parser.error("--offload_param needs --zero_stage 3 (only stage 3 partitions parameters)")
+    if (args.batch_size is None) != (args.seq_len is None):
+        parser.error("--batch_size and --seq_len go together (activation memory needs both)")
+    if args.batch_size and not args.model:
+        parser.error("--batch_size needs --model: activation memory depends on the layers and hidden size")
+    if args.model:
+        import model_zoo
+
+        try:
+            model_zoo.entry(args.model)
+        except KeyError as e:
+            parser.error(f"--model: {e.args[0]}")
+    psi = args.params if args.params else model_zoo.parameter_count(args.model)
+    setting = estimate.Setting(args.zero_stage, args.num_gpus, args.offload_optimizer, args.offload_param)
+    print(estimate.report(psi, setting, args.gpu_memory, args.dtype, args.model, args.batch_size or 0,
+                          args.seq_len or 0, args.checkpoint_activations))
+    return 0
+
+
+def _typed(parse):
+    """An argparse type from a parser that raises ValueError with a message."""
+    def convert(value: str):
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
 def _torchrun(nproc: int, module: str, module_args: list[str]) -> int:
     """Starts `nproc` local processes of `python -m module module_args` through torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -102,6 +154,7 @@ def _torchrun(nproc: int, module: str, module_args: list[str]) -> int:
 COMMANDS = {
     "train": (_train, "train a small GPT-2 with ZeRO on a local text (the main job)"),
     "run": (_run, "run an unmodified Hugging Face Trainer script with --zero_* flags"),
+    "estimate": (_estimate, "memory per device for a model under each ZeRO stage (the paper's accounting)"),
     "consolidate": (_consolidate, "write a checkpoint's weights as a transformers folder (streaming)"),
 }
 

@@ -1,0 +1,84 @@
+"""hf-zero estimate against the ZeRO paper's Figure 1 and Table 2, and against the engine's own ledger."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hf_zero import estimate
+from hf_zero.estimate import GB, Setting
+
+
+def test_figure1_7_5b_on_64_gpus_per_stage():
+    totals = [sum(estimate.model_states(int(7.5e9), Setting(s, 64))[0].values()) / GB for s in estimate.STAGES]
+    assert totals == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+
+
+def test_table2_largest_models_on_64_gpus_of_32gb():
+    largest = [estimate.largest_params(Setting(s, 64), 32 * GB) / 1e9 for s in estimate.STAGES]
+    assert [round(x, 1) for x in largest] == [2.0, 7.6, 14.4, 128.0]
+
+
+def test_activations_of_the_papers_1_5b_gpt2_at_batch_32_and_1k_tokens():
+    """Section 3.2: about 60 GB without checkpointing; checkpointing brings it under 8 GB."""
+    assert estimate.activation_bytes("zero-48x1600", 32, 1024, checkpointing=False) / GB == pytest.approx(60, abs=1)
+    assert estimate.activation_bytes("zero-48x1600", 32, 1024, checkpointing=True) / GB < 8
+
+
+def test_optimizer_offload_moves_the_optimizer_state_and_a_gradient_shard_to_the_host():
+    psi, nd = int(10e9), 8
+    device, host = estimate.model_states(psi, Setting(2, nd, offload_optimizer="cpu"))
+    assert device == {"parameters": 2 * psi, "gradients": 2 * psi / nd, "optimizer_states": 0.0}
+    assert host == 16 * psi / nd
+
+
+def test_a_model_that_cannot_fit_names_the_smallest_configuration_that_would():
+    psi, gpu = int(100e9), 32 * GB
+    text = estimate.report(psi, Setting(2, 8), gpu)
+    smallest = estimate.smallest_fitting(psi, gpu, 0.0)
+    assert "does not fit: stage 2 on 8 GPUs needs 375.00 GB per device" in text
+    assert f"smallest configuration that fits with the fewest GPUs: {smallest} (25.00 GB" in text
+    assert ("smallest configuration that fits on these GPUs: stage 3 on 8 GPUs with optimizer offload and "
+            "parameter offload to CPU") in text
+    # The reference: brute force over every setting hf_zero accepts on fewer or as many GPUs.
+    fitting = [s for s in estimate.valid_settings(2**k for k in range(17))
+               if estimate.device_total(psi, s, 0.0) <= gpu]
+    assert smallest == min(fitting, key=lambda s: s.num_gpus) == fitting[0]
+    assert smallest.num_gpus == 8 and smallest.stage == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, dtype", [(s, d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")])
+def test_the_estimate_agrees_with_the_engines_ledger_within_5_percent(world2, stage, dtype):
+    name = f"s{stage}_bf16" if dtype == "bf16" else f"s{stage}_gpt2"
+    for rank_result in world2:
+        r = rank_result[name]
+        measured = sum(r["state_bytes"][k] for k in ("parameters", "gradients", "optimizer_states"))
+        estimated = sum(estimate.model_states(r["psi"], Setting(stage, len(world2)), dtype)[0].values())
+        assert abs(measured - estimated) / estimated < 0.05, (name, measured, estimated)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_zero", "estimate", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_command_prints_every_stage_and_marks_the_chosen_one():
+    done = run_cli("--model", "gpt2-xl", "--num_gpus", "8", "--zero_stage", "2", "--batch_size", "8",
+                   "--seq_len", "1024", "--checkpoint_activations")
+    assert done.returncode == 0, done.stderr
+    assert "| 2 (chosen) |" in done.stdout and "activations: " in done.stdout
+    assert "largest gpt2 model of the zoo that fits stage 2 on 8 GPUs" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt3", "--num_gpus", "2"], "--model: unknown model 'gpt3'; the zoo has: all-minilm-l6-v2"),
+    (["--params", "7.5Q", "--num_gpus", "2"], "expected a count such as 7.5e9, 7.5B"),
+    (["--params", "7.5B", "--num_gpus", "2", "--zero_stage", "2", "--offload_param", "cpu"],
+     "--offload_param needs --zero_stage 3"),
+    (["--params", "7.5B", "--num_gpus", "2", "--batch_size", "4", "--seq_len", "128"], "--batch_size needs --model"),
+])
+def test_bad_input_is_named(args, message):
+    done = run_cli(*args)
+    assert done.returncode == 2 and message in done.stderr
