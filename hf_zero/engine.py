@@ -33,15 +33,22 @@ from hf_zero.zero.stage3 import Stage3Params
 logger = logging.getLogger("hf_zero")
 
 
-def check_model(model: nn.Module) -> None:
+def check_model(model: nn.Module, init_from: Any, zero_stage: int) -> None:
     if isinstance(model, DistributedDataParallel):
         raise TypeError("the model is already wrapped in DistributedDataParallel; pass the bare model "
                         "(model.module): ZeRO replaces DDP's gradient all-reduce with its own collectives")
-    devices = sorted({str(p.device) for p in model.parameters()})
+    if init_from is not None and zero_stage != 3:
+        raise ValueError(f"init_from builds the model straight into stage-3 shards; it needs zero_stage 3, "
+                         f"not {zero_stage}")
+    # With init_from the trainable parameters are still on meta; the rest must be on one device.
+    devices = sorted({str(p.device) for p in model.parameters() if not (init_from is not None and p.is_meta)})
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices ({', '.join(devices)}); "
                          f"move it to one device (model.to(device)) before hf_zero.initialize")
-    if not devices:
+    if devices == ["meta"]:
+        raise ValueError("the model is on the meta device (no values): pass init_from=hf_zero.construct.SeededInit"
+                         "(seed) or PretrainedWeights(folder) with zero_stage 3 to build it shard by shard")
+    if not devices and init_from is None:
         raise ValueError("the model has no parameters to train")
 
 
@@ -80,11 +87,11 @@ class ZeroEngine(nn.Module):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  config: ZeroConfig | dict[str, Any] | str | None = None,
-                 group: torch.distributed.ProcessGroup | None = None) -> None:
+                 group: torch.distributed.ProcessGroup | None = None, init_from: Any = None) -> None:
         super().__init__()
         # 1. check_inputs
         self.config = cfg = ZeroConfig.from_any(config)
-        check_model(model)
+        check_model(model, init_from, cfg.zero_stage)
         check_optimizer(optimizer)
         groups = trainable_params_by_group(model, optimizer)
         self.module, self.optimizer = model, optimizer
@@ -95,15 +102,22 @@ class ZeroEngine(nn.Module):
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.global_grad_norm: float | None = None
         self.last_step_skipped = False
-        # 2. sync_module_states
+        # 2. sync_module_states (a model built on meta gets its buffers and frozen weights first; its
+        # trainable parameters are filled unit by unit in step 3, identically on every rank)
+        build_device = None
+        if init_from is not None:
+            build_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+                torch.device("cpu")
+            init_from.fill_rest(model, build_device)
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
-                self.comm.broadcast_(t.data)
+                if not t.is_meta:
+                    self.comm.broadcast_(t.data)
         # 3-4. apply_partitioning, apply_precision
         self.stage3: Stage3Params | None = None
         self.flats: list[FlatParamBuffer] = []
         if self.zero_stage == 3:
-            param_chunks, grad_chunks, fp32_init = self._apply_stage3(model, groups)
+            param_chunks, grad_chunks, fp32_init = self._apply_stage3(model, groups, init_from, build_device)
         else:
             param_chunks, grad_chunks, fp32_init = self._apply_flat_buffers(groups)
         # What the engine partitions; everything else in the model stays replicated as it is.
@@ -145,11 +159,11 @@ class ZeroEngine(nn.Module):
                        for fi, flat in enumerate(self.flats)]
         return param_chunks, grad_chunks, fp32_init
 
-    def _apply_stage3(self, model, groups):
+    def _apply_stage3(self, model, groups, init_from, build_device):
         cfg = self.config
         self.stage3 = Stage3Params(model, groups, self.dtype, self.comm, cfg.unit_module_classes,
                                    cfg.param_persistence_threshold, cfg.prefetch_bucket_size, cfg.overlap_comm,
-                                   cfg.reshard_root_after_forward)
+                                   cfg.reshard_root_after_forward, init_from, build_device)
         self.grads = self.stage3.grads
         fp32_init, self.stage3.fp32_init = self.stage3.fp32_init, None
         return self.stage3.param_chunks, self.stage3.grad_chunks(), fp32_init
@@ -333,6 +347,8 @@ class ZeroEngine(nn.Module):
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
                config: ZeroConfig | dict[str, Any] | str | None = None,
-               group: torch.distributed.ProcessGroup | None = None) -> ZeroEngine:
-    """Partitions `model` and `optimizer` across the ranks of `group` (default: the whole world)."""
-    return ZeroEngine(model, optimizer, config, group)
+               group: torch.distributed.ProcessGroup | None = None, init_from: Any = None) -> ZeroEngine:
+    """Partitions `model` and `optimizer` across the ranks of `group` (default: the whole world).
+    A model built on the meta device is materialised shard by shard from `init_from` (stage 3):
+    hf_zero.construct.SeededInit(seed) or PretrainedWeights(folder)."""
+    return ZeroEngine(model, optimizer, config, group, init_from)

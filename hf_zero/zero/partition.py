@@ -70,7 +70,7 @@ class FlatParamBuffer:
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], num_shards: int, dtype: torch.dtype,
-                 bucket_numel: int | None = None) -> None:
+                 bucket_numel: int | None = None, device: torch.device | None = None) -> None:
         assert named_params, "a FlatParamBuffer needs at least one parameter"
         self.num_shards = num_shards
         self.slices: list[ParamSlice] = []
@@ -86,7 +86,7 @@ class FlatParamBuffer:
             for i, start in enumerate(range(0, self.padded_numel, step))
         ]
         self.pieces: list[list[Piece]] = [self.pieces_between(b.start, b.end) for b in self.buckets]
-        self.data = torch.zeros(self.padded_numel, dtype=dtype, device=named_params[0][1].device)
+        self.data = torch.zeros(self.padded_numel, dtype=dtype, device=device or named_params[0][1].device)
 
     def pieces_between(self, lo: int, hi: int) -> list[Piece]:
         """The parameter pieces inside flat elements [lo, hi) (padding belongs to no piece)."""
@@ -122,6 +122,10 @@ class FlatParamBuffer:
     def pack_and_bind(self) -> None:
         """Copies the parameters into the buffer and makes each parameter a view of it (M_D: one allocation)."""
         self.read_params(0, self.padded_numel, self.data)
+        self.bind()
+
+    def bind(self) -> None:
+        """Makes each parameter a view of the buffer as it is."""
         for s in self.slices:
             s.param.data = self.view_of(s)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -116,7 +116,8 @@ class Stage3Params:
 
     def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
                  comm: Communicator, unit_module_classes: list[str] | None, persistence_threshold: int,
-                 prefetch_numel: int, overlap_comm: bool, reshard_root_after_forward: bool) -> None:
+                 prefetch_numel: int, overlap_comm: bool, reshard_root_after_forward: bool,
+                 init_from: Any = None, device: torch.device | None = None) -> None:
         self.comm, self.prefetch_numel = comm, prefetch_numel
         self.reshard_root_after_forward = reshard_root_after_forward
         group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
@@ -139,20 +140,25 @@ class Stage3Params:
             for n, p in named:
                 by_group.setdefault(group_of[id(p)], []).append((n, p))
             gs = sorted(by_group)
-            flats = [FlatParamBuffer(by_group[g], comm.world_size, dtype) for g in gs]
+            flats = [FlatParamBuffer(by_group[g], comm.world_size, dtype, device=device) for g in gs]
             self.units.append(Unit(uname, modules[uname], flats, gs, comm, persistent=uname == "<persistent>"))
         self.flats = [f for u in self.units for f in u.flats]
+        if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
+            self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
         self.grads = Stage3Gradients(self, comm, overlap_comm)
-        self.fp32_init = self._shard(len(groups), dtype)
+        self.fp32_init = self._shard(len(groups), dtype, model, init_from)
         # Execution orders, recorded as units first run; prefetch follows them.
         self.forward_order: list[Unit] = []
         self.backward_order: list[Unit] = []
         self._install_hooks(model)
 
-    def _shard(self, num_groups: int, dtype: torch.dtype) -> list[list[torch.Tensor]] | None:
+    def _shard(self, num_groups: int, dtype: torch.dtype, model: nn.Module, init_from: Any
+               ) -> list[list[torch.Tensor]] | None:
         """Cuts this rank's chunk out of every unit into one contiguous shard per param group (M_D).
-        Returns the chunks' fp32 values when computing in lower precision (the masters' start)."""
+        Returns the chunks' fp32 values when computing in lower precision (the masters' start).
+        With `init_from` (hf_zero/construct.py) the parameters have no values yet: one unit at a time
+        gets memory, is filled by `init_from` (in fp32), gives up its chunk and is freed."""
         rank, device = self.comm.rank, self.flats[0].data.device
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
@@ -161,24 +167,71 @@ class Stage3Params:
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
         fp32_init: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        chunk_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         offsets = [0] * num_groups
         for fi, (flat, unit) in enumerate(zip(self.flats, self.unit_of_flat)):
             g = unit.group_of(flat)
             lo, hi = flat.buckets[0].owned_range(rank)
             chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
             offsets[g] += hi - lo
-            if dtype == torch.float32:
-                flat.read_params(lo, hi, chunk)
-            else:
-                fp32_init[g].append(torch.empty(hi - lo, dtype=torch.float32, device=device))
-                flat.read_params(lo, hi, fp32_init[g][-1])
-                chunk.copy_(fp32_init[g][-1])
+            fp32 = None if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=device)
+            if fp32 is not None:
+                fp32_init[g].append(fp32)
             self.param_chunks[g].append(chunk)
             self.chunk_flats[g].append(fi)
             unit.shards.append(chunk)
-        for unit in self.units:
-            unit.adopt_params()
+            chunk_of[id(flat)] = (chunk, fp32)
+
+        def cut(unit: Unit) -> None:  # this rank's chunk of each of the unit's flat buffers
+            for flat in unit.flats:
+                chunk, fp32 = chunk_of[id(flat)]
+                lo, hi = flat.buckets[0].owned_range(rank)
+                flat.read_params(lo, hi, chunk if fp32 is None else fp32)
+                if fp32 is not None:
+                    chunk.copy_(fp32)
+
+        if init_from is None:
+            for unit in self.units:
+                cut(unit)
+                unit.adopt_params()
+            return None if dtype == torch.float32 else fp32_init
+        staging: dict[int, torch.Tensor] = {}
+
+        def open_unit(unit: Unit) -> list[torch.Tensor]:
+            staging.update({id(f): self._stage(f) for f in unit.flats})
+            return [staging[id(f)] for f in unit.flats]
+
+        def close_unit(unit: Unit) -> None:
+            cut(unit)
+            for flat in unit.flats:
+                staged = staging.pop(id(flat))
+                if unit.persistent:  # stays gathered: its values move into its own compute-dtype buffer
+                    flat.allocate_storage()
+                    flat.data.copy_(staged)
+                    flat.bind()
+            unit.gathered = True
+            unit.free()
+
+        init_from.fill(model, self.units, open_unit, close_unit, rank)
         return None if dtype == torch.float32 else fp32_init
+
+    def _leave_meta(self, device: torch.device) -> None:
+        """Turns each meta parameter into an empty one on `device`, keeping the Parameter object (the
+        optimizer and tied modules hold it): `.data =` cannot change a tensor's device type."""
+        for flat in self.flats:
+            for s in flat.slices:
+                if s.param.is_meta:
+                    empty = nn.Parameter(torch.empty(0, dtype=s.param.dtype, device=device), s.param.requires_grad)
+                    torch.utils.swap_tensors(s.param, empty)
+
+    @staticmethod
+    def _stage(flat: FlatParamBuffer) -> torch.Tensor:
+        """An fp32 buffer the unit's parameters view while `init_from` fills them (init and checkpoints
+        are fp32; filling a bf16 buffer directly would lose the masters' precision)."""
+        buffer = torch.zeros(flat.padded_numel, dtype=torch.float32, device=flat.data.device)
+        for s in flat.slices:
+            s.param.data = flat.view_of(s, buffer)
+        return buffer
 
     def grad_chunks(self) -> list[list[torch.Tensor]]:
         return [[self.grads.owned_grad(fi, 0) for fi in flats] for flats in self.chunk_flats]

