@@ -57,8 +57,8 @@ def parameter_layout(engine: "ZeroEngine") -> dict[str, dict[str, Any]]:
 def saved_weights(engine: "ZeroEngine") -> list[list[str]]:
     """[name save_pretrained writes, key of the stored tensor] for every weight, in state_dict order:
     what `hf-zero consolidate` writes, with tied weights once, as save_pretrained does."""
-    managed = {id(s.param): s.name for flats in engine.managed_flats() for flat in flats for s in flat.slices}
-    return [[name, f"master/{managed[id(t)]}" if id(t) in managed else f"module/{name}"]
+    managed = engine.managed_slices
+    return [[name, f"master/{managed[id(t)].name}" if id(t) in managed else f"module/{name}"]
             for name, t in weights_to_save(engine.module).items()]
 
 

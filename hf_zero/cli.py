@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from hf_zero import ZeroConfig, ZeroConfigError
+from hf_zero.config import DTYPES, offload_conflict
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import free_port
 
@@ -52,16 +53,16 @@ def _run(argv: list[str]) -> int:
     return _torchrun(args.nproc_per_node, "hf_zero.run", [args.script, *args.script_args])
 
 
-def _size(value: str) -> int:
-    """argparse type of --max-shard-size: 5GB, 500MB, or a byte count."""
+def _shard_size(value: str) -> int:
+    """--max-shard-size: 5GB, 500MB, or a byte count."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
     try:
         size = parse_size_to_int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 5GB, 500MB or 1000000; got {value!r}") from None
+        raise ValueError(f"expected a size such as 5GB, 500MB or 1000000; got {value!r}") from None
     if size < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte; got {value!r}")
+        raise ValueError(f"must be at least 1 byte; got {value!r}")
     return size
 
 
@@ -72,13 +73,13 @@ def _consolidate(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint_dir", help="an engine checkpoint, or a ZeroTrainer checkpoint-N folder")
     parser.add_argument("output_dir", help="where to write the transformers folder")
-    parser.add_argument("--dtype", choices=list(consolidate.OUTPUT_DTYPES), default="fp32",
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                         help="dtype of the written weights, cast from the fp32 masters (default fp32)")
-    parser.add_argument("--max-shard-size", type=_size, default="5GB", help="largest weight file (default 5GB)")
+    parser.add_argument("--max-shard-size", type=_typed(_shard_size), default="5GB",
+                        help="largest weight file (default 5GB)")
     parser.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
     args = parser.parse_args(argv)
-    consolidate.find_engine_checkpoint(args.checkpoint_dir)  # a wrong folder is named before any work
     report = consolidate.consolidate(args.checkpoint_dir, args.output_dir, args.dtype, args.max_shard_size)
     print(f"{args.output_dir}: {report.summary()}")
     if args.push_to_hub:
@@ -100,15 +101,14 @@ def _estimate(argv: list[str]) -> int:
                         help="memory per device (default 32GB, the paper's V100)")
     parser.add_argument("--offload_optimizer", choices=estimate.OFFLOADS, default="none")
     parser.add_argument("--offload_param", choices=estimate.OFFLOADS, default="none")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--batch_size", type=_nproc, help="micro-batch per device, for activation memory")
     parser.add_argument("--seq_len", type=_nproc, help="sequence length, for activation memory")
     parser.add_argument("--checkpoint_activations", action="store_true")
     args = parser.parse_args(argv)
-    if args.offload_optimizer != "none" and args.zero_stage == 0:
-        parser.error("--offload_optimizer needs --zero_stage 1, 2 or 3 (stage 0 does not partition the optimizer)")
-    if args.offload_param != "none" and args.zero_stage != 3:
-        parser.error("--offload_param needs --zero_stage 3 (only stage 3 partitions parameters)")
+    conflict = offload_conflict(args.zero_stage, args.offload_optimizer, args.offload_param, lambda k: f"--{k}")
+    if conflict:
+        parser.error(conflict)
     if (args.batch_size is None) != (args.seq_len is None):
         parser.error("--batch_size and --seq_len go together (activation memory needs both)")
     if args.batch_size and not args.model:

@@ -126,13 +126,9 @@ class ZeroConfig:
         for key in ("offload_optimizer", "offload_param"):
             if getattr(self, key) not in OFFLOAD_DEVICES:
                 fail(key, f"must be one of {', '.join(OFFLOAD_DEVICES)}; got {getattr(self, key)!r}")
-        if self.offload_param != "none" and self.zero_stage != 3:
-            fail("offload_param", f"needs {name('zero_stage')} 3 (only stage 3 partitions parameters); got "
-                                  f"{name('offload_param')} {self.offload_param} with {name('zero_stage')} "
-                                  f"{self.zero_stage}")
-        if self.offload_optimizer != "none" and self.zero_stage == 0:
-            fail("offload_optimizer", f"needs {name('zero_stage')} 1, 2 or 3 (each rank offloads its own "
-                                      f"partition); got {name('zero_stage')} 0")
+        conflict = offload_conflict(self.zero_stage, self.offload_optimizer, self.offload_param, name)
+        if conflict:
+            raise ZeroConfigError(conflict)
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_param)
         if uses_nvme and not self.nvme_path:
             fail("nvme_path", f"is required when {name('offload_optimizer')} or {name('offload_param')} is nvme")
@@ -149,6 +145,19 @@ class ZeroConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str,
+                     name: Callable[[str], str] = str) -> str | None:
+    """Why this offload cannot run at this stage, or None: the one rule the engine's settings, the
+    Trainer flags and `hf-zero estimate` all apply. `name(key)` spells each setting in the message."""
+    if offload_param != "none" and zero_stage != 3:
+        return (f"{name('offload_param')} needs {name('zero_stage')} 3 (only stage 3 partitions parameters); "
+                f"got {name('offload_param')} {offload_param} with {name('zero_stage')} {zero_stage}")
+    if offload_optimizer != "none" and zero_stage == 0:
+        return (f"{name('offload_optimizer')} needs {name('zero_stage')} 1, 2 or 3 (each rank offloads its own "
+                f"partition); got {name('zero_stage')} 0")
+    return None
 
 
 def _version() -> str:

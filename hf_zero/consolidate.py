@@ -2,8 +2,9 @@
 
 It streams: one parameter at a time is read from the rank files that hold its pieces (only those
 slices, files opened for that parameter alone), cast, and copied into its place in the output files
-(hf_zero/export.py). Peak memory is one parameter in fp32 plus its cast, whatever the model's size or
-`--max-shard-size`; zero_to_fp32-style tools build the whole state dict first.
+(hf_zero/export.py). Peak memory is a few times the largest parameter (measured: about 4x, see
+docs/checkpoints.md), whatever the model's size or `--max-shard-size`; zero_to_fp32-style tools build
+the whole state dict first.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from hf_zero import checkpoint
+from hf_zero.config import DTYPES
 from hf_zero.export import SAFETENSORS_DTYPES, ShardedWeightsWriter, meta_like
 from hf_zero.memory import peak_rss, reset_peak_rss
 
-OUTPUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # as safetensors' get_dtype() spells them
 
 
@@ -57,13 +58,13 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
                 max_shard_size: int | str = "5GB", progress: bool = True) -> ConsolidationReport:
     """Writes the checkpoint's weights (fp32 masters, cast to `dtype`), config, generation config and
     tokenizer as a transformers folder."""
-    if dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)}; got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     source = find_engine_checkpoint(checkpoint_dir)
     manifest = checkpoint.read_manifest(source)
     checkpoint.check_files(manifest["shards"], source)
     index = checkpoint.index_pieces(manifest)
-    out_dtype = OUTPUT_DTYPES[dtype]
+    out_dtype = DTYPES[dtype]
     with safe_open(str(source / checkpoint.module_state_file(manifest)), framework="pt") as rank0:
         module_meta = {key: (rank0.get_slice(key).get_shape(), rank0.get_slice(key).get_dtype())
                        for _, key in manifest["weights"] if key.startswith("module/")}
@@ -116,7 +117,7 @@ def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
             f"no config.json in {' or '.join(map(str, folders))}: the checkpoint was saved from a model that is "
             f"not a transformers PreTrainedModel, so there is no config to load it with")
     config = json.loads((config_from / "config.json").read_text())
-    config["dtype"] = str(OUTPUT_DTYPES[dtype]).removeprefix("torch.")
+    config["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
     (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     written = ["config.json"]
     if (config_from / "generation_config.json").is_file():

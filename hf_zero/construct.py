@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -33,8 +34,14 @@ from torch import nn
 if TYPE_CHECKING:
     from hf_zero.zero.stage3 import Unit
 
-def _module_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+def _init_module(seed: int, name: str, module: nn.Module, owner: nn.Module) -> None:
+    """owner._init_weights(module) drawing from a generator seeded by (seed, module name); the global
+    RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
+                          & (2**63 - 1))
+        owner._init_weights(module)
 
 
 def _init_order(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
@@ -55,13 +62,11 @@ def _init_order(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, names: Iterable[str] | None = None) -> None:
     """Initialises the modules called `names` (default: all) with the model's own _init_weights,
-    each from its own seeded generator; the global RNG is left as it was."""
+    each from its own seeded generator."""
     wanted = None if names is None else set(names)
     for name, module, owner in _init_order(model):
         if wanted is None or name in wanted:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_module_seed(seed, name))
-                owner._init_weights(module)
+            _init_module(seed, name, module, owner)
 
 
 class SeededInit:
@@ -95,9 +100,7 @@ class SeededInit:
                 if key not in opened:
                     opened.add(key)
                     open_unit(unit)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_module_seed(self.seed, name))
-                owner._init_weights(module)
+            _init_module(self.seed, name, module, owner)
             for key, unit in writes[i].items():
                 if last[key] == i:
                     close_unit(unit)
@@ -133,19 +136,16 @@ class PretrainedWeights:
         raise KeyError(f"{name} is not in {self.folder}; the folder holds weights of another model")
 
     def _read(self, model: nn.Module, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of the flattened tensor `name`, reading only the rows that hold them."""
         key = self.key_of(model, name)
         with safe_open(str(self.folder / self.file_of[key]), framework="pt") as f:
-            flat = f.get_slice(key)
-            shape = flat.get_shape()
-            values = flat[:] if len(shape) <= 1 or (lo, hi) == (0, out.numel()) else None
-            if values is None:  # rows [lo // row, ceil(hi / row)) cover [lo, hi) of the flattened tensor
-                row = int(torch.tensor(shape[1:]).prod())
-                first, last = lo // row, -(-hi // row)
-                values = flat[first:last].reshape(-1)[lo - first * row:hi - first * row]
-            else:
-                values = values.reshape(-1)[lo:hi]
-        self.bytes_read += values.numel() * values.element_size()
-        out.copy_(values)
+            tensor = f.get_slice(key)
+            shape = tensor.get_shape()
+            row = math.prod(shape[1:])  # 1 for a vector: then rows are elements
+            first, last = lo // row, -(-hi // row)  # rows [first, last) cover [lo, hi)
+            rows = tensor[first:last] if shape else f.get_tensor(key).reshape(1)  # a 0-dim tensor has no rows
+        self.bytes_read += rows.numel() * rows.element_size()
+        out.copy_(rows.reshape(-1)[lo - first * row:hi - first * row])
 
     def fill_rest(self, model: nn.Module, device: torch.device) -> None:
         _materialize_rest(model, device)

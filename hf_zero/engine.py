@@ -121,8 +121,8 @@ class ZeroEngine(nn.Module):
         else:
             param_chunks, grad_chunks, fp32_init = self._apply_flat_buffers(groups)
         # What the engine partitions; everything else in the model stays replicated as it is.
-        self.managed_param_ids = {id(s.param) for flats in self.managed_flats() for flat in flats
-                                  for s in flat.slices}
+        self.managed_slices = {id(s.param): s for flats in self.managed_flats() for flat in flats
+                               for s in flat.slices}
         self._cast_rest(model)
         # 5. apply_optimizer
         self.sharded_optimizer = ShardedOptimizer(
@@ -172,7 +172,7 @@ class ZeroEngine(nn.Module):
         """Frozen parameters and floating buffers follow the compute dtype, as model.to(dtype) would."""
         with torch.no_grad():
             for p in model.parameters():
-                if id(p) not in self.managed_param_ids and p.is_floating_point():
+                if id(p) not in self.managed_slices and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
             for m in model.modules():
                 for name, b in m.named_buffers(recurse=False):
@@ -310,7 +310,7 @@ class ZeroEngine(nn.Module):
     def unmanaged_state(self) -> dict[str, torch.Tensor]:
         """Frozen parameters and buffers: replicated on every rank, outside the engine's shards."""
         return {name: t for name, t in self.module.state_dict(keep_vars=True).items()
-                if id(t) not in self.managed_param_ids}
+                if id(t) not in self.managed_slices}
 
     @torch.no_grad()
     def restore(self, module_state: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
@@ -331,7 +331,7 @@ class ZeroEngine(nn.Module):
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
 
-        unmanaged = nbytes(p for p in self.module.parameters() if id(p) not in self.managed_param_ids)
+        unmanaged = nbytes(p for p in self.module.parameters() if id(p) not in self.managed_slices)
         if self.stage3 is not None:
             params = self.stage3.held_bytes()
         else:

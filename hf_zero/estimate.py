@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import model_zoo
+from hf_zero.config import offload_conflict
 from hf_zero.memory import BYTES_PER_ELEMENT, model_state_bytes
 
 GB = 1e9
@@ -58,7 +59,7 @@ def model_states(psi: int, setting: Setting, dtype: str = "bf16") -> tuple[dict[
     device = model_state_bytes(setting.stage, psi, setting.num_gpus, dtype)
     host = 0.0
     if setting.offload_optimizer == "cpu":
-        host += device.pop("optimizer_states") + 4 * psi / setting.num_gpus  # + the fp32 gradient shard
+        host += device["optimizer_states"] + 4 * psi / setting.num_gpus  # + the fp32 gradient shard
         device["optimizer_states"] = 0.0
     if setting.offload_param == "cpu":
         host += device["parameters"]
@@ -80,9 +81,10 @@ def valid_settings(num_gpus: Iterator[int]) -> Iterator[Setting]:
     """Every combination hf_zero accepts, fewest GPUs first, then the lowest stage, then the least offload."""
     for nd in num_gpus:
         for stage in STAGES:
-            for opt in OFFLOADS if stage >= 1 else ("none",):
-                for param in OFFLOADS if stage == 3 else ("none",):
-                    yield Setting(stage, nd, opt, param)
+            for opt in OFFLOADS:
+                for param in OFFLOADS:
+                    if offload_conflict(stage, opt, param) is None:
+                        yield Setting(stage, nd, opt, param)
 
 
 def device_total(psi: int, setting: Setting, activations: float, dtype: str = "bf16") -> float:

@@ -148,7 +148,7 @@ def save_stage3_weights(engine: "ZeroEngine", folder: str | os.PathLike, write: 
     into the files as it arrives. No rank holds more than its shard plus one gathered unit.
     A write error is raised on every rank only after the last gather, so no rank waits forever."""
     stage3 = engine.stage3
-    slices = {id(s.param): s for flats in engine.managed_flats() for flat in flats for s in flat.slices}
+    slices = engine.managed_slices
     weights = weights_to_save(engine.module)
     save_name = {id(t): name for name, t in weights.items()}
     planned = {name: meta_like(slices[id(t)].shape if id(t) in slices else t.shape, t.dtype)
