@@ -127,6 +127,21 @@ def _estimate(argv: list[str]) -> int:
     return 0
 
 
+def _build_ops(argv: list[str]) -> int:
+    from hf_zero.ops import build
+
+    parser = argparse.ArgumentParser(prog="hf-zero build-ops", description=build.__doc__)
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args(argv)
+    try:
+        module = build.load_extension("hf_zero_cpu_adam", ["cpu_adam.cpp"], verbose=args.verbose)
+    except RuntimeError as error:
+        print(f"hf-zero build-ops: {error}", file=sys.stderr)
+        return 1
+    print(f"built hf_zero_cpu_adam ({module.isa()}) in {build.build_directory('hf_zero_cpu_adam')}")
+    return 0
+
+
 def _typed(parse):
     """An argparse type from a parser that raises ValueError with a message."""
     def convert(value: str):
@@ -156,6 +171,7 @@ COMMANDS = {
     "run": (_run, "run an unmodified Hugging Face Trainer script with --zero_* flags"),
     "estimate": (_estimate, "memory per device for a model under each ZeRO stage (the paper's accounting)"),
     "consolidate": (_consolidate, "write a checkpoint's weights as a transformers folder (streaming)"),
+    "build-ops": (_build_ops, "compile the C++ CPU Adam (csrc/) now instead of on first use"),
 }
 
 
@@ -164,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: hf-zero COMMAND [ARGS]\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
-            print(f"  {name:10s} {help_text}")
+            print(f"  {name:12s} {help_text}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     try:

@@ -230,10 +230,12 @@ class ZeroEngine(nn.Module):
     def compute_grad_norm(self) -> float:
         """The global gradient norm of the reduced gradients (one all-reduce); the next optimizer_step()
         clips to gradient_clipping with it instead of computing it again."""
+        self.grads.allocate()
         return self.sharded_optimizer.compute_grad_norm()
 
     def optimizer_step(self) -> None:
         """Updates this rank's shard from the reduced gradients and re-shares the parameters."""
+        self.grads.allocate()
         stepped = self.sharded_optimizer.step()
         self.global_grad_norm = self.sharded_optimizer.global_grad_norm
         self.last_step_skipped = not stepped

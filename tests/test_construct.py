@@ -143,6 +143,7 @@ def build_gpt2_large_and_step() -> dict:
     engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-2), {"zero_stage": 3},
                                 init_from=SeededInit(SEED))
     built_peak = peak_rss()
+    built_state_bytes = sum(engine.ledger.state_bytes.values())
     shard = engine.stage3.param_shards[0]
     before = shard[:100_000].clone()
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -152,7 +153,7 @@ def build_gpt2_large_and_step() -> dict:
     return {"baseline": baseline, "built_peak": built_peak, "loss": loss.item(),
             "changed": not torch.equal(before, shard[:100_000]),
             "largest_unit_bytes": 4 * max(u.numel for u in engine.stage3.units),
-            "state_bytes": sum(engine.ledger.state_bytes.values())}
+            "state_bytes": built_state_bytes}
 
 
 @pytest.mark.slow
@@ -166,7 +167,8 @@ def test_gpt2_large_is_built_on_4_ranks_holding_its_shard_plus_one_unit_and_trai
               f"{r['state_bytes'] / 2**30:.2f} GiB of sharded model states, "
               f"{(grown - r['state_bytes']) / 2**30:.2f} GiB more while building (largest unit in fp32: "
               f"{r['largest_unit_bytes'] / 2**30:.2f} GiB); the whole model in fp32: {whole_fp32 / 2**30:.2f} GiB")
-        assert r["built_peak"] < whole_fp32
+        # "Well under": the gradient shard is only allocated at the first backward.
+        assert r["built_peak"] < 0.6 * whole_fp32
         # Building costs one unit beyond the shards the engine keeps (one process would hold the whole model).
         assert grown - r["state_bytes"] < 1.5 * r["largest_unit_bytes"] + 64 * 2**20
         assert torch.isfinite(torch.tensor(r["loss"])) and r["changed"]

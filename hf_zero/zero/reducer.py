@@ -62,6 +62,9 @@ class GradientReducer:
         """Launches the bucket's collective; returns its work handle and what to run once it is done."""
         raise NotImplementedError
 
+    def allocate(self) -> None:
+        """Makes sure the gradient storage exists (stages 2-3 allocate it at the first backward)."""
+
     def begin(self, reduce: bool) -> None:
         """Called before each backward; `reduce` says whether this backward's buckets are reduced."""
         self.active, self.reducing = True, reduce

@@ -5,6 +5,9 @@ fixed-size buffer of its bucket (C_B) and dropped; when a bucket is full it is r
 place, asynchronously, while backward goes on, and this rank's chunk is added into `grad_shards`,
 the one preallocated buffer per param group that holds this rank's gradients across accumulation
 steps (M_D). Stage 3 reuses this path with one bucket per unit.
+
+The grad shards take no memory until the first backward: a model built shard by shard at stage 3
+should not pay for its gradients while it is being constructed (or only evaluated).
 """
 from __future__ import annotations
 
@@ -27,18 +30,33 @@ class PartitionedGradients(GradientReducer):
         self.shard = comm.rank
         self.dtype = flat_params[0].data.dtype
         device = flat_params[0].data.device
-        # Offset of each bucket's owned chunk inside its group's grad shard.
-        self.shard_offsets: dict[BucketKey, int] = {}
+        # Each bucket's owned chunk: a view into its group's grad shard.
+        self.owned_grads: dict[BucketKey, torch.Tensor] = {}
         self.grad_shards: list[torch.Tensor] = []
         for fi, flat in enumerate(flat_params):
+            # torch.empty touches no pages; the views are taken before the storage is released, and keep
+            # the storage object, so they see it once allocated.
+            grad_shard = torch.empty(sum(b.chunk_numel for b in flat.buckets), dtype=self.dtype, device=device)
             offset = 0
             for b in flat.buckets:
-                self.shard_offsets[(fi, b.index)] = offset
+                self.owned_grads[(fi, b.index)] = grad_shard[offset:offset + b.chunk_numel]
                 offset += b.chunk_numel
-            self.grad_shards.append(torch.zeros(offset, dtype=self.dtype, device=device))
+            grad_shard.untyped_storage().resize_(0)
+            self.grad_shards.append(grad_shard)
         self.bucket_buffers: dict[BucketKey, torch.Tensor] = {}
         self.spare_buffers: dict[int, list[torch.Tensor]] = {}
         self.peak_buffer_bytes = 0
+
+    def allocate(self) -> None:
+        for grad_shard in self.grad_shards:
+            nbytes = grad_shard.numel() * grad_shard.element_size()
+            if grad_shard.untyped_storage().nbytes() < nbytes:
+                grad_shard.untyped_storage().resize_(nbytes)
+                grad_shard.zero_()
+
+    def begin(self, reduce: bool) -> None:
+        self.allocate()
+        super().begin(reduce)
 
     def _buffer(self, key: BucketKey) -> torch.Tensor:
         buf = self.bucket_buffers.get(key)
@@ -79,12 +97,12 @@ class PartitionedGradients(GradientReducer):
         return work, add_to_shard
 
     def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
-        offset = self.shard_offsets[(fi, bi)]
-        return self.grad_shards[fi][offset:offset + self.flat_params[fi].buckets[bi].chunk_numel]
+        return self.owned_grads[(fi, bi)]
 
     def zero_grad(self) -> None:
-        for g in self.grad_shards:
-            g.zero_()
+        for grad_shard in self.grad_shards:
+            if grad_shard.untyped_storage().nbytes():
+                grad_shard.zero_()
 
     def held_bytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.grad_shards)
+        return sum(g.untyped_storage().nbytes() for g in self.grad_shards)

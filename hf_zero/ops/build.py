@@ -1,0 +1,56 @@
+"""Builds csrc/ with torch's C++ extension tooling (ninja) on first use, cached per torch version.
+
+Ahead of time: `hf-zero build-ops`. Nothing here needs CUDA: the kernels are CPU code, compiled
+against whichever torch is installed, so building never pulls a different torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("hf_zero")
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_built: dict[str, ModuleType | Exception] = {}
+
+
+def build_directory(name: str) -> Path:
+    """Where the compiled extension is cached: per torch version, since the ABI follows torch."""
+    root = Path(os.environ.get("HF_ZERO_EXTENSIONS_DIR", Path.home() / ".cache" / "hf_zero" / "extensions"))
+    return root / f"torch-{torch.__version__}" / name
+
+
+def load_extension(name: str, sources: list[str], verbose: bool = False) -> ModuleType:
+    """Compiles (or reuses) csrc/`sources` as module `name`; raises RuntimeError saying what is missing."""
+    cached = _built.get(name)
+    if isinstance(cached, ModuleType):
+        return cached
+    if isinstance(cached, Exception):
+        raise cached
+    try:
+        missing = [s for s in sources if not (CSRC / s).is_file()]
+        if missing:
+            raise RuntimeError(f"the C++ sources {missing} are not in {CSRC}; install hf-zero from its source tree "
+                               f"(pip install -e .) to build them")
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            raise RuntimeError("no C++ compiler on PATH (set CXX or install g++)")
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        verify_ninja_availability()
+        directory = build_directory(name)
+        directory.mkdir(parents=True, exist_ok=True)
+        # No -march=native: the binary must run on any x86-64; the kernels pick AVX-512/AVX2 at run time.
+        # No contraction of a*b+c into FMAs behind our back: the kernels fuse exactly where ATen does.
+        module = load(name=name, sources=[str(CSRC / s) for s in sources], extra_include_paths=[str(CSRC)],
+                      extra_cflags=["-O3", "-ffp-contract=off"], build_directory=str(directory), verbose=verbose)
+    except Exception as error:  # the compiler's output is in the message
+        failure = RuntimeError(f"could not build hf_zero's {name} extension: {error}")
+        _built[name] = failure
+        raise failure from error
+    _built[name] = module
+    return module
