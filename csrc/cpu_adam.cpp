@@ -213,6 +213,8 @@ void adam_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, t
 std::string isa() { return isa_name(active_isa()); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adam_step", &adam_step, "One fused Adam/AdamW step (fp32 master and moments; fp32/bf16/fp16 grad and out)");
+  // The GIL is released so that a delayed update can run beside the next forward and backward.
+  m.def("adam_step", &adam_step, "One fused Adam/AdamW step (fp32 master and moments; fp32/bf16/fp16 grad and out)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "The instruction set the kernel runs with");
 }

@@ -13,10 +13,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 # Settings whose capability is specified but not built yet: a value other than the default is refused
 # with "not available yet" rather than silently ignored.
-NOT_BUILT_YET = {
-    "offload_optimizer": "none", "offload_param": "none", "nvme_path": None, "delayed_param_update": False,
-    "partition_activations": False, "cpu_checkpointing": False,
-}
+NOT_BUILT_YET = {"nvme_path": None, "partition_activations": False, "cpu_checkpointing": False}
 
 
 class ZeroConfigError(ValueError):
@@ -59,6 +56,8 @@ class ZeroConfig:
     offload_param: str = "none"
     nvme_path: str | None = None
     delayed_param_update: bool = False
+    # Ordinary steps before the delayed update starts (the paper: the first steps move the most).
+    delayed_param_update_warmup: int = 10
     # ZeRO-R: activation checkpoints split across the tensor-parallel group, and/or kept in host memory.
     partition_activations: bool = False
     cpu_checkpointing: bool = False
@@ -100,7 +99,7 @@ class ZeroConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(key, f"must be a positive integer; got {value!r}")
-        for key in ("prefetch_bucket_size", "param_persistence_threshold"):
+        for key in ("prefetch_bucket_size", "param_persistence_threshold", "delayed_param_update_warmup"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 fail(key, f"must be an integer >= 0; got {value!r}")

@@ -23,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_zero import checkpoint
 from hf_zero.comm import Communicator, Ledger
 from hf_zero.config import ZeroConfig
+from hf_zero.offload.delayed import DelayedUpdate
+from hf_zero.offload.host import HOST
 from hf_zero.precision import LossScaler
 from hf_zero.zero.optimizer import ShardedOptimizer, check_optimizer
 from hf_zero.zero.partition import FlatParamBuffer
@@ -127,7 +129,9 @@ class ZeroEngine(nn.Module):
         # 5. apply_optimizer
         self.sharded_optimizer = ShardedOptimizer(
             optimizer, param_chunks, grad_chunks, fp32_init, self.comm, self.scaler,
-            cfg.gradient_clipping, grads_replicated=self.zero_stage == 0)
+            cfg.gradient_clipping, grads_replicated=self.zero_stage == 0,
+            offload=cfg.offload_optimizer != "none",
+            delayed=DelayedUpdate(cfg.delayed_param_update_warmup) if cfg.delayed_param_update else None)
         self._update_state_bytes()
         logger.info(self.ledger.report(self.comm.rank))
 
@@ -150,7 +154,8 @@ class ZeroEngine(nn.Module):
         for flat in self.flats:
             flat.pack_and_bind()
         if self.zero_stage == 2:
-            self.grads = PartitionedGradients(self.flats, self.comm, self.config.overlap_comm)
+            self.grads = PartitionedGradients(self.flats, self.comm, self.config.overlap_comm,
+                                              shard_device=HOST if self.config.offload_optimizer != "none" else None)
         else:
             self.grads = ReplicatedGradients(self.flats, self.comm, self.config.overlap_comm,
                                              partitioned=self.zero_stage == 1)
@@ -163,7 +168,9 @@ class ZeroEngine(nn.Module):
         cfg = self.config
         self.stage3 = Stage3Params(model, groups, self.dtype, self.comm, cfg.unit_module_classes,
                                    cfg.param_persistence_threshold, cfg.prefetch_bucket_size, cfg.overlap_comm,
-                                   cfg.reshard_root_after_forward, init_from, build_device)
+                                   cfg.reshard_root_after_forward, init_from, build_device,
+                                   param_shard_device=HOST if cfg.offload_param != "none" else None,
+                                   grad_shard_device=HOST if cfg.offload_optimizer != "none" else None)
         self.grads = self.stage3.grads
         fp32_init, self.stage3.fp32_init = self.stage3.fp32_init, None
         return self.stage3.param_chunks, self.stage3.grad_chunks(), fp32_init
@@ -236,7 +243,7 @@ class ZeroEngine(nn.Module):
     def optimizer_step(self) -> None:
         """Updates this rank's shard from the reduced gradients and re-shares the parameters."""
         self.grads.allocate()
-        stepped = self.sharded_optimizer.step()
+        stepped = self.sharded_optimizer.step(self.global_steps)
         self.global_grad_norm = self.sharded_optimizer.global_grad_norm
         self.last_step_skipped = not stepped
         if stepped:
@@ -272,6 +279,13 @@ class ZeroEngine(nn.Module):
         for work, _ in in_flight:
             work.wait()
 
+    def finish_pending_update(self) -> None:
+        """With delayed_param_update: waits for the update still running on the host and gives its
+        parameters to the model on every rank. Saving, loading and gathered_parameters() call it; call
+        it yourself before reading parameters directly (all ranks must)."""
+        if self.sharded_optimizer.finish_pending():
+            self._share_updated_params()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the accumulated gradients; they live in the engine's buffers, so `set_to_none` changes nothing."""
         self.grads.zero_grad()
@@ -279,6 +293,7 @@ class ZeroEngine(nn.Module):
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[nn.Module]:
         """Yields the module with every parameter whole (stage 3 gathers them and frees them after)."""
+        self.finish_pending_update()
         if self.stage3 is None:
             yield self.module
         else:
@@ -289,10 +304,12 @@ class ZeroEngine(nn.Module):
     def save_checkpoint(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own partition (safetensors) and rank 0 a manifest; all ranks must call it.
         `client_state` (JSON: a scheduler's state, a data position) comes back from load_checkpoint."""
+        self.finish_pending_update()
         return checkpoint.save(self, directory, client_state)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> dict[str, Any] | None:
         """Loads a checkpoint saved at any world size and stage; returns its client_state."""
+        self.finish_pending_update()
         return checkpoint.load(self, directory)
 
     def managed_flats(self) -> list[list[FlatParamBuffer]]:

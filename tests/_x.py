@@ -1,12 +1,13 @@
-import torch
-from hf_zero.ops import CPUAdam
-for N in (1003, 10007):
- for betas in ((0.9,0.999),(0.9,0.99)):
-  for adamw in (True, False):
-    gen = torch.Generator().manual_seed(0)
-    p=torch.randn(N, generator=gen); q=p.clone()
-    a=CPUAdam([p], lr=1e-2, betas=betas, weight_decay=0.1, adamw_mode=adamw)
-    b=(torch.optim.AdamW if adamw else torch.optim.Adam)([q], lr=1e-2, betas=betas, weight_decay=0.1)
-    for s in range(5):
-      g=torch.randn(N, generator=gen)*3; p.grad=g.clone(); q.grad=g.clone(); a.step(); b.step()
-    d=(p-q).abs(); print(N, betas, adamw, (d>0).sum().item(), d.max().item(), (d>0).nonzero()[:5].flatten().tolist())
+import torch, hf_zero
+from tests.helpers import tiny_model, make_optimizer, batch, named_copy, max_diff
+for clip in (0.0, 0.5):
+  res={}
+  for name, cfg in [("plain", {}), ("off", {"offload_optimizer": "cpu"})]:
+    model=tiny_model("gpt2"); eng=hf_zero.initialize(model, make_optimizer(model), {"zero_stage":1, "gradient_clipping": clip, **cfg})
+    res[name]=[]
+    for step in range(4):
+        b=batch("gpt2", step, 8); eng.backward(eng(**b).loss); eng.step()
+        res[name].append((named_copy(model), eng.global_grad_norm))
+  for s in range(4):
+    a,b=res["plain"][s], res["off"][s]
+    print(clip, s, max_diff(a[0], b[0]), a[1], b[1])

@@ -5,6 +5,7 @@ chunks of the group's flat buffer. In fp32 the chunks are updated in place (the 
 master weights). In bf16/fp16 each group gets one contiguous fp32 master shard; gradients are
 converted to fp32 only for the duration of the step, as the paper's 12Ψ/Nd optimizer-state budget
 assumes. Unscaling, global-norm clipping and the overflow check happen here, once, on the shard.
+With offload the masters, states and update live on the host (hf_zero/offload/).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import math
 import torch
 
 from hf_zero.comm import Communicator
+from hf_zero.offload.delayed import DelayedUpdate
+from hf_zero.offload.host import HOST, HostAdam, adamw_mode_of, to_host_memory
 from hf_zero.precision import LossScaler
 
 
@@ -24,23 +27,31 @@ class ShardedOptimizer:
     grad_chunks[g][k]: the reduced gradient of the same elements.
     fp32_init[g][k]: their fp32 starting values (mixed precision only: the masters' initial values).
     grads_replicated: every rank holds the same whole gradient (stage 0), so the norm needs no all-reduce.
+    offload: the masters and optimizer states live in host memory and the update runs there
+      (hf_zero/offload/host.py); `delayed` then overlaps it with the next step (hf_zero/offload/delayed.py).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
                  comm: Communicator, scaler: LossScaler, gradient_clipping: float,
-                 grads_replicated: bool) -> None:
+                 grads_replicated: bool, offload: bool = False, delayed: DelayedUpdate | None = None) -> None:
         self.optimizer = optimizer
         self.param_chunks, self.grad_chunks = param_chunks, grad_chunks
         self.comm, self.scaler = comm, scaler
         self.gradient_clipping = gradient_clipping
         self.grads_replicated = grads_replicated
-        self.mixed = fp32_init is not None
+        self.offload, self.delayed = offload, delayed
+        # Separate fp32 masters in mixed precision, and whenever the update runs on the host.
+        self.mixed = fp32_init is not None or offload
+        fp32_init = param_chunks if fp32_init is None else fp32_init
+        adamw_mode = adamw_mode_of(optimizer) if offload else None
+        self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
         self.master_shards: list[torch.Tensor] = []
         self.masters: list[list[torch.Tensor]] = []
         for g, group in enumerate(optimizer.param_groups):
             if self.mixed:
                 shard = torch.cat([t.reshape(-1) for t in fp32_init[g]]).float()
+                shard = to_host_memory(shard) if offload else shard
                 self.master_shards.append(shard)
                 self.masters.append(list(torch.split(shard, [c.numel() for c in param_chunks[g]])))
             else:
@@ -48,6 +59,11 @@ class ShardedOptimizer:
                 for master, grad in zip(param_chunks[g], grad_chunks[g]):
                     master.grad = grad
             group["params"] = self.masters[g]
+        # Where the host update writes the new compute-dtype values: straight into the parameter chunk
+        # when it is in host memory and nothing reads it meanwhile, else a host buffer copied over after.
+        staged = offload and (delayed is not None or any(c.device != HOST for cs in param_chunks for c in cs))
+        self.outs = [[to_host_memory(torch.empty_like(c, device=HOST)) if staged else c for c in chunks]
+                     for chunks in param_chunks] if offload else None
         self.global_grad_norm: float | None = None
         self.norm_is_current = False  # computed for the gradients the next step() applies
 
@@ -57,8 +73,8 @@ class ShardedOptimizer:
         inf or NaN when any rank's shard overflowed."""
         local_sq = torch.zeros(1, dtype=torch.float32, device=self._device())
         for grads in self.grad_chunks:
-            for grad in grads:
-                local_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            for grad in grads:  # offloaded gradients are in host memory, the collective runs on the device
+                local_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(local_sq.device)
         if not self.grads_replicated:
             self.comm.all_reduce_(local_sq)
         self.global_grad_norm = math.sqrt(local_sq.item()) / self.scaler.scale
@@ -66,8 +82,9 @@ class ShardedOptimizer:
         return self.global_grad_norm
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Unscales, clips and applies the update; returns False when the step was skipped (overflow)."""
+    def step(self, step_number: int = 0) -> bool:
+        """Unscales, clips and applies the update; returns False when the step was skipped (overflow).
+        `step_number` (from 0) tells a delayed update whether its warm-up is over."""
         norm = self.global_grad_norm if self.norm_is_current else self.compute_grad_norm()
         self.norm_is_current = False
         scale = self.scaler.scale
@@ -77,20 +94,53 @@ class ShardedOptimizer:
         coef = 1.0 / scale
         if self.gradient_clipping > 0:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
-        for g, grads in enumerate(self.grad_chunks):
-            for master, grad in zip(self.masters[g], grads):
-                if self.mixed:
-                    master.grad = grad.to(torch.float32).mul_(coef)
-                elif coef != 1.0:
-                    grad.mul_(coef)
-        self.optimizer.step()
-        if self.mixed:
-            for g, chunks in enumerate(self.param_chunks):
-                for master, chunk in zip(self.masters[g], chunks):
-                    chunk.copy_(master)
-                    master.grad = None
+        if self.delayed is not None and self.delayed.overlaps(step_number):
+            # The next backward refills the gradient buffers while this update runs: it gets a copy.
+            grads = [[grad.to(HOST, copy=True) for grad in grads] for grads in self.grad_chunks]
+            self.finish_pending()
+            self.delayed.launch(lambda: self._update(coef, grads))
+        else:
+            self.finish_pending()
+            self._update(coef, self.grad_chunks)
+            self._publish()
         self.scaler.update(overflow=False)
         return True
+
+    def finish_pending(self) -> bool:
+        """Waits for a delayed update still running and gives its parameters to the chunks; True when
+        there was one (the caller then shares the chunks with the other ranks)."""
+        if self.delayed is None or not self.delayed.wait():
+            return False
+        self._publish()
+        return True
+
+    def _update(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+        """Applies `coef` * gradients to the masters; with offload, writes the new values to `self.outs`."""
+        for g, grads in enumerate(grad_chunks):
+            for k, (master, grad) in enumerate(zip(self.masters[g], grads)):
+                if self.host_adam is not None:
+                    self.host_adam.step_chunk(g, master, grad.to(HOST), self.outs[g][k], coef)
+                elif self.mixed:
+                    master.grad = grad.to(master.device, torch.float32).mul_(coef)
+                elif coef != 1.0:
+                    grad.mul_(coef)
+        if self.host_adam is not None:
+            return
+        self.optimizer.step()
+        if self.mixed:
+            for g, masters in enumerate(self.masters):
+                for k, master in enumerate(masters):
+                    (self.param_chunks if self.outs is None else self.outs)[g][k].copy_(master)
+                    master.grad = None
+
+    def _publish(self) -> None:
+        """Copies staged host values into the parameter chunks (non-blocking to a device)."""
+        if self.outs is None:
+            return
+        for outs, chunks in zip(self.outs, self.param_chunks):
+            for out, chunk in zip(outs, chunks):
+                if out is not chunk:
+                    chunk.copy_(out, non_blocking=True)
 
     @torch.no_grad()
     def set_master(self, g: int, k: int, values: torch.Tensor) -> None:
@@ -100,7 +150,7 @@ class ShardedOptimizer:
             self.param_chunks[g][k].copy_(values)
 
     def _device(self) -> torch.device:
-        return self.param_chunks[0][0].device
+        return self.comm.device
 
     def held_bytes(self) -> int:
         """fp32 masters (mixed precision) plus every tensor in the optimizer's state."""

@@ -4,7 +4,8 @@ No rank keeps a whole gradient. During every backward each parameter's gradient 
 fixed-size buffer of its bucket (C_B) and dropped; when a bucket is full it is reduce-scattered in
 place, asynchronously, while backward goes on, and this rank's chunk is added into `grad_shards`,
 the one preallocated buffer per param group that holds this rank's gradients across accumulation
-steps (M_D). Stage 3 reuses this path with one bucket per unit.
+steps (M_D); with offload_optimizer that buffer is in host memory, and each bucket's chunk goes there
+as soon as it is reduced, while backward goes on. Stage 3 reuses this path with one bucket per unit.
 
 The grad shards take no memory until the first backward: a model built shard by shard at stage 3
 should not pay for its gradients while it is being constructed (or only evaluated).
@@ -21,7 +22,7 @@ from hf_zero.zero.reducer import BucketKey, GradientReducer
 
 class PartitionedGradients(GradientReducer):
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
-                 reuse_buffers: bool = True) -> None:
+                 reuse_buffers: bool = True, shard_device: torch.device | None = None) -> None:
         super().__init__(flat_params, comm, overlap_comm)
         # Stage 2's buckets share one size, so reduced buffers are kept for the next bucket (M_D).
         # Stage 3's buckets are units of many sizes: keeping one of each (the root's is vocabulary
@@ -29,7 +30,8 @@ class PartitionedGradients(GradientReducer):
         self.reuse_buffers = reuse_buffers
         self.shard = comm.rank
         self.dtype = flat_params[0].data.dtype
-        device = flat_params[0].data.device
+        # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
+        device = shard_device or flat_params[0].data.device
         # Each bucket's owned chunk: a view into its group's grad shard.
         self.owned_grads: dict[BucketKey, torch.Tensor] = {}
         self.grad_shards: list[torch.Tensor] = []
@@ -64,7 +66,7 @@ class PartitionedGradients(GradientReducer):
             numel = self.flat_params[key[0]].buckets[key[1]].numel
             spares = self.spare_buffers.get(numel)
             buf = spares.pop().zero_() if spares else torch.zeros(
-                numel, dtype=self.dtype, device=self.grad_shards[0].device)
+                numel, dtype=self.dtype, device=self.flat_params[key[0]].data.device)
             self.bucket_buffers[key] = buf
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
         return buf
@@ -90,7 +92,8 @@ class PartitionedGradients(GradientReducer):
         work = self.comm.reduce_scatter_(owned, buf, async_op=True)
 
         def add_to_shard() -> None:
-            self.owned_grad(*key).add_(owned)
+            grad_shard = self.owned_grad(*key)
+            grad_shard.add_(owned.to(grad_shard.device))
             if self.reuse_buffers:
                 self.spare_buffers.setdefault(buf.numel(), []).append(buf)
 

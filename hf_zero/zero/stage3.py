@@ -51,6 +51,8 @@ class Unit:
             return
         for flat, shard in zip(self.flats, self.shards):
             flat.allocate_storage()
+            # offload_param: the shard comes from host memory first (a prefetched unit's copy overlaps compute).
+            shard = shard.to(flat.data.device, non_blocking=True)
             # Writing into the buffer must not bump the version autograd checks on saved views of it.
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
                 self.works.append(self.comm.all_gather_(flat.data, shard, async_op=True))
@@ -117,8 +119,12 @@ class Stage3Params:
     def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
                  comm: Communicator, unit_module_classes: list[str] | None, persistence_threshold: int,
                  prefetch_numel: int, overlap_comm: bool, reshard_root_after_forward: bool,
-                 init_from: Any = None, device: torch.device | None = None) -> None:
+                 init_from: Any = None, device: torch.device | None = None,
+                 param_shard_device: torch.device | None = None, grad_shard_device: torch.device | None = None
+                 ) -> None:
+        """`param_shard_device` / `grad_shard_device`: where the shards live when offloaded (host memory)."""
         self.comm, self.prefetch_numel = comm, prefetch_numel
+        self.param_shard_device = param_shard_device
         self.reshard_root_after_forward = reshard_root_after_forward
         group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
         unit_modules = find_unit_modules(model, unit_module_classes)
@@ -146,7 +152,7 @@ class Stage3Params:
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
-        self.grads = Stage3Gradients(self, comm, overlap_comm)
+        self.grads = Stage3Gradients(self, comm, overlap_comm, grad_shard_device)
         self.fp32_init = self._shard(len(groups), dtype, model, init_from)
         # Execution orders, recorded as units first run; prefetch follows them.
         self.forward_order: list[Unit] = []
@@ -163,7 +169,7 @@ class Stage3Params:
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
-        self.param_shards = [torch.zeros(n, dtype=dtype, device=device) for n in sizes]
+        self.param_shards = [torch.zeros(n, dtype=dtype, device=self.param_shard_device or device) for n in sizes]
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
         fp32_init: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
@@ -330,8 +336,9 @@ class Stage3Gradients(PartitionedGradients):
     """Stage 2's bucketed reduce-scatter with one bucket per unit and param group; a unit is freed as soon
     as its last gradient has been copied into its bucket."""
 
-    def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool) -> None:
-        super().__init__(params.flats, comm, overlap_comm, reuse_buffers=False)
+    def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool,
+                 shard_device: torch.device | None) -> None:
+        super().__init__(params.flats, comm, overlap_comm, reuse_buffers=False, shard_device=shard_device)
         self.params = params
         self.unit_pending: dict[int, int] = {}
 
