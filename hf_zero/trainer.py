@@ -131,6 +131,8 @@ class ZeroTrainerMixin:
         """Writes a transformers folder (config, safetensors, tokenizer) that from_pretrained loads.
         At stage 3 the ranks gather one unit at a time and the main process writes it as it arrives,
         so no rank holds more than its shard and one unit."""
+        if self.engine is not None:
+            self.engine.finish_pending_update()  # delayed_param_update: the model gets the last update first
         if self.engine is None or self.engine.stage3 is None:
             return super().save_model(output_dir, _internal_call)  # stages 0-2: every rank holds whole weights
         output_dir = self.args.output_dir if output_dir is None else output_dir

@@ -68,6 +68,8 @@ class ZeroArgumentsMixin:
                                                 "[activation_checkpointing.cpu_checkpointing]")
     zero_delayed_param_update: bool | None = _switch("ZeRO-Offload: overlap the CPU step with the next step "
                                                    "(needs --zero_offload_optimizer)")
+    zero_delayed_param_update_warmup: int | None = _flag("ordinary steps before the delayed update starts "
+                                                         "(default 10)")
     zero_config: str | None = _flag("JSON file of engine settings (hf_zero.ZeroConfig keys); flags win over it")
 
     def __post_init__(self) -> None:

@@ -36,13 +36,13 @@ def runs(request) -> list[dict]:
 
 
 
+MODES = [(1, "opt"), (2, "opt"), (3, "opt"), (3, "param"), (3, "opt_param")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("offload", ["opt", "param", "opt_param"])
+@pytest.mark.parametrize("stage, offload", MODES, ids=[f"s{s}_{o}" for s, o in MODES])
 def test_offload_trains_exactly_as_without_it(runs, stage, dtype, offload):
-    if offload != "opt" and stage != 3:
-        pytest.skip("parameters are offloaded at stage 3 only")
     for rank_result in runs:
         plain, offloaded = rank_result[f"s{stage}_{dtype}"], rank_result[f"s{stage}_{dtype}_{offload}"]
         gap = max_diff(offloaded["params"], plain["params"])
