@@ -37,8 +37,16 @@ WORKLOADS = {
 }
 SYSTEMS = ["ddp", "torch_zero_redundancy", "fsdp2", "deepspeed_1", "deepspeed_2", "deepspeed_3",
            "hf_zero_1", "hf_zero_2", "hf_zero_3"]
+# ZeRO-Offload at stage 2 (`--systems` picks them): optimizer on the host, with the delayed update
+# (warm-up 1 step, so that the timed steps run delayed), and states on NVMe under a temporary folder.
+OFFLOAD_SYSTEMS = ["hf_zero_2_offload", "hf_zero_2_offload_dpu", "hf_zero_2_nvme", "deepspeed_2_offload"]
+OFFLOAD_CONFIG = {"offload": {"offload_optimizer": "cpu"},
+                  "offload_dpu": {"offload_optimizer": "cpu", "delayed_param_update": True,
+                                  "delayed_param_update_warmup": 1},
+                  "nvme": {"offload_optimizer": "nvme"}}
 FORMULA_STAGE = {"ddp": 0, "hf_zero_1": 1, "hf_zero_2": 2, "hf_zero_3": 3, "deepspeed_1": 1, "deepspeed_2": 2,
-                 "deepspeed_3": 3, "torch_zero_redundancy": 1, "fsdp2": 3}
+                 "deepspeed_3": 3, "torch_zero_redundancy": 1, "fsdp2": 3,
+                 **{name: 2 for name in OFFLOAD_SYSTEMS}}
 
 
 def build(system: str, model: torch.nn.Module, micro_batch: int):
@@ -59,17 +67,25 @@ def build(system: str, model: torch.nn.Module, micro_batch: int):
     elif system.startswith("deepspeed"):
         import deepspeed
         config = {"train_micro_batch_size_per_gpu": micro_batch, "zero_allow_untested_optimizer": True,
-                  "zero_optimization": {"stage": int(system[-1])}}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                          config=config)
+                  "zero_optimization": {"stage": int(system.split("_")[1])}}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if system.endswith("_offload"):  # DeepSpeed's own CPU Adam, as it requires with offload
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-4)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
         def ds_step(b):
             engine.backward(engine(**b).loss)
             engine.step()
         return ds_step
     else:
-        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                    {"zero_stage": int(system[-1])})
+        _, _, stage, *offload = system.split("_", 3)
+        config = {"zero_stage": int(stage), **OFFLOAD_CONFIG.get("_".join(offload), {})}
+        if config.get("offload_optimizer") == "nvme":
+            import tempfile
+            config["nvme_path"] = tempfile.mkdtemp(prefix="hf_zero_bench_nvme_")
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
 
         def zero_step(b):
             engine.backward(engine(**b).loss)
@@ -109,7 +125,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + OFFLOAD_SYSTEMS)
     p.add_argument("--json", type=Path, help="also write the raw results here")
     p.add_argument("--mmap_threshold", type=int, default=1 << 20,
                    help="glibc MALLOC_MMAP_THRESHOLD_ for every system's processes, in bytes (0: glibc default). "

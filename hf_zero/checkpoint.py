@@ -128,10 +128,16 @@ def _write_shard(engine: "ZeroEngine", partial: Path) -> dict[str, Any] | None:
     opt = engine.sharded_optimizer
     tensors: dict[str, torch.Tensor] = {}
     listed = []
+    scalars: list[dict[str, float]] = [{} for _ in opt.masters]
+    elementwise: set[str] = set()
     for g, chunks in enumerate(chunk_pieces(engine)):
         for k, pieces in enumerate(chunks):
-            master = opt.masters[g][k]
-            state = opt.optimizer.state.get(master, {})
+            master, state = opt.chunk_state(g, k)  # read from the files when the states live on NVMe
+            for key, value in state.items():
+                if is_elementwise(value, master):
+                    elementwise.add(key)
+                else:
+                    scalars[g][key] = float(value)
             for piece in pieces:
                 name, lo, hi, at = piece.slice.name, piece.param_lo, piece.param_hi, piece.range_lo
                 listed.append([name, lo, hi])
@@ -144,20 +150,24 @@ def _write_shard(engine: "ZeroEngine", partial: Path) -> dict[str, Any] | None:
             tensors[f"module/{name}"] = tensor.detach().clone()
     file = partial / f"rank{engine.comm.rank:05d}-of-{engine.comm.world_size:05d}.safetensors"
     save_file(tensors, str(file))
-    return {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file), "pieces": listed}
+    return {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file), "pieces": listed,
+            "optimizer_state": {"scalars": scalars, "elementwise": sorted(elementwise)}}
 
 
 def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, client_state: Any) -> None:
+    shards = [s for s in shards if s is not None]
+    # Every rank saw the same per-group scalars (Adam's step); rank 0's shard always exists.
+    optimizer_state = [s.pop("optimizer_state") for s in shards][0]
     manifest = {
         "format": FORMAT, "version": VERSION, "zero_stage": engine.zero_stage,
         "world_size": engine.comm.world_size, "dtype": engine.config.dtype,
         "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps, "loss_scaler": engine.scaler.state_dict(),
         "parameters": parameter_layout(engine),
-        "optimizer": _optimizer_manifest(engine),
+        "optimizer": _optimizer_manifest(engine, optimizer_state),
         "module_state": sorted(engine.unmanaged_state()),
         "weights": saved_weights(engine),
-        "shards": [s for s in shards if s is not None],
+        "shards": shards,
         "client_state": client_state,
     }
     write_model_files(engine.module, partial)
@@ -171,22 +181,11 @@ def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, clie
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _optimizer_manifest(engine: "ZeroEngine") -> dict[str, Any]:
-    """The optimizer's hyper-parameters and per-step scalars (e.g. Adam's step), per param group."""
+def _optimizer_manifest(engine: "ZeroEngine", state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's hyper-parameters, per-step scalars (e.g. Adam's step) and elementwise state names."""
     opt = engine.sharded_optimizer.optimizer
     groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-    scalars, elementwise = [], set()
-    for group in opt.param_groups:
-        values: dict[str, float] = {}
-        for p in group["params"]:
-            for key, value in opt.state.get(p, {}).items():
-                if is_elementwise(value, p):
-                    elementwise.add(key)
-                else:
-                    values[key] = float(value)
-        scalars.append(values)
-    return {"class": type(opt).__name__, "param_groups": groups, "scalars": scalars,
-            "elementwise": sorted(elementwise)}
+    return {"class": type(opt).__name__, "param_groups": groups, **state}
 
 
 # ---- load ------------------------------------------------------------------------------------
@@ -214,11 +213,14 @@ def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] |
                     for kind, out in values.items():
                         read_range(files, index, kind, piece.slice.name, piece.param_lo, piece.param_hi,
                                     out[piece.range_lo:piece.range_lo + n])
-                opt.set_master(g, k, values.pop("master"))
-                if values:
-                    new_state[position] = {**manifest["optimizer"]["scalars"][g], **values}
+                master = values.pop("master")
+                state = {**manifest["optimizer"]["scalars"][g], **values} if values else {}
+                opt.load_chunk(g, k, master, state)
+                if state:
+                    new_state[position] = state
                 position += 1
-        _load_optimizer(opt.optimizer, manifest, new_state)
+        # States on NVMe went to their files in load_chunk; the optimizer still takes the hyper-parameters.
+        _load_optimizer(opt.optimizer, manifest, {} if opt.nvme is not None else new_state)
         module_state = _read_module_state(files, manifest)
         engine.restore(module_state, manifest)
     return manifest["client_state"]

@@ -13,7 +13,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 # Settings whose capability is specified but not built yet: a value other than the default is refused
 # with "not available yet" rather than silently ignored.
-NOT_BUILT_YET = {"nvme_path": None, "partition_activations": False, "cpu_checkpointing": False}
+NOT_BUILT_YET = {"partition_activations": False, "cpu_checkpointing": False}
 
 
 class ZeroConfigError(ValueError):
@@ -55,6 +55,8 @@ class ZeroConfig:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     nvme_path: str | None = None
+    # NVMe: elements per tile streamed through the pool of 3 host buffer sets (3 x 12 bytes per element).
+    nvme_tile_numel: int = 8_000_000
     delayed_param_update: bool = False
     # Ordinary steps before the delayed update starts (the paper: the first steps move the most).
     delayed_param_update_warmup: int = 10
@@ -95,7 +97,7 @@ class ZeroConfig:
         if self.dtype not in DTYPES:
             fail("dtype", f"must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "gradient_accumulation_steps",
-                    "loss_scale_window"):
+                    "loss_scale_window", "nvme_tile_numel"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(key, f"must be a positive integer; got {value!r}")
@@ -134,6 +136,15 @@ class ZeroConfig:
         if self.nvme_path and not uses_nvme:
             fail("nvme_path", f"is set but nothing is offloaded to nvme; set {name('offload_optimizer')} "
                               f"or {name('offload_param')} to nvme, or drop {name('nvme_path')}")
+        if self.offload_param == "nvme":
+            fail("offload_param", f"nvme is not available yet in hf_zero {_version()} (parameters offload to cpu; "
+                                  f"optimizer states to cpu or nvme); use {name('offload_param')} cpu")
+        if self.nvme_path and uses_nvme:
+            from hf_zero.offload.nvme import NvmeError, check_nvme_path
+            try:
+                check_nvme_path(self.nvme_path)
+            except NvmeError as error:
+                fail("nvme_path", str(error).removeprefix("nvme_path "))
         if self.delayed_param_update and self.offload_optimizer == "none":
             fail("delayed_param_update", f"overlaps the CPU optimizer step; it needs {name('offload_optimizer')} "
                                          f"cpu or nvme")

@@ -94,7 +94,7 @@ class ZeroEngine(nn.Module):
         # 1. check_inputs
         self.config = cfg = ZeroConfig.from_any(config)
         check_model(model, init_from, cfg.zero_stage)
-        check_optimizer(optimizer)
+        check_optimizer(optimizer, cfg)
         groups = trainable_params_by_group(model, optimizer)
         self.module, self.optimizer = model, optimizer
         self.zero_stage, self.dtype = cfg.zero_stage, cfg.torch_dtype
@@ -128,9 +128,8 @@ class ZeroEngine(nn.Module):
         self._cast_rest(model)
         # 5. apply_optimizer
         self.sharded_optimizer = ShardedOptimizer(
-            optimizer, param_chunks, grad_chunks, fp32_init, self.comm, self.scaler,
-            cfg.gradient_clipping, grads_replicated=self.zero_stage == 0,
-            offload=cfg.offload_optimizer != "none",
+            optimizer, param_chunks, grad_chunks, fp32_init, self.comm, self.scaler, cfg,
+            grads_replicated=self.zero_stage == 0,
             delayed=DelayedUpdate(cfg.delayed_param_update_warmup) if cfg.delayed_param_update else None)
         self._update_state_bytes()
         logger.info(self.ledger.report(self.comm.rank))

@@ -101,7 +101,7 @@ class ShardedWeightsWriter:
         f, start = self.place[name]
         data = tensor.detach().to(device="cpu", dtype=want.dtype).contiguous()
         f.seek(start)
-        f.write(_bytes_of(data))
+        f.write(bytes_of(data))
         self.written.add(name)
 
     def close(self) -> list[str]:
@@ -130,7 +130,7 @@ class ShardedWeightsWriter:
             (self.folder / (filename + ".partial")).unlink(missing_ok=True)
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def bytes_of(tensor: torch.Tensor) -> memoryview:
     """The tensor's memory as bytes, without a copy. Not through numpy: a storage handed to numpy can no
     longer be resized, and stage 3 frees gathered buffers by resizing their storage to zero."""
     nbytes = tensor.numel() * tensor.element_size()

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Any
 
 import torch
 
 from hf_zero.comm import Communicator
+from hf_zero.config import ZeroConfig
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HOST, HostAdam, adamw_mode_of, to_host_memory
+from hf_zero.offload.nvme import NvmeAdamStates
 from hf_zero.precision import LossScaler
 
 
@@ -33,25 +36,31 @@ class ShardedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
-                 comm: Communicator, scaler: LossScaler, gradient_clipping: float,
-                 grads_replicated: bool, offload: bool = False, delayed: DelayedUpdate | None = None) -> None:
+                 comm: Communicator, scaler: LossScaler, config: ZeroConfig, grads_replicated: bool,
+                 delayed: DelayedUpdate | None = None) -> None:
         self.optimizer = optimizer
         self.param_chunks, self.grad_chunks = param_chunks, grad_chunks
         self.comm, self.scaler = comm, scaler
-        self.gradient_clipping = gradient_clipping
+        self.gradient_clipping = config.gradient_clipping
         self.grads_replicated = grads_replicated
-        self.offload, self.delayed = offload, delayed
+        self.offload, self.delayed = config.offload_optimizer != "none", delayed
         # Separate fp32 masters in mixed precision, and whenever the update runs on the host.
-        self.mixed = fp32_init is not None or offload
+        self.mixed = fp32_init is not None or self.offload
         fp32_init = param_chunks if fp32_init is None else fp32_init
-        adamw_mode = adamw_mode_of(optimizer) if offload else None
+        adamw_mode = adamw_mode_of(optimizer) if self.offload else None
         self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
+        self.nvme: NvmeAdamStates | None = None
         self.master_shards: list[torch.Tensor] = []
         self.masters: list[list[torch.Tensor]] = []
+        if config.offload_optimizer == "nvme":
+            self.nvme = NvmeAdamStates(config.nvme_path, comm.rank, [[c.numel() for c in cs] for cs in param_chunks],
+                                       fp32_init, self.host_adam, config.nvme_tile_numel)
         for g, group in enumerate(optimizer.param_groups):
-            if self.mixed:
+            if self.nvme is not None:  # the masters are in files; the groups keep the chunks as placeholders
+                self.masters.append(param_chunks[g])
+            elif self.mixed:
                 shard = torch.cat([t.reshape(-1) for t in fp32_init[g]]).float()
-                shard = to_host_memory(shard) if offload else shard
+                shard = to_host_memory(shard) if self.offload else shard
                 self.master_shards.append(shard)
                 self.masters.append(list(torch.split(shard, [c.numel() for c in param_chunks[g]])))
             else:
@@ -61,9 +70,11 @@ class ShardedOptimizer:
             group["params"] = self.masters[g]
         # Where the host update writes the new compute-dtype values: straight into the parameter chunk
         # when it is in host memory and nothing reads it meanwhile, else a host buffer copied over after.
-        staged = offload and (delayed is not None or any(c.device != HOST for cs in param_chunks for c in cs))
-        self.outs = [[to_host_memory(torch.empty_like(c, device=HOST)) if staged else c for c in chunks]
-                     for chunks in param_chunks] if offload else None
+        # NVMe: a step that fails half-way must leave the model at the last good step too.
+        staged = self.offload and (delayed is not None or self.nvme is not None
+                                   or any(c.device != HOST for cs in param_chunks for c in cs))
+        self.outs = [[to_host_memory(torch.zeros_like(c, device=HOST)) if staged else c for c in chunks]
+                     for chunks in param_chunks] if self.offload else None
         self.global_grad_norm: float | None = None
         self.norm_is_current = False  # computed for the gradients the next step() applies
 
@@ -116,6 +127,9 @@ class ShardedOptimizer:
 
     def _update(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
         """Applies `coef` * gradients to the masters; with offload, writes the new values to `self.outs`."""
+        if self.nvme is not None:
+            self.nvme.step(grad_chunks, self.outs, coef)
+            return
         for g, grads in enumerate(grad_chunks):
             for k, (master, grad) in enumerate(zip(self.masters[g], grads)):
                 if self.host_adam is not None:
@@ -142,26 +156,46 @@ class ShardedOptimizer:
                 if out is not chunk:
                     chunk.copy_(out, non_blocking=True)
 
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def chunk_state(self, g: int, k: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The fp32 master of chunk k of group g and its optimizer state, wherever they live."""
+        if self.nvme is not None:
+            values = self.nvme.read_chunk(g, k)
+            master = values.pop("master")
+            return master, ({"step": self.nvme.steps[g], **values} if self.nvme.steps[g] > 0 else {})
+        master = self.masters[g][k]
+        return master, self.optimizer.state.get(master, {})
+
     @torch.no_grad()
-    def set_master(self, g: int, k: int, values: torch.Tensor) -> None:
-        """Sets the fp32 master of chunk k of group g (and its compute-dtype copy), e.g. from a checkpoint."""
-        self.masters[g][k].copy_(values)
+    def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        """Sets chunk k of group g's fp32 master (and its compute-dtype copy) and, on NVMe, its state.
+        In memory the state goes through the optimizer's own load_state_dict (checkpoint.load)."""
+        if self.nvme is not None:
+            self.nvme.write_chunk(g, k, {"master": master, **{kind: state[kind] for kind in ("exp_avg", "exp_avg_sq")
+                                                               if kind in state}})
+            if "step" in state:
+                self.nvme.steps[g] = torch.tensor(float(state["step"]))
+        else:
+            self.masters[g][k].copy_(master)
         if self.mixed:
-            self.param_chunks[g][k].copy_(values)
+            self.param_chunks[g][k].copy_(master)
 
     def _device(self) -> torch.device:
         return self.comm.device
 
     def held_bytes(self) -> int:
-        """fp32 masters (mixed precision) plus every tensor in the optimizer's state."""
+        """fp32 masters (mixed precision) plus every tensor in the optimizer's state, in memory (NVMe: the
+        buffer pool; the files are reported by nvme.file_bytes())."""
         total = sum(s.numel() * s.element_size() for s in self.master_shards)
+        if self.nvme is not None:
+            total += self.nvme.pool_bytes()
         for state in self.optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
         return total
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Rejects optimizers the engine cannot shard, before any work starts."""
+def check_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
+    """Rejects optimizers the engine cannot shard (or offload as asked), before any work starts."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer built on model.parameters(); "
                         f"got {type(optimizer).__name__}")
@@ -170,6 +204,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         raise ValueError(f"optimizer {type(optimizer).__name__} needs a closure in step(), which re-runs the "
                          f"model; ZeRO shards the update and cannot do that. Use Adam, AdamW, SGD or another "
                          f"optimizer whose step() takes no closure.")
+    if config.offload_optimizer == "nvme" and adamw_mode_of(optimizer) is None:
+        raise ValueError(f"offload_optimizer nvme streams Adam/AdamW states; {type(optimizer).__name__} is not "
+                         f"supported there (nor amsgrad or maximize). Use torch.optim.Adam, AdamW or "
+                         f"hf_zero.ops.CPUAdam, or offload_optimizer cpu")
     if optimizer.state:
         raise ValueError("optimizer already has state (it has stepped); pass a fresh optimizer to "
                          "hf_zero.initialize and load its state through the engine")

@@ -24,6 +24,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
+from hf_zero.offload.host import to_host_memory
 from hf_zero.zero.partition import FlatParamBuffer
 from hf_zero.zero.stage2 import PartitionedGradients
 
@@ -169,7 +170,8 @@ class Stage3Params:
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
-        self.param_shards = [torch.zeros(n, dtype=dtype, device=self.param_shard_device or device) for n in sizes]
+        self.param_shards = [torch.zeros(n, dtype=dtype, device=device) if self.param_shard_device is None
+                             else to_host_memory(torch.zeros(n, dtype=dtype)) for n in sizes]
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
         fp32_init: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]

@@ -1,0 +1,164 @@
+"""offload_optimizer nvme (ZeRO-Infinity): states in files, streamed through a bounded pool of host buffers."""
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero.config import ZeroConfigError
+from hf_zero.launch import spawn_gloo
+from hf_zero.memory import peak_rss, reset_peak_rss
+from hf_zero.offload import nvme
+from tests.conftest import SMALL_BUCKETS
+from tests.helpers import batch, max_diff, named_copy, tiny_model
+
+TILE = 1000  # elements: several tiles per chunk, and chunks smaller than a tile
+
+
+def train(config: dict, steps: int, world_rank: tuple[int, int] = (0, 1), engine_out: list | None = None
+          ) -> dict[str, torch.Tensor]:
+    rank, world = world_rank
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
+    for step in range(steps):
+        b = {k: v.chunk(world)[rank] for k, v in batch("gpt2", step, 8).items()}
+        engine.backward(engine(**b).loss)
+        engine.step()
+    if engine_out is not None:
+        engine_out.append(engine)
+    with engine.gathered_parameters():
+        return named_copy(model)
+
+
+def nvme_config(tmp_path, stage: int, dtype: str = "fp32", **more) -> dict:
+    return {"zero_stage": stage, "dtype": dtype, "offload_optimizer": "nvme", "nvme_path": str(tmp_path),
+            "nvme_tile_numel": TILE, **SMALL_BUCKETS, **more}
+
+
+def nvme_matches_cpu_offload(tmp_path) -> dict[str, float]:
+    import torch.distributed as dist
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    gaps = {}
+    for stage in (1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            cpu = train({"zero_stage": stage, "dtype": dtype, "offload_optimizer": "cpu", **SMALL_BUCKETS}, 4,
+                        (rank, world))
+            folder = tmp_path / f"s{stage}_{dtype}"
+            folder.mkdir(parents=True, exist_ok=True)
+            gaps[f"s{stage}_{dtype}"] = max_diff(train(nvme_config(folder, stage, dtype), 4, (rank, world)), cpu)
+    return gaps
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvme_offload_trains_exactly_as_cpu_offload(tmp_path, world):
+    results = [nvme_matches_cpu_offload(tmp_path)] if world == 1 else spawn_gloo(nvme_matches_cpu_offload, 2, tmp_path)
+    for gaps in results:
+        # Same kernel, same order of operations, only the states' home differs: bitwise. (CPU offload
+        # against no offload is tests/offload/test_offload.py.)
+        assert all(gap == 0.0 for gap in gaps.values()), gaps
+
+
+def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_path):
+    """4.2M parameters: 50 MB of states on NVMe (twice: A and B), a 2.4 MB pool."""
+    layer = torch.nn.Linear(2048, 2048)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(2048, 8))
+    tile = 65_536
+    config = {"zero_stage": 2, "offload_optimizer": "nvme", "nvme_path": str(tmp_path), "nvme_tile_numel": tile}
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), config)
+    x = torch.randn(4, 2048)
+    engine.backward(engine(x).sum())
+    states = engine.sharded_optimizer.nvme
+    reset_peak_rss()
+    before = peak_rss()
+    engine.step()
+    grown = peak_rss() - before
+    psi = sum(p.numel() for p in model.parameters())
+    print(f"step grew RSS by {grown / 2**20:.1f} MiB; pool {states.pool_bytes() / 2**20:.1f} MiB; states on NVMe "
+          f"{12 * psi / 2**20:.1f} MiB (x2 files)")
+    assert states.pool_bytes() == 3 * 12 * tile
+    assert grown < states.pool_bytes() + 4 * 2**20   # the pool (touched here first) and small temporaries
+    assert grown < 0.25 * 12 * psi                    # far from the states' size: they stayed on disk
+
+
+def test_resume_from_a_checkpoint_taken_while_states_live_on_nvme(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    config = nvme_config(tmp_path / "nvme", 2)
+    uninterrupted = train(config, 6)
+    engines: list = []
+    train(config, 3, engine_out=engines)
+    engines[0].save_checkpoint(tmp_path / "ckpt")
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
+    engine.load_checkpoint(tmp_path / "ckpt")
+    for step in range(3, 6):
+        engine.backward(engine(**batch("gpt2", step, 8)).loss)
+        engine.step()
+    assert max_diff(named_copy(model), uninterrupted) == 0.0
+    # And the checkpoint holds real moments (read from the files), not zeros.
+    from safetensors import safe_open
+    with safe_open(str(next((tmp_path / "ckpt").glob("rank*.safetensors"))), "pt") as f:
+        assert any(k.startswith("exp_avg_sq/") and f.get_tensor(k).abs().sum() > 0 for k in f.keys())
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing", r"nvme_path '.*/absent' does not exist or is not a folder"),
+    ("readonly", r"nvme_path '.*' is not writable by this process"),
+])
+def test_a_bad_nvme_path_is_refused_before_any_work(tmp_path, problem, message):
+    path = tmp_path / "absent"
+    if problem == "readonly":
+        path = tmp_path / "ro"
+        path.mkdir()
+        path.chmod(0o500)
+        if os.access(path, os.W_OK):
+            pytest.skip("running as a user that can write anywhere (root)")
+    with pytest.raises(ZeroConfigError, match=message):
+        hf_zero.ZeroConfig.from_any({"zero_stage": 2, "offload_optimizer": "nvme", "nvme_path": str(path)})
+
+
+def test_a_full_disk_during_a_write_raises_and_keeps_the_last_good_state(tmp_path, monkeypatch):
+    engines: list = []
+    good = train(nvme_config(tmp_path, 2), 2, engine_out=engines)
+    engine = engines[0]
+    states = engine.sharded_optimizer.nvme
+    before = {(g, k): states.read_chunk(g, k) for g, ks in enumerate(states.chunk_numels) for k in range(len(ks))}
+    real_pwritev = os.pwritev
+    calls = {"n": 0}
+
+    def pwritev_until_full(fd, buffers, offset):
+        calls["n"] += 1
+        if calls["n"] > 3:  # a few tiles get written, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwritev(fd, buffers, offset)
+
+    engine.backward(engine(**batch("gpt2", 2, 8)).loss)
+    monkeypatch.setattr(nvme.os, "pwritev", pwritev_until_full)
+    with pytest.raises(nvme.NvmeError, match=r"writing .*group\d\.\w+\.[AB] at byte \d+ failed: No space left on "
+                                             r"device. The optimizer state of the last completed step is intact"):
+        engine.step()
+    monkeypatch.setattr(nvme.os, "pwritev", real_pwritev)
+    for (g, k), values in before.items():
+        after = states.read_chunk(g, k)
+        assert all(torch.equal(after[kind], values[kind]) for kind in values)
+    with engine.gathered_parameters():  # and the model still holds the weights of the last good step
+        assert max_diff(named_copy(engine.module), good) == 0.0
+
+
+def test_a_disk_too_small_is_refused_when_the_engine_is_built(tmp_path, monkeypatch):
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(nvme.os, "posix_fallocate", no_space)
+    model = tiny_model("gpt2")
+    with pytest.raises(nvme.NvmeError, match=r"cannot allocate .* MiB for .*group0\.master\.A \(No space left on "
+                                             r"device\); .* MiB free under nvme_path"):
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), nvme_config(tmp_path, 2))
+
+
+def test_nvme_needs_an_adam_family_optimizer(tmp_path):
+    model = tiny_model("gpt2")
+    with pytest.raises(ValueError, match="offload_optimizer nvme streams Adam/AdamW states; SGD"):
+        hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), nvme_config(tmp_path, 2))
