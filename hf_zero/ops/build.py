@@ -46,8 +46,9 @@ def load_extension(name: str, sources: list[str], verbose: bool = False) -> Modu
         directory.mkdir(parents=True, exist_ok=True)
         # No -march=native: the binary must run on any x86-64; the kernels pick AVX-512/AVX2 at run time.
         # No contraction of a*b+c into FMAs behind our back: the kernels fuse exactly where ATen does.
+        # -fopenmp: at::parallel_for is a header template; without it the loop runs on one thread.
         module = load(name=name, sources=[str(CSRC / s) for s in sources], extra_include_paths=[str(CSRC)],
-                      extra_cflags=["-O3", "-ffp-contract=off"], build_directory=str(directory), verbose=verbose)
+                      extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
     except Exception as error:  # the compiler's output is in the message
         failure = RuntimeError(f"could not build hf_zero's {name} extension: {error}")
         _built[name] = failure
