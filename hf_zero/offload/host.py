@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.ops import CPUAdam, adam_step, cpu_adam_kernel
+from hf_zero.ops import CPUAdam, adam_step_with_state, cpu_adam_kernel
 
 HOST = torch.device("cpu")
 
@@ -43,23 +43,11 @@ class HostAdam:
         self.optimizer, self.adamw_mode = optimizer, adamw_mode
         self.kernel = cpu_adam_kernel()
 
-    def state_of(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
-        state = self.optimizer.state[master]
-        if not state:  # what torch's Adam creates at its first step
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
-        return state
-
     @torch.no_grad()
     def step_chunk(self, g: int, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
                    grad_scale: float, state: dict[str, torch.Tensor] | None = None) -> None:
         """One update of `master` (fp32, host) from `grad` (any float dtype, host) times grad_scale;
         `out` (host) receives the new values in its dtype. `state` defaults to optimizer.state[master]."""
-        group = self.optimizer.param_groups[g]
-        state = self.state_of(master) if state is None else state
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
-        adam_step(master, grad, state["exp_avg"], state["exp_avg_sq"], out, int(state["step"].item()),
-                  float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], self.adamw_mode[g],
-                  grad_scale, self.kernel)
+        adam_step_with_state(self.optimizer.param_groups[g], self.adamw_mode[g],
+                             self.optimizer.state[master] if state is None else state, master, grad, out,
+                             grad_scale, self.kernel)

@@ -143,7 +143,6 @@ class NvmeAdamStates:
     def step(self, grad_chunks: list[list[torch.Tensor]], outs: list[list[torch.Tensor]], grad_scale: float) -> None:
         """One Adam step over every tile; `outs` receive the new parameters in their dtype."""
         tiles = self.tiles()
-        steps = [s + 1 for s in self.steps]
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
         try:
@@ -158,10 +157,11 @@ class NvmeAdamStates:
                 reads.pop(i).result()
                 slot = self.slots[i % SLOTS]
                 n = tile.hi - tile.lo
-                state = {"step": steps[tile.g].clone() - 1, "exp_avg": slot["exp_avg"][:n],
+                state = {"step": self.steps[tile.g].clone(), "exp_avg": slot["exp_avg"][:n],
                          "exp_avg_sq": slot["exp_avg_sq"][:n]}
-                self.host_adam.step_chunk(tile.g, slot["master"][:n], grad_chunks[tile.g][tile.k][tile.lo:tile.hi].to(HOST),
-                                          outs[tile.g][tile.k][tile.lo:tile.hi], grad_scale, state)
+                grad = grad_chunks[tile.g][tile.k][tile.lo:tile.hi].to(HOST)
+                self.host_adam.step_chunk(tile.g, slot["master"][:n], grad, outs[tile.g][tile.k][tile.lo:tile.hi],
+                                          grad_scale, state)
                 writes[i % SLOTS] = self.io.submit(self._transfer, False, tile, slot)
         finally:  # never leave I/O running into the next step, even when one failed
             pending = list(reads.values()) + list(writes.values())
@@ -169,7 +169,7 @@ class NvmeAdamStates:
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             raise failed
-        self.steps = steps
+        self.steps = [s + 1 for s in self.steps]
         self.side = 1 - self.side  # only now: a failure above leaves the previous side current
 
     def close(self) -> None:

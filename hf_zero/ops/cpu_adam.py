@@ -72,20 +72,12 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 self._check(param)
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                state["step"] += 1
-                adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], self.mirrors.get(param),
-                          int(state["step"].item()), group["lr"], beta1, beta2, group["eps"],
-                          group["weight_decay"], group["adamw_mode"], grad_scale, self.kernel)
+                adam_step_with_state(group, group["adamw_mode"], self.state[param], param, param.grad,
+                                     self.mirrors.get(param), grad_scale, self.kernel)
         return loss
 
     @staticmethod
@@ -96,6 +88,20 @@ class CPUAdam(torch.optim.Optimizer):
         if param.grad.device.type != "cpu" or param.grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"CPUAdam needs fp32, bf16 or fp16 CPU gradients; got {param.grad.dtype} on "
                              f"{param.grad.device}")
+
+
+def adam_step_with_state(group: dict[str, Any], adamw_mode: bool, state: dict[str, Any], param: torch.Tensor,
+                         grad: torch.Tensor, out: torch.Tensor | None, grad_scale: float, kernel=None) -> None:
+    """One step of `param` with an optimizer param group's hyper-parameters and torch Adam's state layout
+    (`step`, `exp_avg`, `exp_avg_sq`), created at the first step as torch's Adam creates it."""
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+    state["step"] += 1
+    beta1, beta2 = group["betas"]
+    adam_step(param, grad, state["exp_avg"], state["exp_avg_sq"], out, int(state["step"].item()),
+              float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], adamw_mode, grad_scale, kernel)
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -111,12 +111,10 @@ class FlatParamBuffer:
         return flat[s.offset:s.offset + s.numel].view(s.shape)
 
     def allocate_storage(self) -> None:
-        """Gives the buffer its memory back after `release_storage` (views of it see the new memory)."""
-        self.data.untyped_storage().resize_(self.padded_numel * self.data.element_size())
+        allocate_storage(self.data)
 
     def release_storage(self) -> None:
-        """Frees the buffer's memory but keeps the tensor, so views autograd saved stay valid to refill."""
-        self.data.untyped_storage().resize_(0)
+        release_storage(self.data)
 
     @torch.no_grad()
     def pack_and_bind(self) -> None:
@@ -139,3 +137,18 @@ class FlatParamBuffer:
     def owned_chunk(self, bucket: Bucket, shard: int, flat: torch.Tensor | None = None) -> torch.Tensor:
         lo, hi = bucket.owned_range(shard)
         return (self.data if flat is None else flat)[lo:hi]
+
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Frees a tensor's memory but keeps the tensor and its storage object, so views of it (autograd's
+    saved ones, an optimizer's) stay valid and see the memory once `allocate_storage` gives it back."""
+    tensor.untyped_storage().resize_(0)
+
+
+def allocate_storage(tensor: torch.Tensor) -> bool:
+    """Gives a released tensor its memory back (uninitialised); False when it already had it."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().nbytes() >= nbytes:
+        return False
+    tensor.untyped_storage().resize_(nbytes)
+    return True

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.zero.partition import FlatParamBuffer, Piece
+from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, release_storage
 from hf_zero.zero.reducer import BucketKey, GradientReducer
 
 
@@ -43,7 +43,7 @@ class PartitionedGradients(GradientReducer):
             for b in flat.buckets:
                 self.owned_grads[(fi, b.index)] = grad_shard[offset:offset + b.chunk_numel]
                 offset += b.chunk_numel
-            grad_shard.untyped_storage().resize_(0)
+            release_storage(grad_shard)
             self.grad_shards.append(grad_shard)
         self.bucket_buffers: dict[BucketKey, torch.Tensor] = {}
         self.spare_buffers: dict[int, list[torch.Tensor]] = {}
@@ -51,9 +51,7 @@ class PartitionedGradients(GradientReducer):
 
     def allocate(self) -> None:
         for grad_shard in self.grad_shards:
-            nbytes = grad_shard.numel() * grad_shard.element_size()
-            if grad_shard.untyped_storage().nbytes() < nbytes:
-                grad_shard.untyped_storage().resize_(nbytes)
+            if allocate_storage(grad_shard):
                 grad_shard.zero_()
 
     def begin(self, reduce: bool) -> None:
