@@ -25,6 +25,7 @@ from hf_zero.comm import Communicator, Ledger
 from hf_zero.config import ZeroConfig
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HOST
+from hf_zero.offload.nvme import ParamReader
 from hf_zero.precision import LossScaler
 from hf_zero.zero.optimizer import ShardedOptimizer, check_optimizer
 from hf_zero.zero.partition import FlatParamBuffer
@@ -131,6 +132,8 @@ class ZeroEngine(nn.Module):
             optimizer, param_chunks, grad_chunks, fp32_init, self.comm, self.scaler, cfg,
             grads_replicated=self.zero_stage == 0,
             delayed=DelayedUpdate(cfg.delayed_param_update_warmup) if cfg.delayed_param_update else None)
+        if self.sharded_optimizer.params_on_nvme:
+            self.stage3.read_shards_from(ParamReader(self.sharded_optimizer.nvme))
         self._update_state_bytes()
         logger.info(self.ledger.report(self.comm.rank))
 

@@ -10,6 +10,12 @@ Every state has two files, A and B: a step reads one and writes the other, and o
 every tile switches to the new side. A failed write (a full disk, a removed drive) therefore leaves the
 last good state untouched, and the error says which file. The files are fully allocated when the
 engine is built, so a disk too small is refused before training starts.
+
+With `offload_param: nvme` (stage 3) the compute-dtype parameter shard is one more file pair in the
+same tile stream: each tile's update writes the new parameters beside the new states, so parameters and
+states switch sides together. Units read their chunk from the published side (`ParamReader`) when they
+are gathered; the side is published only when the step is handed to the model, so a delayed update
+writing the other side never shows the forward a half-written shard.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import torch
 from hf_zero.export import bytes_of
 from hf_zero.offload.host import HOST, HostAdam, to_host_memory
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # fp32, read and written by every step
 SLOTS = 3  # reading the next tile, updating this one, writing the last one
 
 
@@ -39,7 +45,7 @@ class Tile:
     k: int       # chunk within the group
     lo: int      # elements [lo, hi) of the chunk
     hi: int
-    offset: int  # byte offset in the group's files
+    start: int   # element offset of the tile in the group's files
 
 
 def check_nvme_path(path: str | os.PathLike) -> Path:
@@ -55,31 +61,40 @@ def check_nvme_path(path: str | os.PathLike) -> Path:
 
 
 class NvmeAdamStates:
-    """The masters and Adam moments of this rank's chunks in files, stepped tile by tile with HostAdam."""
+    """The masters and Adam moments of this rank's chunks in files, stepped tile by tile with HostAdam;
+    with `param_dtype`, the compute-dtype parameters too (offload_param nvme)."""
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int, chunk_numels: list[list[int]],
-                 fp32_init: list[list[torch.Tensor]], host_adam: HostAdam, tile_numel: int) -> None:
+                 fp32_init: list[list[torch.Tensor]], host_adam: HostAdam, tile_numel: int,
+                 param_dtype: torch.dtype | None = None) -> None:
         self.folder = check_nvme_path(nvme_path) / f"rank{rank:05d}"
         shutil.rmtree(self.folder, ignore_errors=True)  # states of an earlier run are never resumed from here
         self.folder.mkdir()
         self.host_adam, self.tile_numel = host_adam, tile_numel
         self.chunk_numels = chunk_numels
-        self.chunk_offsets = [[4 * sum(numels[:k]) for k in range(len(numels))] for numels in chunk_numels]
+        self.chunk_starts = [[sum(numels[:k]) for k in range(len(numels))] for numels in chunk_numels]
+        self.dtypes = {kind: torch.float32 for kind in STATE_KINDS}
+        if param_dtype is not None:
+            self.dtypes["param"] = param_dtype
+        self.holds_params = param_dtype is not None
         self.steps = [torch.tensor(0.0) for _ in chunk_numels]  # Adam's step, one per param group
         self.side = 0  # which of the A/B files hold the current state
+        self.published_side = 0  # which side the model's parameters are read from (offload_param nvme)
         self.fds: dict[tuple[int, str, int], int] = {}
         for g, numels in enumerate(chunk_numels):
-            for kind in KINDS:
+            for kind, dtype in self.dtypes.items():
                 for side in (0, 1):
-                    self.fds[(g, kind, side)] = self._allocate(self._path(g, kind, side), 4 * sum(numels))
+                    self.fds[(g, kind, side)] = self._allocate(self._path(g, kind, side),
+                                                               sum(numels) * dtype.itemsize)
         tile = min(tile_numel, max((n for numels in chunk_numels for n in numels), default=1))
-        self.slots = [{kind: to_host_memory(torch.empty(tile)) for kind in KINDS} for _ in range(SLOTS)]
+        self.slots = [{kind: to_host_memory(torch.empty(tile, dtype=dtype)) for kind, dtype in self.dtypes.items()}
+                      for _ in range(SLOTS)]
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-nvme")
         for g, chunks in enumerate(fp32_init):
             for k, values in enumerate(chunks):
-                self.write_chunk(g, k, {"master": values.reshape(-1).float(),
-                                        "exp_avg": torch.zeros(values.numel()),
-                                        "exp_avg_sq": torch.zeros(values.numel())}, side=self.side)
+                zeros = torch.zeros(values.numel())
+                self.write_chunk(g, k, {"master": values.reshape(-1).float(), "exp_avg": zeros, "exp_avg_sq": zeros},
+                                 side=self.side)
 
     def _path(self, g: int, kind: str, side: int) -> Path:
         return self.folder / f"group{g}.{kind}.{'AB'[side]}"
@@ -101,11 +116,13 @@ class NvmeAdamStates:
         return sum(t.numel() * t.element_size() for slot in self.slots for t in slot.values())
 
     def file_bytes(self) -> int:
-        return 2 * 12 * sum(sum(numels) for numels in self.chunk_numels)
+        numel = sum(sum(numels) for numels in self.chunk_numels)
+        return 2 * numel * sum(dtype.itemsize for dtype in self.dtypes.values())
 
     # ---- file I/O --------------------------------------------------------------------------------
-    def _io(self, read: bool, g: int, kind: str, side: int, offset: int, tensor: torch.Tensor) -> None:
-        fd, view = self.fds[(g, kind, side)], bytes_of(tensor)
+    def _io(self, read: bool, g: int, kind: str, side: int, start: int, tensor: torch.Tensor) -> None:
+        """Reads or writes `tensor` at element `start` of a state's file."""
+        fd, view, offset = self.fds[(g, kind, side)], bytes_of(tensor), start * self.dtypes[kind].itemsize
         try:
             done = os.preadv(fd, [view], offset) if read else os.pwritev(fd, [view], offset)
             if done != len(view):
@@ -117,31 +134,41 @@ class NvmeAdamStates:
 
     def read_chunk(self, g: int, k: int) -> dict[str, torch.Tensor]:
         """A chunk's master and moments, read into new tensors (checkpoints)."""
-        values = {kind: torch.empty(self.chunk_numels[g][k]) for kind in KINDS}
+        values = {kind: torch.empty(self.chunk_numels[g][k]) for kind in STATE_KINDS}
         for kind, tensor in values.items():
-            self._io(True, g, kind, self.side, self.chunk_offsets[g][k], tensor)
+            self._io(True, g, kind, self.side, self.chunk_starts[g][k], tensor)
         return values
 
     def write_chunk(self, g: int, k: int, values: dict[str, torch.Tensor], side: int | None = None) -> None:
-        """Sets a chunk's master and moments (start-up and checkpoint loading)."""
+        """Sets a chunk's master and moments, and parameters if given (start-up and checkpoint loading)."""
         for kind, tensor in values.items():
-            self._io(False, g, kind, self.side if side is None else side, self.chunk_offsets[g][k],
-                     tensor.contiguous())
+            self._io(False, g, kind, self.side if side is None else side, self.chunk_starts[g][k],
+                     tensor.to(self.dtypes[kind]).contiguous())
+
+    def read_param(self, g: int, k: int, out: torch.Tensor) -> None:
+        """Chunk k of group g's parameters, as last published, into `out` (a unit being gathered)."""
+        self._io(True, g, "param", self.published_side, self.chunk_starts[g][k], out)
+
+    def publish(self) -> None:
+        """Hands the last completed step's parameters to the model: later reads see them."""
+        self.published_side = self.side
 
     # ---- the step --------------------------------------------------------------------------------
     def tiles(self) -> list[Tile]:
-        return [Tile(g, k, lo, min(lo + self.tile_numel, n), self.chunk_offsets[g][k] + 4 * lo)
+        return [Tile(g, k, lo, min(lo + self.tile_numel, n), self.chunk_starts[g][k] + lo)
                 for g, numels in enumerate(self.chunk_numels) for k, n in enumerate(numels)
                 for lo in range(0, n, self.tile_numel)]
 
     def _transfer(self, read: bool, tile: Tile, slot: dict[str, torch.Tensor]) -> None:
         side = self.side if read else 1 - self.side
-        for kind in KINDS:
-            self._io(read, tile.g, kind, side, tile.offset, slot[kind][:tile.hi - tile.lo])
+        for kind in STATE_KINDS if read else self.dtypes:  # parameters are only written
+            self._io(read, tile.g, kind, side, tile.start, slot[kind][:tile.hi - tile.lo])
 
     @torch.no_grad()
-    def step(self, grad_chunks: list[list[torch.Tensor]], outs: list[list[torch.Tensor]], grad_scale: float) -> None:
-        """One Adam step over every tile; `outs` receive the new parameters in their dtype."""
+    def step(self, grad_chunks: list[list[torch.Tensor]], outs: list[list[torch.Tensor]] | None,
+             grad_scale: float) -> None:
+        """One Adam step over every tile; the new parameters go, in their dtype, to `outs` or (when the
+        parameters live here too) to the files."""
         tiles = self.tiles()
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
@@ -160,8 +187,8 @@ class NvmeAdamStates:
                 state = {"step": self.steps[tile.g].clone(), "exp_avg": slot["exp_avg"][:n],
                          "exp_avg_sq": slot["exp_avg_sq"][:n]}
                 grad = grad_chunks[tile.g][tile.k][tile.lo:tile.hi].to(HOST)
-                self.host_adam.step_chunk(tile.g, slot["master"][:n], grad, outs[tile.g][tile.k][tile.lo:tile.hi],
-                                          grad_scale, state)
+                out = slot["param"][:n] if self.holds_params else outs[tile.g][tile.k][tile.lo:tile.hi]
+                self.host_adam.step_chunk(tile.g, slot["master"][:n], grad, out, grad_scale, state)
                 writes[i % SLOTS] = self.io.submit(self._transfer, False, tile, slot)
         finally:  # never leave I/O running into the next step, even when one failed
             pending = list(reads.values()) + list(writes.values())
@@ -177,3 +204,34 @@ class NvmeAdamStates:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+class ParamReader:
+    """Host buffers for the parameter chunks of stage-3 units being gathered (offload_param nvme).
+
+    A chunk is read into a buffer that stays lent until its unit's all-gather has finished (`release`).
+    Buffers are reused, so the pool grows to the number of chunks in flight at once (the unit in use and
+    those prefetched, bounded by prefetch_bucket_size), not to the shard."""
+
+    def __init__(self, states: NvmeAdamStates) -> None:
+        self.states = states
+        self.buffer_numel = max((n for numels in states.chunk_numels for n in numels), default=0)
+        self.free: list[torch.Tensor] = []
+        self.created = 0
+
+    def read(self, g: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk k of group g, the pool buffer it lies in: give it back with `release`)."""
+        if self.free:
+            buffer = self.free.pop()
+        else:
+            buffer = to_host_memory(torch.empty(self.buffer_numel, dtype=self.states.dtypes["param"]))
+            self.created += 1
+        chunk = buffer[:self.states.chunk_numels[g][k]]
+        self.states.read_param(g, k, chunk)
+        return chunk, buffer
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self.free.append(buffer)
+
+    def pool_bytes(self) -> int:
+        return self.created * self.buffer_numel * self.states.dtypes["param"].itemsize

@@ -53,8 +53,14 @@ class ShardedOptimizer:
         self.master_shards: list[torch.Tensor] = []
         self.masters: list[list[torch.Tensor]] = []
         if config.offload_optimizer == "nvme":
+            # offload_param nvme: the compute-dtype parameters go into the same files' tile stream.
+            param_dtype = param_chunks[0][0].dtype if config.offload_param == "nvme" else None
             self.nvme = NvmeAdamStates(config.nvme_path, comm.rank, [[c.numel() for c in cs] for cs in param_chunks],
-                                       fp32_init, self.host_adam, config.nvme_tile_numel)
+                                       fp32_init, self.host_adam, config.nvme_tile_numel, param_dtype)
+            if param_dtype is not None:
+                for g, chunks in enumerate(param_chunks):
+                    for k, chunk in enumerate(chunks):
+                        self.nvme.write_chunk(g, k, {"param": chunk})
         for g, group in enumerate(optimizer.param_groups):
             if self.nvme is not None:  # the masters are in files; the groups keep the chunks as placeholders
                 self.masters.append(param_chunks[g])
@@ -70,11 +76,12 @@ class ShardedOptimizer:
             group["params"] = self.masters[g]
         # Where the host update writes the new compute-dtype values: straight into the parameter chunk
         # when it is in host memory and nothing reads it meanwhile, else a host buffer copied over after.
-        # NVMe: a step that fails half-way must leave the model at the last good step too.
+        # NVMe: a step that fails half-way must leave the model at the last good step too. With the
+        # parameters on NVMe as well, the step writes them to the files itself.
         staged = self.offload and (delayed is not None or self.nvme is not None
                                    or any(c.device != HOST for cs in param_chunks for c in cs))
         self.outs = [[to_host_memory(torch.zeros_like(c, device=HOST)) if staged else c for c in chunks]
-                     for chunks in param_chunks] if self.offload else None
+                     for chunks in param_chunks] if self.offload and not self.params_on_nvme else None
         self.global_grad_norm: float | None = None
         self.norm_is_current = False  # computed for the gradients the next step() applies
 
@@ -147,8 +154,15 @@ class ShardedOptimizer:
                     (self.param_chunks if self.outs is None else self.outs)[g][k].copy_(master)
                     master.grad = None
 
+    @property
+    def params_on_nvme(self) -> bool:
+        return self.nvme is not None and self.nvme.holds_params
+
     def _publish(self) -> None:
-        """Copies staged host values into the parameter chunks (non-blocking to a device)."""
+        """Copies staged host values into the parameter chunks (non-blocking to a device), or points the
+        units' reads at the files' new side."""
+        if self.params_on_nvme:
+            self.nvme.publish()
         if self.outs is None:
             return
         for outs, chunks in zip(self.outs, self.param_chunks):
@@ -171,13 +185,14 @@ class ShardedOptimizer:
         """Sets chunk k of group g's fp32 master (and its compute-dtype copy) and, on NVMe, its state.
         In memory the state goes through the optimizer's own load_state_dict (checkpoint.load)."""
         if self.nvme is not None:
-            self.nvme.write_chunk(g, k, {"master": master, **{kind: state[kind] for kind in ("exp_avg", "exp_avg_sq")
-                                                               if kind in state}})
+            params = {"param": master} if self.params_on_nvme else {}
+            self.nvme.write_chunk(g, k, {"master": master, **params,
+                                         **{kind: state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state}})
             if "step" in state:
                 self.nvme.steps[g] = torch.tensor(float(state["step"]))
         else:
             self.masters[g][k].copy_(master)
-        if self.mixed:
+        if self.mixed and not self.params_on_nvme:
             self.param_chunks[g][k].copy_(master)
 
     def _device(self) -> torch.device:

@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
 from hf_zero.offload.host import to_host_memory
-from hf_zero.zero.partition import FlatParamBuffer
+from hf_zero.offload.nvme import ParamReader
+from hf_zero.zero.partition import FlatParamBuffer, release_storage
 from hf_zero.zero.stage2 import PartitionedGradients
 
 
@@ -38,6 +39,9 @@ class Unit:
         self.comm, self.persistent = comm, persistent
         self.numel = sum(f.padded_numel for f in flats)
         self.shards: list[torch.Tensor] = []  # this rank's chunk of each flat buffer (set by Stage3Params)
+        self.shard_ids: list[tuple[int, int]] = []  # (param group, chunk) of each, in the optimizer's order
+        self.reader: ParamReader | None = None  # offload_param nvme: the chunks are read from files
+        self.reading: list[torch.Tensor] = []  # the reader's buffers lent until the all-gathers finish
         # Storage is released at once: holding every unit's buffer while sharding would hold a second
         # whole copy of the model; `adopt_params` fills and frees them one unit at a time.
         for flat in flats:
@@ -50,8 +54,9 @@ class Unit:
         """Starts the all-gather of every flat buffer of the unit (asynchronously)."""
         if self.gathered:
             return
-        for flat, shard in zip(self.flats, self.shards):
+        for i, flat in enumerate(self.flats):
             flat.allocate_storage()
+            shard = self.shards[i] if self.reader is None else self._read(i)
             # offload_param: the shard comes from host memory first (a prefetched unit's copy overlaps compute).
             shard = shard.to(flat.data.device, non_blocking=True)
             # Writing into the buffer must not bump the version autograd checks on saved views of it.
@@ -60,6 +65,11 @@ class Unit:
             for s in flat.slices:
                 s.param.data = flat.view_of(s)
         self.gathered = True
+
+    def _read(self, i: int) -> torch.Tensor:
+        chunk, buffer = self.reader.read(*self.shard_ids[i])
+        self.reading.append(buffer)
+        return chunk
 
     @torch.no_grad()
     def adopt_params(self) -> None:
@@ -82,6 +92,9 @@ class Unit:
         for work in self.works:
             work.wait()
         self.works.clear()
+        for buffer in self.reading:
+            self.reader.release(buffer)
+        self.reading.clear()
 
     def free(self) -> None:
         if self.persistent or not self.gathered:
@@ -126,6 +139,7 @@ class Stage3Params:
         """`param_shard_device` / `grad_shard_device`: where the shards live when offloaded (host memory)."""
         self.comm, self.prefetch_numel = comm, prefetch_numel
         self.param_shard_device = param_shard_device
+        self.reader: ParamReader | None = None
         self.reshard_root_after_forward = reshard_root_after_forward
         group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
         unit_modules = find_unit_modules(model, unit_module_classes)
@@ -185,6 +199,7 @@ class Stage3Params:
             fp32 = None if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=device)
             if fp32 is not None:
                 fp32_init[g].append(fp32)
+            unit.shard_ids.append((g, len(self.param_chunks[g])))
             self.param_chunks[g].append(chunk)
             self.chunk_flats[g].append(fi)
             unit.shards.append(chunk)
@@ -222,6 +237,17 @@ class Stage3Params:
 
         init_from.fill(model, self.units, open_unit, close_unit, rank)
         return None if dtype == torch.float32 else fp32_init
+
+    def read_shards_from(self, reader: ParamReader) -> None:
+        """offload_param nvme: from now on units read their chunks from the files (the optimizer wrote
+        them there), and the shards' host memory is given back. The optimizer keeps the chunks' tensors as
+        placeholders; their storage is empty, so reading one fails loudly."""
+        for unit in self.units:
+            unit.reader, unit.shards = reader, []
+        for shard in self.param_shards:
+            release_storage(shard)
+        self.param_shards = []
+        self.reader = reader
 
     def _leave_meta(self, device: torch.device) -> None:
         """Turns each meta parameter into an empty one on `device`, keeping the Parameter object (the
@@ -305,6 +331,8 @@ class Stage3Params:
         """Every unit gathered for the duration (read-only use: inspection, tests, export)."""
         for unit in self.units:
             unit.gather()
+            if self.reader is not None:  # read buffers go back at once: the pool stays one unit deep
+                unit.wait()
         for unit in self.units:
             unit.wait()
         try:
@@ -331,7 +359,8 @@ class Stage3Params:
 
     def held_bytes(self) -> int:
         gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)
-        return gathered + sum(s.numel() * s.element_size() for s in self.param_shards)
+        pool = self.reader.pool_bytes() if self.reader is not None else 0
+        return gathered + pool + sum(s.numel() * s.element_size() for s in self.param_shards)
 
 
 class Stage3Gradients(PartitionedGradients):

@@ -1,4 +1,5 @@
-"""offload_optimizer nvme (ZeRO-Infinity): states in files, streamed through a bounded pool of host buffers."""
+"""offload_optimizer nvme and offload_param nvme (ZeRO-Infinity): states and parameters in files, streamed
+through bounded pools of host buffers."""
 from __future__ import annotations
 
 import errno
@@ -39,16 +40,23 @@ def nvme_config(tmp_path, stage: int, dtype: str = "fp32", **more) -> dict:
 
 
 def nvme_matches_cpu_offload(tmp_path) -> dict[str, float]:
+    """Per case, the largest gap between the NVMe run and the same run with the states in host memory."""
     import torch.distributed as dist
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    cases = [(f"s{stage}_{dtype}", {"zero_stage": stage, "dtype": dtype}, {})
+             for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+    # offload_param nvme: the parameter shards in files too, against parameter shards in host memory.
+    delayed = {"delayed_param_update": True, "delayed_param_update_warmup": 2}
+    cases += [(f"s3_{dtype}_param{'_delayed' if more else ''}", {"zero_stage": 3, "dtype": dtype, **more},
+               {"offload_param": "nvme"}) for dtype in ("fp32", "bf16") for more in ({}, delayed)]
     gaps = {}
-    for stage in (1, 2, 3):
-        for dtype in ("fp32", "bf16"):
-            cpu = train({"zero_stage": stage, "dtype": dtype, "offload_optimizer": "cpu", **SMALL_BUCKETS}, 4,
-                        (rank, world))
-            folder = tmp_path / f"s{stage}_{dtype}"
-            folder.mkdir(parents=True, exist_ok=True)
-            gaps[f"s{stage}_{dtype}"] = max_diff(train(nvme_config(folder, stage, dtype), 4, (rank, world)), cpu)
+    for name, base, nvme_param in cases:
+        cpu = train({**base, "offload_optimizer": "cpu", "offload_param": "cpu" if nvme_param else "none",
+                     **SMALL_BUCKETS}, 4, (rank, world))
+        folder = tmp_path / name
+        folder.mkdir(parents=True, exist_ok=True)
+        config = nvme_config(folder, base.pop("zero_stage"), base.pop("dtype"), **base, **nvme_param)
+        gaps[name] = max_diff(train(config, 4, (rank, world)), cpu)
     return gaps
 
 
@@ -58,7 +66,7 @@ def test_nvme_offload_trains_exactly_as_cpu_offload(tmp_path, world):
     for gaps in results:
         # Same kernel, same order of operations, only the states' home differs: bitwise. (CPU offload
         # against no offload is tests/offload/test_offload.py.)
-        assert all(gap == 0.0 for gap in gaps.values()), gaps
+        assert len(gaps) == 10 and all(gap == 0.0 for gap in gaps.values()), gaps
 
 
 def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_path):
@@ -83,9 +91,54 @@ def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_p
     assert grown < 0.25 * 12 * psi                    # far from the states' size: they stayed on disk
 
 
-def test_resume_from_a_checkpoint_taken_while_states_live_on_nvme(tmp_path):
+class Blocks(torch.nn.Module):
+    """A stack of Linear layers in a ModuleList: stage 3 makes each one a unit."""
+
+    def __init__(self, count: int, width: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_parameters_on_nvme_hold_only_the_read_pool_in_host_memory(tmp_path):
+    """Stage 3, 8 blocks of 1M parameters: the shard (33 MB in fp32) is in files; host memory holds the
+    buffers of the chunks being gathered, as many as prefetch_bucket_size lets run ahead."""
+    model = Blocks(8, 1024)
+    block_numel = 1024 * 1024 + 1024
+    config = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": str(tmp_path),
+              "nvme_tile_numel": 65_536, "prefetch_bucket_size": block_numel}  # one block ahead
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+    x = torch.randn(4, 1024)
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    reader, states = engine.stage3.reader, engine.sharded_optimizer.nvme
+    shard_bytes = 4 * 8 * block_numel
+    # Every chunk's memory was given back; the optimizer's placeholders have no storage.
+    assert all(c.untyped_storage().nbytes() == 0 for cs in engine.sharded_optimizer.param_chunks for c in cs)
+    assert engine.stage3.param_shards == []
+    # The files hold the shard (A and B), and host memory holds the unit in use and the one prefetched.
+    assert (tmp_path / "rank00000" / "group0.param.A").stat().st_size == shard_bytes
+    assert reader.created <= 2 and reader.pool_bytes() == reader.created * 4 * block_numel
+    assert engine.ledger.state_bytes["parameters"] == reader.pool_bytes()
+    reset_peak_rss()
+    before = peak_rss()
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    grown = peak_rss() - before
+    print(f"forward+backward+step grew RSS by {grown / 2**20:.1f} MiB; read pool {reader.pool_bytes() / 2**20:.1f} "
+          f"MiB, state pool {states.pool_bytes() / 2**20:.1f} MiB, parameter shard on NVMe {shard_bytes / 2**20:.1f} MiB")
+    assert grown < 0.5 * shard_bytes  # nothing shard-sized came back into memory
+
+
+@pytest.mark.parametrize("stage, offload_param", [(2, "none"), (3, "nvme")])
+def test_resume_from_a_checkpoint_taken_while_states_live_on_nvme(tmp_path, stage, offload_param):
     (tmp_path / "nvme").mkdir()
-    config = nvme_config(tmp_path / "nvme", 2)
+    config = nvme_config(tmp_path / "nvme", stage, offload_param=offload_param)
     uninterrupted = train(config, 6)
     engines: list = []
     train(config, 3, engine_out=engines)
@@ -96,7 +149,8 @@ def test_resume_from_a_checkpoint_taken_while_states_live_on_nvme(tmp_path):
     for step in range(3, 6):
         engine.backward(engine(**batch("gpt2", step, 8)).loss)
         engine.step()
-    assert max_diff(named_copy(model), uninterrupted) == 0.0
+    with engine.gathered_parameters():
+        assert max_diff(named_copy(model), uninterrupted) == 0.0
     # And the checkpoint holds real moments (read from the files), not zeros.
     from safetensors import safe_open
     with safe_open(str(next((tmp_path / "ckpt").glob("rank*.safetensors"))), "pt") as f:
@@ -119,9 +173,11 @@ def test_a_bad_nvme_path_is_refused_before_any_work(tmp_path, problem, message):
         hf_zero.ZeroConfig.from_any({"zero_stage": 2, "offload_optimizer": "nvme", "nvme_path": str(path)})
 
 
-def test_a_full_disk_during_a_write_raises_and_keeps_the_last_good_state(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage, offload_param", [(2, "none"), (3, "nvme")])
+def test_a_full_disk_during_a_write_raises_and_keeps_the_last_good_state(tmp_path, monkeypatch, stage,
+                                                                         offload_param):
     engines: list = []
-    good = train(nvme_config(tmp_path, 2), 2, engine_out=engines)
+    good = train(nvme_config(tmp_path, stage, offload_param=offload_param), 2, engine_out=engines)
     engine = engines[0]
     states = engine.sharded_optimizer.nvme
     before = {(g, k): states.read_chunk(g, k) for g, ks in enumerate(states.chunk_numels) for k in range(len(ks))}
@@ -156,6 +212,13 @@ def test_a_disk_too_small_is_refused_when_the_engine_is_built(tmp_path, monkeypa
     with pytest.raises(nvme.NvmeError, match=r"cannot allocate .* MiB for .*group0\.master\.A \(No space left on "
                                              r"device\); .* MiB free under nvme_path"):
         hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), nvme_config(tmp_path, 2))
+
+
+def test_parameters_on_nvme_need_the_optimizer_states_there_too(tmp_path):
+    with pytest.raises(ZeroConfigError, match="offload_param nvme needs offload_optimizer nvme .*; got "
+                                              "offload_optimizer cpu. Set both to nvme, or offload_param cpu"):
+        hf_zero.ZeroConfig.from_any({"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "nvme",
+                                     "nvme_path": str(tmp_path)})
 
 
 def test_nvme_needs_an_adam_family_optimizer(tmp_path):
