@@ -6,6 +6,11 @@ Construction applies, in this order:
   3. apply_partitioning    flat buffers and buckets (stages 0-2) or units and shards (stage 3)
   4. apply_precision       parameters become compute-dtype views; fp32 masters stay on the shard
   5. apply_optimizer       the user's optimizer is re-targeted at this rank's shard
+  6. apply_activation_checkpointing   ZeRO-R: block checkpoints partitioned over tp / in host memory
+
+With a ("dp", "tp") DeviceMesh (`mesh`), the model's blocks are already tensor-parallel DTensors
+(hf_zero/tensor_parallel.py): ZeRO partitions each rank's local parts over the "dp" dimension, and
+the gradient norm adds the tp ranks' parts, counting the replicated parameters once.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_zero import checkpoint
@@ -27,8 +34,9 @@ from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HOST
 from hf_zero.offload.nvme import ParamReader
 from hf_zero.precision import LossScaler
+from hf_zero.zero.activations import CheckpointStore, apply_activation_checkpointing
 from hf_zero.zero.optimizer import ShardedOptimizer, check_optimizer
-from hf_zero.zero.partition import FlatParamBuffer
+from hf_zero.zero.partition import FlatParamBuffer, local
 from hf_zero.zero.stage1 import ReplicatedGradients
 from hf_zero.zero.stage2 import PartitionedGradients
 from hf_zero.zero.stage3 import Stage3Params
@@ -53,6 +61,26 @@ def check_model(model: nn.Module, init_from: Any, zero_stage: int) -> None:
                          "(seed) or PretrainedWeights(folder) with zero_stage 3 to build it shard by shard")
     if not devices and init_from is None:
         raise ValueError("the model has no parameters to train")
+
+
+def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | None, init_from: Any
+               ) -> tuple[torch.distributed.ProcessGroup | None, torch.distributed.ProcessGroup | None]:
+    """The data-parallel and tensor-parallel process groups of a ("dp", "tp") mesh."""
+    if mesh is None:
+        return group, None
+    if mesh.mesh_dim_names != ("dp", "tp"):
+        raise ValueError(f"mesh must have the dimensions ('dp', 'tp') (hf_zero.tensor_parallel.init_mesh builds "
+                         f"it); got {mesh.mesh_dim_names}")
+    if group is not None:
+        raise ValueError("pass either group or mesh: with a mesh, ZeRO runs over its 'dp' dimension")
+    if init_from is not None:
+        raise ValueError("init_from with a tensor-parallel mesh is not available yet; build the model, apply "
+                         "hf_zero.tensor_parallel.apply_tensor_parallel, then initialize without init_from")
+    return mesh["dp"].get_group(), mesh["tp"].get_group()
+
+
+def is_tp_replicated(param: torch.Tensor) -> bool:
+    return not isinstance(param, DTensor) or all(isinstance(p, Replicate) for p in param.placements)
 
 
 def trainable_params_by_group(model: nn.Module, optimizer: torch.optim.Optimizer
@@ -90,17 +118,20 @@ class ZeroEngine(nn.Module):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  config: ZeroConfig | dict[str, Any] | str | None = None,
-                 group: torch.distributed.ProcessGroup | None = None, init_from: Any = None) -> None:
+                 group: torch.distributed.ProcessGroup | None = None, init_from: Any = None,
+                 mesh: DeviceMesh | None = None) -> None:
         super().__init__()
         # 1. check_inputs
         self.config = cfg = ZeroConfig.from_any(config)
         check_model(model, init_from, cfg.zero_stage)
+        group, tp_group = check_mesh(mesh, group, init_from)
         check_optimizer(optimizer, cfg)
         groups = trainable_params_by_group(model, optimizer)
         self.module, self.optimizer = model, optimizer
         self.zero_stage, self.dtype = cfg.zero_stage, cfg.torch_dtype
         self.ledger = Ledger()
         self.comm = Communicator(self.ledger, group)
+        self.tp_comm = Communicator(self.ledger, tp_group) if tp_group is not None else None
         self.scaler = LossScaler(cfg)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.global_grad_norm: float | None = None
@@ -115,7 +146,7 @@ class ZeroEngine(nn.Module):
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 if not t.is_meta:
-                    self.comm.broadcast_(t.data)
+                    self.comm.broadcast_(local(t.data))
         # 3-4. apply_partitioning, apply_precision
         self.stage3: Stage3Params | None = None
         self.flats: list[FlatParamBuffer] = []
@@ -131,11 +162,28 @@ class ZeroEngine(nn.Module):
         self.sharded_optimizer = ShardedOptimizer(
             optimizer, param_chunks, grad_chunks, fp32_init, self.comm, self.scaler, cfg,
             grads_replicated=self.zero_stage == 0,
-            delayed=DelayedUpdate(cfg.delayed_param_update_warmup) if cfg.delayed_param_update else None)
+            delayed=DelayedUpdate(cfg.delayed_param_update_warmup) if cfg.delayed_param_update else None,
+            tp_comm=self.tp_comm, tp_replicated=self._tp_replicated_ranges() if self.tp_comm else None)
         if self.sharded_optimizer.params_on_nvme:
             self.stage3.read_shards_from(ParamReader(self.sharded_optimizer.nvme))
+        # 6. apply_activation_checkpointing
+        self.checkpoints: CheckpointStore | None = None
+        if cfg.partition_activations or cfg.cpu_checkpointing:
+            self.checkpoints = CheckpointStore(self.tp_comm, cfg.partition_activations, cfg.cpu_checkpointing)
+            apply_activation_checkpointing(model, self.checkpoints)
         self._update_state_bytes()
         logger.info(self.ledger.report(self.comm.rank))
+
+    def _tp_replicated_ranges(self) -> list[list[list[tuple[int, int]]]]:
+        """For each owned chunk, the element ranges of parameters every tp rank holds whole (norms,
+        embeddings, row-wise biases): the gradient norm counts them once, not tp times."""
+        ranges = []
+        for chunks in self.owned_chunk_ranges():
+            ranges.append([])
+            for flat, lo, hi in chunks:
+                ranges[-1].append([(piece.range_lo, piece.range_lo + piece.param_hi - piece.param_lo)
+                                   for piece in flat.pieces_between(lo, hi) if is_tp_replicated(piece.slice.param)])
+        return ranges
 
     # ---- construction ------------------------------------------------------------------------
     def _apply_flat_buffers(self, groups):
@@ -306,13 +354,23 @@ class ZeroEngine(nn.Module):
     def save_checkpoint(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own partition (safetensors) and rank 0 a manifest; all ranks must call it.
         `client_state` (JSON: a scheduler's state, a data position) comes back from load_checkpoint."""
+        self._check_no_tensor_parallelism("save_checkpoint")
         self.finish_pending_update()
         return checkpoint.save(self, directory, client_state)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> dict[str, Any] | None:
         """Loads a checkpoint saved at any world size and stage; returns its client_state."""
+        self._check_no_tensor_parallelism("load_checkpoint")
         self.finish_pending_update()
         return checkpoint.load(self, directory)
+
+    def _check_no_tensor_parallelism(self, what: str) -> None:
+        if self.tp_comm is not None and self.tp_comm.world_size > 1:
+            from hf_zero import __version__
+            raise NotImplementedError(f"{what} with tensor parallelism (tp {self.tp_comm.world_size}) is not available "
+                                      f"yet in hf_zero {__version__}: checkpoints hold whole parameters per dp "
+                                      f"shard. Gather the weights with engine.gathered_parameters() and "
+                                      f"DTensor.full_tensor() to export them")
 
     def managed_flats(self) -> list[list[FlatParamBuffer]]:
         """The flat buffers of each optimizer param group."""
@@ -368,8 +426,11 @@ class ZeroEngine(nn.Module):
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
                config: ZeroConfig | dict[str, Any] | str | None = None,
-               group: torch.distributed.ProcessGroup | None = None, init_from: Any = None) -> ZeroEngine:
-    """Partitions `model` and `optimizer` across the ranks of `group` (default: the whole world).
+               group: torch.distributed.ProcessGroup | None = None, init_from: Any = None,
+               mesh: DeviceMesh | None = None) -> ZeroEngine:
+    """Partitions `model` and `optimizer` across the ranks of `group` (default: the whole world), or
+    across the "dp" dimension of a ("dp", "tp") `mesh` whose "tp" dimension the model was made
+    tensor-parallel over (hf_zero.tensor_parallel).
     A model built on the meta device is materialised shard by shard from `init_from` (stage 3):
     hf_zero.construct.SeededInit(seed) or PretrainedWeights(folder)."""
-    return ZeroEngine(model, optimizer, config, group, init_from)
+    return ZeroEngine(model, optimizer, config, group, init_from, mesh)

@@ -32,15 +32,19 @@ class ShardedOptimizer:
     grads_replicated: every rank holds the same whole gradient (stage 0), so the norm needs no all-reduce.
     offload: the masters and optimizer states live in host memory and the update runs there
       (hf_zero/offload/host.py); `delayed` then overlaps it with the next step (hf_zero/offload/delayed.py).
+    tp_comm, tp_replicated[g][k]: with tensor parallelism, the tp group and the element ranges of chunk k
+      of group g that every tp rank holds alike (counted once in the gradient norm).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
                  comm: Communicator, scaler: LossScaler, config: ZeroConfig, grads_replicated: bool,
-                 delayed: DelayedUpdate | None = None) -> None:
+                 delayed: DelayedUpdate | None = None, tp_comm: Communicator | None = None,
+                 tp_replicated: list[list[list[tuple[int, int]]]] | None = None) -> None:
         self.optimizer = optimizer
         self.param_chunks, self.grad_chunks = param_chunks, grad_chunks
         self.comm, self.scaler = comm, scaler
+        self.tp_comm, self.tp_replicated = tp_comm, tp_replicated
         self.gradient_clipping = config.gradient_clipping
         self.grads_replicated = grads_replicated
         self.offload, self.delayed = config.offload_optimizer != "none", delayed
@@ -93,8 +97,16 @@ class ShardedOptimizer:
         for grads in self.grad_chunks:
             for grad in grads:  # offloaded gradients are in host memory, the collective runs on the device
                 local_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(local_sq.device)
+        if self.tp_comm is not None:  # summed over tp below: count each replicated element once, not tp times
+            for ranges, grads in zip(self.tp_replicated, self.grad_chunks):
+                for chunk_ranges, grad in zip(ranges, grads):
+                    for lo, hi in chunk_ranges:
+                        local_sq -= (1 - 1 / self.tp_comm.world_size) * torch.linalg.vector_norm(
+                            grad[lo:hi], dtype=torch.float32).square().to(local_sq.device)
         if not self.grads_replicated:
             self.comm.all_reduce_(local_sq)
+        if self.tp_comm is not None:
+            self.tp_comm.all_reduce_(local_sq)
         self.global_grad_norm = math.sqrt(local_sq.item()) / self.scaler.scale
         self.norm_is_current = True
         return self.global_grad_norm

@@ -7,6 +7,10 @@ of every bucket. So a bucket's gradient is reduced with one reduce-scatter whose
 the chunk this rank owns, and a bucket's parameters are rebuilt with one all-gather whose input is
 that chunk, both in place. Ownership is still a flat 1/Nd of every parameter group (paper section
 5.1), only interleaved per bucket so that communication can start before the backward pass ends.
+
+With tensor parallelism a parameter is a DTensor; the buffers hold its local part (`local`), and
+binding makes the buffer's view the DTensor's local part (`set_data`), and gradient views are wrapped
+into DTensors of the parameter's mesh and placements (`wrap_like`).
 """
 from __future__ import annotations
 
@@ -14,6 +18,38 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the tensor itself for anything else)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def set_data(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """`param.data = tensor`; for a DTensor, `tensor` becomes its local part (`.data =` on a DTensor
+    replaces the wrapper's own storage, which no computation reads)."""
+    if isinstance(param, DTensor):
+        param._local_tensor = tensor
+    else:
+        param.data = tensor
+
+
+def wrap_like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as the local part of a DTensor shaped and placed as `param`, when `param` is one."""
+    if not isinstance(param, DTensor):
+        return tensor
+    return DTensor.from_local(tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """The local part of `param.grad`, in the parameter's placements (a replicated bias of a row-wise
+    layer can receive a pending-sum gradient: it is all-reduced over the tp group first)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(placements=param.placements)
+    return local(grad)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -76,8 +112,9 @@ class FlatParamBuffer:
         self.slices: list[ParamSlice] = []
         offset = 0
         for name, param in named_params:
-            self.slices.append(ParamSlice(name, param, offset, param.numel(), param.shape))
-            offset += param.numel()
+            part = local(param)
+            self.slices.append(ParamSlice(name, param, offset, part.numel(), part.shape))
+            offset += part.numel()
         self.numel = offset
         self.padded_numel = round_up(offset, num_shards)
         step = self.padded_numel if bucket_numel is None else round_up(bucket_numel, num_shards)
@@ -103,7 +140,7 @@ class FlatParamBuffer:
         for piece in self.pieces_between(lo, hi):
             n = piece.param_hi - piece.param_lo
             out[piece.range_lo:piece.range_lo + n].copy_(
-                piece.slice.param.detach().reshape(-1)[piece.param_lo:piece.param_hi])
+                local(piece.slice.param.detach()).reshape(-1)[piece.param_lo:piece.param_hi])
 
     def view_of(self, s: ParamSlice, flat: torch.Tensor | None = None) -> torch.Tensor:
         """The parameter's shape viewed inside `flat` (default: the parameter buffer)."""
@@ -125,14 +162,14 @@ class FlatParamBuffer:
     def bind(self) -> None:
         """Makes each parameter a view of the buffer as it is."""
         for s in self.slices:
-            s.param.data = self.view_of(s)
+            set_data(s.param, self.view_of(s))
 
     def moved_params(self) -> list[str]:
         """Parameters no longer viewing this buffer: something (model.to(), param.data = ...) replaced their
         storage after the engine bound them, so the optimizer would update memory the model does not use."""
         base = self.data.data_ptr()
         return [s.name for s in self.slices
-                if s.param.data_ptr() != base + s.offset * self.data.element_size()]
+                if local(s.param).data_ptr() != base + s.offset * self.data.element_size()]
 
     def owned_chunk(self, bucket: Bucket, shard: int, flat: torch.Tensor | None = None) -> torch.Tensor:
         lo, hi = bucket.owned_range(shard)

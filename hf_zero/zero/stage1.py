@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.zero.partition import FlatParamBuffer
+from hf_zero.zero.partition import FlatParamBuffer, local, local_grad, wrap_like
 from hf_zero.zero.reducer import BucketKey, GradientReducer
 
 
@@ -27,14 +27,14 @@ class ReplicatedGradients(GradientReducer):
         for flat, flat_grad in zip(flat_params, self.flat_grads):
             for s in flat.slices:
                 self.grad_views[s.param] = flat.view_of(s, flat_grad)
-                s.param.grad = self.grad_views[s.param]
+                s.param.grad = wrap_like(s.param, self.grad_views[s.param])
 
     def accumulate(self, param: nn.Parameter) -> None:
         view = self.grad_views[param]
-        if param.grad.data_ptr() != view.data_ptr():
+        if local(param.grad).data_ptr() != view.data_ptr():
             # Someone replaced .grad (e.g. zero_grad(set_to_none=True)): fold it back into the buffer.
-            view.add_(param.grad)
-            param.grad = view
+            view.add_(local_grad(param))
+            param.grad = wrap_like(param, view)
 
     def reduce_bucket(self, key: BucketKey):
         fi, bi = key
@@ -56,7 +56,7 @@ class ReplicatedGradients(GradientReducer):
         for g in self.flat_grads:
             g.zero_()
         for param, view in self.grad_views.items():
-            param.grad = view
+            param.grad = wrap_like(param, view)
 
     def held_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.flat_grads)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, release_storage
+from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
 from hf_zero.zero.reducer import BucketKey, GradientReducer
 
 
@@ -75,7 +75,7 @@ class PartitionedGradients(GradientReducer):
 
     def write_piece(self, key: BucketKey, piece: Piece, param: nn.Parameter) -> None:
         n = piece.param_hi - piece.param_lo
-        grad = param.grad.reshape(-1)[piece.param_lo:piece.param_hi]
+        grad = local_grad(param).reshape(-1)[piece.param_lo:piece.param_hi]
         self._buffer(key)[piece.range_lo:piece.range_lo + n].add_(grad)
 
     def release(self, param: nn.Parameter) -> None:

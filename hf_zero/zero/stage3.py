@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from hf_zero.comm import Communicator
 from hf_zero.offload.host import to_host_memory
 from hf_zero.offload.nvme import ParamReader
-from hf_zero.zero.partition import FlatParamBuffer, release_storage
+from hf_zero.zero.partition import FlatParamBuffer, release_storage, set_data
 from hf_zero.zero.stage2 import PartitionedGradients
 
 
@@ -63,7 +63,7 @@ class Unit:
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
                 self.works.append(self.comm.all_gather_(flat.data, shard, async_op=True))
             for s in flat.slices:
-                s.param.data = flat.view_of(s)
+                set_data(s.param, flat.view_of(s))
         self.gathered = True
 
     def _read(self, i: int) -> torch.Tensor:
@@ -102,7 +102,7 @@ class Unit:
         self.wait()
         for flat in self.flats:
             for s in flat.slices:
-                s.param.data = self.empty
+                set_data(s.param, self.empty)
             flat.release_storage()
         self.gathered = False
 
@@ -264,7 +264,7 @@ class Stage3Params:
         are fp32; filling a bf16 buffer directly would lose the masters' precision)."""
         buffer = torch.zeros(flat.padded_numel, dtype=torch.float32, device=flat.data.device)
         for s in flat.slices:
-            s.param.data = flat.view_of(s, buffer)
+            set_data(s.param, flat.view_of(s, buffer))
         return buffer
 
     def grad_chunks(self) -> list[list[torch.Tensor]]:

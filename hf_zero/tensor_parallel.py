@@ -1,0 +1,111 @@
+"""Megatron-style tensor parallelism for the zoo's GPT-2 (and Turing-style) and BERT models, with
+torch's DTensor API: a ("dp", "tp") DeviceMesh, and `parallelize_module` with column-wise plans for
+the first matrix of attention (Q, K, V) and of the MLP, row-wise plans for the second.
+
+Each block then holds 1/tp of its attention heads and MLP columns; its input and output stay
+replicated across the tp group (the row-wise output is all-reduced), which is what ZeRO-R's
+partitioned activation checkpointing (hf_zero/zero/activations.py) removes from memory. Embeddings,
+norms and the LM head stay replicated: the zoo's vocabularies are small beside the blocks, and
+GPT-2 ties its head to the embedding.
+
+GPT-2 computes with transformers' `Conv1D` (weight stored in x out), which torch's styles do not
+know, and fuses Q, K and V into one matrix: `Conv1DColwise` shards it with `_StridedShard`, so that
+each rank gets its heads' columns of each of Q, K and V while the global tensor keeps transformers'
+layout (checkpoints and exports are unchanged).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from transformers.pytorch_utils import Conv1D
+
+
+def init_mesh(tensor_parallel_size: int) -> DeviceMesh:
+    """The ("dp", "tp") mesh over the whole world: consecutive ranks form a tp group (inside a node, as
+    Megatron and the ZeRO paper place model parallelism), ZeRO data parallelism runs across them."""
+    world = dist.get_world_size()
+    if tensor_parallel_size < 1 or world % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size must divide the world size {world}; got {tensor_parallel_size}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
+
+
+class Conv1DColwise(ParallelStyle):
+    """Column-wise sharding of a transformers Conv1D (y = x W + b, W in x out): W and b split on the
+    output dimension. `fused` > 1 splits it as that many concatenated matrices (GPT-2's Q|K|V)."""
+
+    def __init__(self, fused: int = 1) -> None:
+        self.placement: Placement = _StridedShard(1, split_factor=fused) if fused > 1 else Shard(1)
+        self.bias_placement: Placement = _StridedShard(0, split_factor=fused) if fused > 1 else Shard(0)
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, placement in (("weight", self.placement), ("bias", self.bias_placement)):
+            param = getattr(module, pname)
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                          requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, Conv1D), f"Conv1DColwise shards transformers' Conv1D, not {type(module).__name__}"
+        # The output stays this rank's columns as a plain tensor: no redistribution (it would undo the
+        # strided layout that keeps each head's Q, K and V on one rank).
+        return distribute_module(module, device_mesh, self._partition,
+                                 partial(ColwiseParallel._prepare_input_fn, (Replicate(),), (Replicate(),)),
+                                 lambda mod, outputs, mesh: outputs.to_local())
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """Row-wise sharding of a Conv1D: W split on the input dimension, b replicated, output all-reduced."""
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, placement in (("weight", Shard(0)), ("bias", Replicate())):
+            param = getattr(module, pname)
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                          requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, Conv1D), f"Conv1DRowwise shards transformers' Conv1D, not {type(module).__name__}"
+        return distribute_module(module, device_mesh, self._partition,
+                                 partial(self._prepare_input_fn, (Shard(-1),), (Shard(-1),)),
+                                 partial(self._prepare_output_fn, (Replicate(),), True))
+
+
+def _check_divisible(what: str, count: int, tp: int) -> None:
+    if count % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {what} ({count}); choose a "
+                         f"tensor_parallel_size that divides it")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shards every transformer block of a GPT-2 or BERT model over `tp_mesh` (in place; returns it).
+    Call it on the full model, the same on every rank, before hf_zero.initialize."""
+    tp = tp_mesh.size()
+    config = model.config
+    if config.model_type == "gpt2":
+        _check_divisible("attention heads", config.n_head, tp)
+        _check_divisible("MLP width", config.n_inner or 4 * config.n_embd, tp)
+        for block in model.transformer.h:
+            parallelize_module(block, tp_mesh, {"attn.c_attn": Conv1DColwise(fused=3), "attn.c_proj": Conv1DRowwise(),
+                                                "mlp.c_fc": Conv1DColwise(), "mlp.c_proj": Conv1DRowwise()})
+            block.attn.split_size //= tp  # the local width of each of Q, K, V
+            block.attn.num_heads //= tp
+    elif config.model_type == "bert":
+        _check_divisible("attention heads", config.num_attention_heads, tp)
+        _check_divisible("intermediate size", config.intermediate_size, tp)
+        for layer in model.bert.encoder.layer:
+            parallelize_module(layer, tp_mesh, {
+                "attention.self.query": ColwiseParallel(), "attention.self.key": ColwiseParallel(),
+                "attention.self.value": ColwiseParallel(), "attention.output.dense": RowwiseParallel(),
+                "intermediate.dense": ColwiseParallel(), "output.dense": RowwiseParallel()})
+            layer.attention.self.num_attention_heads //= tp
+            layer.attention.self.all_head_size //= tp
+    else:
+        raise ValueError(f"tensor parallelism has plans for GPT-2 and BERT models; got model_type "
+                         f"{config.model_type!r}. Use tensor_parallel_size 1 for it")
+    return model
