@@ -11,9 +11,6 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-# Settings whose capability is specified but not built yet: a value other than the default is refused
-# with "not available yet" rather than silently ignored.
-NOT_BUILT_YET: dict[str, Any] = {}
 
 
 class ZeroConfigError(ValueError):
@@ -60,7 +57,8 @@ class ZeroConfig:
     delayed_param_update: bool = False
     # Ordinary steps before the delayed update starts (the paper: the first steps move the most).
     delayed_param_update_warmup: int = 10
-    # ZeRO-R: activation checkpoints split across the tensor-parallel group, and/or kept in host memory.
+    # ZeRO-R: every transformer block checkpointed, its input checkpoint split across the tensor-parallel
+    # group (P_a) and/or kept in host memory (P_a+cpu), in one contiguous buffer per step (M_D).
     partition_activations: bool = False
     cpu_checkpointing: bool = False
 
@@ -152,10 +150,6 @@ class ZeroConfig:
         if self.delayed_param_update and self.offload_optimizer == "none":
             fail("delayed_param_update", f"overlaps the CPU optimizer step; it needs {name('offload_optimizer')} "
                                          f"cpu or nvme")
-        for key, default in NOT_BUILT_YET.items():
-            if getattr(self, key) != default:
-                fail(key, f"is not available yet in hf_zero {_version()}: {getattr(self, key)!r} was asked for; "
-                          f"leave it at {default!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -173,7 +167,3 @@ def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str
                 f"partition); got {name('zero_stage')} 0")
     return None
 
-
-def _version() -> str:
-    from hf_zero import __version__
-    return __version__

@@ -34,7 +34,7 @@ from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HOST
 from hf_zero.offload.nvme import ParamReader
 from hf_zero.precision import LossScaler
-from hf_zero.zero.activations import CheckpointStore, apply_activation_checkpointing
+from hf_zero.zero.activations import CheckpointStore, apply_activation_checkpointing, check_supports_checkpointing
 from hf_zero.zero.optimizer import ShardedOptimizer, check_optimizer
 from hf_zero.zero.partition import FlatParamBuffer, local
 from hf_zero.zero.stage1 import ReplicatedGradients
@@ -125,6 +125,8 @@ class ZeroEngine(nn.Module):
         self.config = cfg = ZeroConfig.from_any(config)
         check_model(model, init_from, cfg.zero_stage)
         group, tp_group = check_mesh(mesh, group, init_from)
+        if cfg.partition_activations or cfg.cpu_checkpointing:
+            check_supports_checkpointing(model)
         check_optimizer(optimizer, cfg)
         groups = trainable_params_by_group(model, optimizer)
         self.module, self.optimizer = model, optimizer

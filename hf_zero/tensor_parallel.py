@@ -86,8 +86,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shards every transformer block of a GPT-2 or BERT model over `tp_mesh` (in place; returns it).
     Call it on the full model, the same on every rank, before hf_zero.initialize."""
     tp = tp_mesh.size()
-    config = model.config
-    if config.model_type == "gpt2":
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gpt2":
         _check_divisible("attention heads", config.n_head, tp)
         _check_divisible("MLP width", config.n_inner or 4 * config.n_embd, tp)
         for block in model.transformer.h:
@@ -95,7 +96,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
                                                 "mlp.c_fc": Conv1DColwise(), "mlp.c_proj": Conv1DRowwise()})
             block.attn.split_size //= tp  # the local width of each of Q, K, V
             block.attn.num_heads //= tp
-    elif config.model_type == "bert":
+    elif model_type == "bert":
         _check_divisible("attention heads", config.num_attention_heads, tp)
         _check_divisible("intermediate size", config.intermediate_size, tp)
         for layer in model.bert.encoder.layer:
@@ -106,6 +107,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             layer.attention.self.num_attention_heads //= tp
             layer.attention.self.all_head_size //= tp
     else:
-        raise ValueError(f"tensor parallelism has plans for GPT-2 and BERT models; got model_type "
-                         f"{config.model_type!r}. Use tensor_parallel_size 1 for it")
+        raise ValueError(f"tensor parallelism has plans for transformers' GPT-2 and BERT models; got "
+                         f"{type(model).__name__} (model_type {model_type!r}). Use tensor_parallel_size 1 for it")
     return model

@@ -22,13 +22,15 @@ VOCAB, SEQ = 96, 16
 
 
 def tiny_model(kind: str) -> nn.Module:
-    """Tiny GPT-2 or BERT from transformers with dropout off, so that runs are deterministic."""
+    """Tiny GPT-2 or BERT from transformers with dropout off, so that runs are deterministic.
+    "-tp" kinds have 4 attention heads, so that tensor parallelism of 2 and 4 can split them."""
     torch.manual_seed(0)
+    heads = 4 if kind.endswith("-tp") else 2
     if kind.startswith("gpt2"):
-        cfg = GPT2Config(n_layer=8 if kind == "gpt2-deep" else 2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+        cfg = GPT2Config(n_layer=8 if kind == "gpt2-deep" else 2, n_embd=32, n_head=heads, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
                          eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return GPT2LMHeadModel(cfg)
-    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=heads, intermediate_size=64,
                      vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0, num_labels=3)
     return BertForSequenceClassification(cfg)

@@ -146,10 +146,15 @@ class CheckpointStore:
             return checkpoint(function, *args, use_reentrant=True, **kwargs)
 
 
+def check_supports_checkpointing(model: torch.nn.Module) -> None:
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"partition_activations / cpu_checkpointing checkpoint each transformer block; "
+                         f"{type(model).__name__} does not support gradient checkpointing. Use a transformers "
+                         f"model whose blocks support it, or leave both settings off")
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, store: CheckpointStore) -> None:
     """Checkpoints every transformer block of a transformers model through `store`, with the model's
     own gradient-checkpointing hook (the one the Trainer's --gradient_checkpointing turns on)."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; activation "
-                         f"checkpointing needs a transformers model whose blocks support it")
+    check_supports_checkpointing(model)
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=store.checkpoint)

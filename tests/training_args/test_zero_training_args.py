@@ -8,7 +8,6 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_zero import ZeroConfig, ZeroConfigError
-from hf_zero.config import NOT_BUILT_YET
 from training_args import ZeroTrainingArguments
 
 
@@ -64,18 +63,6 @@ def test_out_of_range_choice_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         parse("--zero_stage", "4")
     assert "argument --zero_stage/--zero-stage: invalid choice: 4 (choose from 0, 1, 2, 3)" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("key", sorted(NOT_BUILT_YET))
-def test_capabilities_not_built_yet_say_so_instead_of_being_ignored(key, tmp_path):
-    flags = {"offload_optimizer": ["--zero_stage", "2", "--zero_offload_optimizer", "cpu"],
-             "offload_param": ["--zero_stage", "3", "--zero_offload_param", "cpu"],
-             "nvme_path": ["--zero_offload_optimizer", "nvme", "--zero_nvme_path", str(tmp_path)],
-             "delayed_param_update": ["--zero_offload_optimizer", "cpu", "--zero_delayed_param_update"],
-             "partition_activations": ["--zero_partition_activations"],
-             "cpu_checkpointing": ["--zero_cpu_checkpointing", "true"]}[key]
-    with pytest.raises(ZeroConfigError, match=r"is not available yet in hf_zero"):
-        parse(*flags)
 
 
 @pytest.mark.parametrize("content, message", [
