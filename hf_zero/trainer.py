@@ -11,9 +11,14 @@ callbacks, evaluation); the engine takes over at these points, in the order a st
   _clip_grad_norm       the engine's global norm (one all-reduce over the shards); clipping to
                         --max_grad_norm happens inside the engine's step
   optimizer.step        the engine's step; lr schedulers act on the user optimizer's param groups
-  save_model            a normal transformers folder; at stage 3 gathered and written one unit at a time
+  save_model            a normal transformers folder; at stage 3 gathered and written one unit at a time;
+                        with tensor parallelism the whole tensors are gathered and the main process writes them
   checkpoints           each rank's optimizer shard and fp32 masters go to <checkpoint>/zero_checkpoint,
                         which resume_from_checkpoint and load_best_model_at_end load (any world size)
+
+With --tensor_parallel_size N, __init__ builds the ("dp", "tp") mesh and makes the model's blocks
+tensor-parallel before the optimizer exists, and the data loaders give every rank of a tp group the
+same batches (accelerate's own rule for a mesh with a "tp" dimension).
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from typing import Any
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer import SCHEDULER_NAME, logger
 
@@ -30,6 +37,7 @@ import hf_zero
 from hf_zero import export
 from hf_zero.checkpoint import TRAINER_SUBFOLDER
 from hf_zero.engine import ZeroEngine
+from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
 from training_args import ZeroArgumentsMixin
 
 
@@ -71,6 +79,15 @@ class ZeroTrainerMixin:
         if self.args.n_gpu > 1:
             raise ValueError(f"this process sees {self.args.n_gpu} GPUs; ZeRO runs one process per device: "
                              f"hf-zero run --nproc_per_node {self.args.n_gpu} SCRIPT.py ..., or torchrun")
+        self.mesh = None
+        if self.args.tensor_parallel_size > 1:
+            self.mesh = init_mesh(self.args.tensor_parallel_size)
+            apply_tensor_parallel(self.model, self.mesh["tp"])
+            # accelerate feeds ranks of one tp group the same batches when its mesh has a "tp" dimension
+            # and counts data-parallel ranks under "dp_replicate"; this is the same layout named so.
+            data_mesh = init_device_mesh(self.mesh.device_type, tuple(self.mesh.shape),
+                                         mesh_dim_names=("dp_replicate", "tp"))
+            self.accelerator._prepare_device_mesh = lambda: data_mesh
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -84,7 +101,7 @@ class ZeroTrainerMixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None or self.optimizer is None:
             optimizer = super().create_optimizer(model)
-            self.engine = hf_zero.initialize(self.model, optimizer, self.args.zero_engine_config)
+            self.engine = hf_zero.initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh)
             self.optimizer = ZeroOptimizer(self.engine)
             # The engine has placed the model and owns its parameters' storage; accelerate's
             # prepare_model (run by evaluate) would otherwise call model.to(device), which copies
@@ -133,6 +150,8 @@ class ZeroTrainerMixin:
         so no rank holds more than its shard and one unit."""
         if self.engine is not None:
             self.engine.finish_pending_update()  # delayed_param_update: the model gets the last update first
+        if self.mesh is not None:
+            return self._save_tensor_parallel_model(output_dir, _internal_call)
         if self.engine is None or self.engine.stage3 is None:
             return super().save_model(output_dir, _internal_call)  # stages 0-2: every rank holds whole weights
         output_dir = self.args.output_dir if output_dir is None else output_dir
@@ -141,6 +160,18 @@ class ZeroTrainerMixin:
             # state dict is what the Trainer passes for DeepSpeed's ZeRO-3 too.
             self._save(output_dir, state_dict={})
         export.save_stage3_weights(self.engine, output_dir, write=self.args.should_save)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+    def _save_tensor_parallel_model(self, output_dir: str | None, _internal_call: bool) -> None:
+        """Every rank joins in gathering each DTensor whole; the main process writes the state dict."""
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        with self.engine.gathered_parameters():
+            state_dict = {name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                          for name, tensor in self.model.state_dict().items()}
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, GPT2LMHeadModel, TrainingArguments
+from transformers import AutoTokenizer, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from hf_zero import ZeroTrainer
 from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
 from tests.hub_stand_in import HubStandIn, hub_env
-from tests.trainer_helpers import TrainerRun, gpt2_model, pushing_run, resume_runs, run_trainers, saving_run
+from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, gpt2_model, lm_examples, pushing_run,
+                                    resume_runs, run_trainers, saving_run, tensor_parallel_arguments,
+                                    tensor_parallel_runs)
 from training_args import ZeroTrainingArguments
 
 STAGES = (0, 1, 2, 3)
@@ -152,3 +154,27 @@ def test_push_to_hub_at_stage3_uploads_consolidated_weights_that_load(tmp_path, 
         assert torch.equal(param, run["params"][name]), name
     with torch.no_grad():
         assert_same_logits(model(input_ids=PROBE_IDS).logits, run["logits"])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trainer_with_partitioned_cpu_checkpoints_logs_the_stock_trainers_losses(tmp_path):
+    """--tensor_parallel_size 2 (dp 2) and 4 (dp 1) on 4 ranks, --zero_partition_activations
+    --zero_cpu_checkpointing, against the stock Trainer in one process on the same global batch of 8."""
+    runs = spawn_gloo(tensor_parallel_runs, 4, str(tmp_path))
+    stock = Trainer(model=gpt2_model("gpt2-tp"), args=TrainingArguments(**tensor_parallel_arguments(
+        str(tmp_path / "stock"), 8, 1)), train_dataset=lm_examples(TRAIN_EXAMPLES, 1),
+        eval_dataset=lm_examples(EVAL_EXAMPLES, 2))
+    stock.train()
+    logs = [h for h in stock.state.log_history if "loss" in h]
+    stock_losses, stock_norms = [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+    assert stock_losses[-1] < stock_losses[0] - 0.1
+    for tp in (2, 4):
+        for rank_result in runs:
+            run = rank_result[f"tp{tp}"]
+            assert max(abs(a - b) for a, b in zip(run["losses"], stock_losses)) < 1e-4
+            assert run["grad_norms"] == pytest.approx(stock_norms, rel=1e-4)
+            assert run["checkpoint_bytes"]["device"] == 0 and run["checkpoint_bytes"]["host"] > 0
+        # The saved model is transformers' own folder: it loads and gives the trained model's logits.
+        saved = GPT2LMHeadModel.from_pretrained(tmp_path / f"tp{tp}" / "final")
+        with torch.no_grad():
+            assert_same_logits(saved(input_ids=PROBE_IDS).logits, stock.model(input_ids=PROBE_IDS).logits)

@@ -30,9 +30,9 @@ def lm_examples(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def gpt2_model() -> torch.nn.Module:
+def gpt2_model(kind: str = "gpt2") -> torch.nn.Module:
     """The tiny GPT-2 with embeddings scaled up, so that gradient norms exceed max_grad_norm=1.0 and clipping acts."""
-    model = tiny_model("gpt2")
+    model = tiny_model(kind)
     with torch.no_grad():
         model.transformer.wte.weight.mul_(10)
     return model
@@ -193,3 +193,28 @@ def pushing_run(root: str) -> dict[str, Any]:
     with trainer.engine.gathered_parameters():
         record["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     return record
+
+
+def tensor_parallel_arguments(output_dir: str, global_batch: int, dp: int, **more: Any) -> dict[str, Any]:
+    """Trainer arguments for the tensor-parallel comparison: one global batch per step, no accumulation."""
+    return dict(output_dir=output_dir, per_device_train_batch_size=global_batch // dp, per_device_eval_batch_size=4,
+                max_steps=10, max_grad_norm=1.0, learning_rate=2e-3, logging_steps=1, save_strategy="no",
+                use_cpu=True, report_to=[], seed=0, disable_tqdm=True, gradient_checkpointing=True, **more)
+
+
+def tensor_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
+    """ZeroTrainer with --tensor_parallel_size 2 and 4 on 4 ranks, with P_a+cpu; the model saved at the end."""
+    results = {}
+    for tp in (2, 4):
+        args = ZeroTrainingArguments(**tensor_parallel_arguments(f"{root}/tp{tp}", 8, 4 // tp), zero_stage=2,
+                                     tensor_parallel_size=tp, zero_partition_activations=True,
+                                     zero_cpu_checkpointing=True)
+        trainer = ZeroTrainer(model=gpt2_model("gpt2-tp"), args=args, train_dataset=lm_examples(TRAIN_EXAMPLES, 1),
+                              eval_dataset=lm_examples(EVAL_EXAMPLES, 2))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        results[f"tp{tp}"] = {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
+                              "eval_loss": trainer.evaluate()["eval_loss"],
+                              "checkpoint_bytes": trainer.engine.checkpoints.peak_held_bytes}
+        trainer.save_model(f"{root}/tp{tp}/final")
+    return results

@@ -71,6 +71,9 @@ class ZeroArgumentsMixin:
     zero_delayed_param_update_warmup: int | None = _flag("ordinary steps before the delayed update starts "
                                                          "(default 10)")
     zero_config: str | None = _flag("JSON file of engine settings (hf_zero.ZeroConfig keys); flags win over it")
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block is split over "
+                "them and ZeRO runs over the remaining data-parallel dimension (default 1: no tensor parallelism)"})
 
     def __post_init__(self) -> None:
         for other in ("deepspeed", "fsdp"):
@@ -80,6 +83,7 @@ class ZeroArgumentsMixin:
                     f"--zero_stage (see the README's flag table for the DeepSpeed key each --zero_* flag replaces)")
         super().__post_init__()
         self.zero_engine_config = zero_config_from_flags(self)
+        check_tensor_parallel_flags(self)
         # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
         # GradScaler on top would cast twice and scale the loss twice.
         self.mixed_precision = "no"
@@ -92,7 +96,7 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
         settings = _read_config_file(args.zero_config)
     for f in fields(ZeroArgumentsMixin):
         value = getattr(args, f.name)
-        if f.name != "zero_config" and value is not None:
+        if f.name not in ("zero_config", "tensor_parallel_size") and value is not None:
             settings[f.name if f.name == "zero_stage" else f.name.removeprefix("zero_")] = value
     # The Trainer scales each micro-batch's loss for accumulation and decides where each window
     # ends (the last one of an epoch may be short), so the engine reduces when told and does not
@@ -102,6 +106,18 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
     config = ZeroConfig(**settings)
     config.validate(name=flag_of)
     return config
+
+
+def check_tensor_parallel_flags(args: Any) -> None:
+    """--tensor_parallel_size must split the world; tensor-parallel runs cannot write Trainer checkpoints yet."""
+    tp = args.tensor_parallel_size
+    if not isinstance(tp, int) or tp < 1 or args.world_size % tp:
+        raise ZeroConfigError(f"--tensor_parallel_size must be a positive integer dividing the number of processes "
+                              f"({args.world_size}); got {tp!r}")
+    if tp > 1 and args.save_strategy != "no":
+        raise ZeroConfigError(f"--tensor_parallel_size {tp}: Trainer checkpoints of tensor-parallel runs are not "
+                              f"available yet; pass --save_strategy no (trainer.save_model() still writes the "
+                              f"final model)")
 
 
 def _read_config_file(path: str) -> dict[str, Any]:

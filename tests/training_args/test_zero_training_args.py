@@ -82,3 +82,16 @@ def test_config_file_problems_name_the_file_and_key(tmp_path, content, message):
 def test_a_missing_config_file_is_named():
     with pytest.raises(ZeroConfigError, match="--zero_config nowhere.json: no such file"):
         parse("--zero_config", "nowhere.json")
+
+
+@pytest.mark.parametrize("value", ["3", "0"])
+def test_tensor_parallel_size_must_divide_the_processes(value):
+    with pytest.raises(ZeroConfigError, match=rf"--tensor_parallel_size must be a positive integer dividing the "
+                                              rf"number of processes \(1\); got {value}"):
+        parse("--tensor_parallel_size", value)
+
+
+def test_zero_r_flags_reach_the_engine_config():
+    config = parse("--zero_partition_activations", "--zero_cpu_checkpointing", "true").zero_engine_config
+    assert config.partition_activations is True and config.cpu_checkpointing is True
+    assert parse("--tensor_parallel_size", "1").tensor_parallel_size == 1
