@@ -40,8 +40,17 @@ def reset_peak_rss() -> None:
 
 def peak_rss() -> int:
     """This process's peak resident memory in bytes since `reset_peak_rss` (or since it started)."""
+    return _status_bytes("VmHWM")
+
+
+def current_rss() -> int:
+    """This process's resident memory in bytes now."""
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line; peak memory is measured on Linux only")
+    raise RuntimeError(f"/proc/self/status has no {key} line; memory is measured on Linux only")
