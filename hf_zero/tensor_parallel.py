@@ -89,6 +89,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type == "gpt2":
+        if config.add_cross_attention:
+            raise ValueError("tensor parallelism of GPT-2 with cross-attention (add_cross_attention) has no plan; "
+                             "use tensor_parallel_size 1 for it")
         _check_divisible("attention heads", config.n_head, tp)
         _check_divisible("MLP width", config.n_inner or 4 * config.n_embd, tp)
         for block in model.transformer.h:
