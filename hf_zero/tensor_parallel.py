@@ -37,6 +37,15 @@ def init_mesh(tensor_parallel_size: int) -> DeviceMesh:
     return init_device_mesh(device, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
 
 
+def _distribute_weight_and_bias(name: str, module: nn.Module, mesh: DeviceMesh,
+                                placements: tuple[Placement, Placement]) -> None:
+    """distribute_module's partition function: the module's weight and bias become DTensors so placed."""
+    for pname, placement in zip(("weight", "bias"), placements):
+        param = getattr(module, pname)
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+                                                      requires_grad=param.requires_grad))
+
+
 class Conv1DColwise(ParallelStyle):
     """Column-wise sharding of a transformers Conv1D (y = x W + b, W in x out): W and b split on the
     output dimension. `fused` > 1 splits it as that many concatenated matrices (GPT-2's Q|K|V)."""
@@ -45,17 +54,12 @@ class Conv1DColwise(ParallelStyle):
         self.placement: Placement = _StridedShard(1, split_factor=fused) if fused > 1 else Shard(1)
         self.bias_placement: Placement = _StridedShard(0, split_factor=fused) if fused > 1 else Shard(0)
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, placement in (("weight", self.placement), ("bias", self.bias_placement)):
-            param = getattr(module, pname)
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
-                                                          requires_grad=param.requires_grad))
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, Conv1D), f"Conv1DColwise shards transformers' Conv1D, not {type(module).__name__}"
         # The output stays this rank's columns as a plain tensor: no redistribution (it would undo the
         # strided layout that keeps each head's Q, K and V on one rank).
-        return distribute_module(module, device_mesh, self._partition,
+        partition = partial(_distribute_weight_and_bias, placements=(self.placement, self.bias_placement))
+        return distribute_module(module, device_mesh, partition,
                                  partial(ColwiseParallel._prepare_input_fn, (Replicate(),), (Replicate(),)),
                                  lambda mod, outputs, mesh: outputs.to_local())
 
@@ -63,15 +67,10 @@ class Conv1DColwise(ParallelStyle):
 class Conv1DRowwise(RowwiseParallel):
     """Row-wise sharding of a Conv1D: W split on the input dimension, b replicated, output all-reduced."""
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, placement in (("weight", Shard(0)), ("bias", Replicate())):
-            param = getattr(module, pname)
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
-                                                          requires_grad=param.requires_grad))
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, Conv1D), f"Conv1DRowwise shards transformers' Conv1D, not {type(module).__name__}"
-        return distribute_module(module, device_mesh, self._partition,
+        partition = partial(_distribute_weight_and_bias, placements=(Shard(0), Replicate()))
+        return distribute_module(module, device_mesh, partition,
                                  partial(self._prepare_input_fn, (Shard(-1),), (Shard(-1),)),
                                  partial(self._prepare_output_fn, (Replicate(),), True))
 
