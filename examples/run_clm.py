@@ -19,7 +19,7 @@ from itertools import chain
 
 from datasets import load_dataset
 from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments,
-                          default_data_collator)
+                          default_data_collator, set_seed)
 
 import model_zoo
 
@@ -43,6 +43,7 @@ def main() -> None:
     model_args, data_args, training_args = parser.parse_args_into_dataclasses()
     if (model_args.model_name_or_path is None) == (model_args.model_zoo is None):
         parser.error("give exactly one of --model_name_or_path and --model_zoo")
+    set_seed(training_args.seed)  # before the model exists, so a fresh model starts the same on every run
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     if model_args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
@@ -73,7 +74,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=training_args, train_dataset=lm["train"], eval_dataset=lm["validation"],
                       processing_class=tokenizer, data_collator=default_data_collator)
     if training_args.do_train:
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         trainer.log_metrics("train", result.metrics)
         trainer.save_metrics("train", result.metrics)

@@ -11,6 +11,12 @@ only then does rank 0 rename the folder into place. A failure on any rank become
 every rank (no rank is left waiting in a collective) and the previous checkpoint stays loadable.
 Loading checks the manifest against the model and every file's size and SHA-256 before it changes
 any state.
+
+With tensor parallelism each rank's flat buffers hold local parts of DTensors. A parameter split
+across the tp group is stored as one tensor per tp rank (`<name>@tp<r>`, the local part), addressed by
+offset like any other, so the checkpoint loads at any dp size and stage with the same tp size; the
+manifest's "tensor_parallel" entry says how the parts make the whole, for `hf-zero consolidate`.
+Parameters every tp rank holds whole are written by tp rank 0 alone.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_zero.export import weights_to_save
-from hf_zero.zero.partition import Piece
+from hf_zero.tensor_parallel import split_of
+from hf_zero.zero.partition import ParamSlice, Piece, is_tp_replicated, local
 
 if TYPE_CHECKING:
     from hf_zero.engine import ZeroEngine
@@ -48,10 +55,55 @@ def chunk_pieces(engine: "ZeroEngine") -> list[list[list[Piece]]]:
     return [[flat.pieces_between(lo, hi) for flat, lo, hi in ranges] for ranges in engine.owned_chunk_ranges()]
 
 
+def tp_part_name(name: str, tp_rank: int) -> str:
+    return f"{name}@tp{tp_rank}"
+
+
+def stored_name(engine: "ZeroEngine", s: ParamSlice) -> str:
+    """The name a parameter's elements are stored under: its own, or for a parameter split across the
+    tp group, its name and this rank's tp rank."""
+    if engine.tp_comm is None or is_tp_replicated(s.param):
+        return s.name
+    return tp_part_name(s.name, engine.tp_comm.rank)
+
+
+def writes_piece(engine: "ZeroEngine", piece: Piece) -> bool:
+    """Whether this rank stores `piece`: a piece every tp rank holds is stored by tp rank 0 alone."""
+    return engine.tp_comm is None or engine.tp_comm.rank == 0 or not is_tp_replicated(piece.slice.param)
+
+
 def parameter_layout(engine: "ZeroEngine") -> dict[str, dict[str, Any]]:
-    """Each managed parameter's shape and optimizer param group: what a checkpoint must match."""
-    return {s.name: {"shape": list(s.shape), "group": g}
+    """Each stored tensor's shape and optimizer param group: what a checkpoint must match. With tensor
+    parallelism it holds every tp rank's parts, gathered over the tp group (every rank must call it)."""
+    mine = {stored_name(engine, s): {"shape": list(s.shape), "group": g}
             for g, flats in enumerate(engine.managed_flats()) for flat in flats for s in flat.slices}
+    if engine.tp_comm is None:
+        return mine
+    return {name: entry for part in engine.tp_comm.all_gather_object(mine) for name, entry in part.items()}
+
+
+def tensor_parallel_layout(engine: "ZeroEngine") -> dict[str, Any]:
+    """The tp size, and for each parameter split across the tp group, its whole shape and split."""
+    if engine.tp_comm is None:
+        return {"size": 1, "split": {}}
+    return {"size": engine.tp_comm.world_size,
+            "split": {s.name: split_of(s.param) for flats in engine.managed_flats() for flat in flats
+                      for s in flat.slices if not is_tp_replicated(s.param)}}
+
+
+def tp_size(manifest: dict[str, Any]) -> int:
+    return manifest.get("tensor_parallel", {"size": 1})["size"]
+
+
+def tp_split(manifest: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """How parameter `name` is split across the tp group (`split_of`), or None when it is stored whole."""
+    return manifest.get("tensor_parallel", {"split": {}})["split"].get(name)
+
+
+def whole_shape(manifest: dict[str, Any], name: str) -> list[int]:
+    """A parameter's shape as the model declares it (the whole of its tp parts)."""
+    split = tp_split(manifest, name)
+    return split["shape"] if split else manifest["parameters"][name]["shape"]
 
 
 def saved_weights(engine: "ZeroEngine") -> list[list[str]]:
@@ -93,7 +145,7 @@ def _agree(engine: "ZeroEngine", action: Callable[[], Any], what: str) -> list[A
         result, error = action(), None
     except Exception as e:  # reported to every rank below, then raised
         result, error = None, f"{type(e).__name__}: {e}"
-    outcomes = engine.comm.all_gather_object((result, error))
+    outcomes = engine.world_comm.all_gather_object((result, error))
     failed = [(rank, err) for rank, (_, err) in enumerate(outcomes) if err is not None]
     if failed:
         rank, err = failed[0]
@@ -105,13 +157,15 @@ def _agree(engine: "ZeroEngine", action: Callable[[], Any], what: str) -> list[A
 def save(engine: "ZeroEngine", directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
-    rank = engine.comm.rank
+    rank = engine.world_comm.rank
+    _check_module_state_is_whole(engine)
+    layout = parameter_layout(engine)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save: never a checkpoint
     try:
         _agree(engine, lambda: partial.mkdir(parents=True, exist_ok=True), f"creating {partial}")
         shards = _agree(engine, lambda: _write_shard(engine, partial), f"writing the shards under {partial}")
-        _agree(engine, lambda: _commit(engine, partial, final, shards, client_state) if rank == 0 else None,
+        _agree(engine, lambda: _commit(engine, partial, final, shards, layout, client_state) if rank == 0 else None,
                f"committing {final}")
     except CheckpointError:
         if rank == 0:
@@ -120,7 +174,16 @@ def save(engine: "ZeroEngine", directory: str | os.PathLike, client_state: dict[
     return final
 
 
-def _write_shard(engine: "ZeroEngine", partial: Path) -> dict[str, Any] | None:
+def _check_module_state_is_whole(engine: "ZeroEngine") -> None:
+    """Rank 0 stores the module state every rank holds; a frozen parameter split across the tp group
+    (not stepped, so not in the engine's shards) has no stored form yet."""
+    split = [name for name, t in engine.unmanaged_state().items() if not is_tp_replicated(t)]
+    if split:
+        raise CheckpointError(f"frozen tensor-parallel parameters cannot be checkpointed yet: {', '.join(split)}; "
+                              f"train them (requires_grad=True) or leave their modules out of the tp plan")
+
+
+def _write_shard(engine: "ZeroEngine", folder: Path) -> dict[str, Any] | None:
     """Writes this rank's partition; returns what the manifest says about the file."""
     writes = engine.zero_stage >= 1 or engine.comm.rank == 0  # stage 0: every rank holds the same state
     if not writes:
@@ -138,32 +201,33 @@ def _write_shard(engine: "ZeroEngine", partial: Path) -> dict[str, Any] | None:
                     elementwise.add(key)
                 else:
                     scalars[g][key] = float(value)
-            for piece in pieces:
-                name, lo, hi, at = piece.slice.name, piece.param_lo, piece.param_hi, piece.range_lo
+            for piece in [p for p in pieces if writes_piece(engine, p)]:
+                name, lo, hi, at = stored_name(engine, piece.slice), piece.param_lo, piece.param_hi, piece.range_lo
                 listed.append([name, lo, hi])
                 tensors[f"master/{name}/{lo}"] = master.detach()[at:at + hi - lo].float().clone()
                 for key, value in state.items():
                     if is_elementwise(value, master):
                         tensors[f"{key}/{name}/{lo}"] = value[at:at + hi - lo].clone()
-    if engine.comm.rank == 0:
+    if engine.world_comm.rank == 0:
         for name, tensor in engine.unmanaged_state().items():
-            tensors[f"module/{name}"] = tensor.detach().clone()
-    file = partial / f"rank{engine.comm.rank:05d}-of-{engine.comm.world_size:05d}.safetensors"
+            tensors[f"module/{name}"] = local(tensor.detach()).clone()
+    file = folder / f"rank{engine.world_comm.rank:05d}-of-{engine.world_comm.world_size:05d}.safetensors"
     save_file(tensors, str(file))
     return {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file), "pieces": listed,
             "optimizer_state": {"scalars": scalars, "elementwise": sorted(elementwise)}}
 
 
-def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, client_state: Any) -> None:
+def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, layout: dict[str, Any],
+            client_state: Any) -> None:
     shards = [s for s in shards if s is not None]
     # Every rank saw the same per-group scalars (Adam's step); rank 0's shard always exists.
     optimizer_state = [s.pop("optimizer_state") for s in shards][0]
     manifest = {
         "format": FORMAT, "version": VERSION, "zero_stage": engine.zero_stage,
-        "world_size": engine.comm.world_size, "dtype": engine.config.dtype,
+        "world_size": engine.world_comm.world_size, "dtype": engine.config.dtype,
         "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps, "loss_scaler": engine.scaler.state_dict(),
-        "parameters": parameter_layout(engine),
+        "parameters": layout, "tensor_parallel": tensor_parallel_layout(engine),
         "optimizer": _optimizer_manifest(engine, optimizer_state),
         "module_state": sorted(engine.unmanaged_state()),
         "weights": saved_weights(engine),
@@ -192,9 +256,10 @@ def _optimizer_manifest(engine: "ZeroEngine", state: dict[str, Any]) -> dict[str
 def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] | None:
     folder = Path(directory)
     manifest = read_manifest(folder)
-    _check_model(engine, manifest, folder)
+    _check_tensor_parallel_size(engine, manifest, folder)
+    _check_model(engine, manifest, folder, parameter_layout(engine))
     # Each rank hashes its share of the files; any failure stops every rank before any state changes.
-    shards, rank, world = manifest["shards"], engine.comm.rank, engine.comm.world_size
+    shards, rank, world = manifest["shards"], engine.world_comm.rank, engine.world_comm.world_size
     _agree(engine, lambda: check_files(shards[rank::world], folder), f"checking {folder}")
     index = index_pieces(manifest)
     opt = engine.sharded_optimizer
@@ -211,7 +276,7 @@ def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] |
                 for piece in pieces:
                     n = piece.param_hi - piece.param_lo
                     for kind, out in values.items():
-                        read_range(files, index, kind, piece.slice.name, piece.param_lo, piece.param_hi,
+                        read_range(files, index, kind, stored_name(engine, piece.slice), piece.param_lo, piece.param_hi,
                                     out[piece.range_lo:piece.range_lo + n])
                 master = values.pop("master")
                 state = {**manifest["optimizer"]["scalars"][g], **values} if values else {}
@@ -242,8 +307,16 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_model(engine: "ZeroEngine", manifest: dict[str, Any], folder: Path) -> None:
-    mine = {name: (p["shape"], p["group"]) for name, p in parameter_layout(engine).items()}
+def _check_tensor_parallel_size(engine: "ZeroEngine", manifest: dict[str, Any], folder: Path) -> None:
+    saved, mine = tp_size(manifest), engine.tp_comm.world_size if engine.tp_comm else 1
+    if saved != mine:
+        raise CheckpointError(f"{folder / MANIFEST} was saved with tensor_parallel_size {saved} and this engine runs "
+                              f"{mine}: load it with tensor_parallel_size {saved} (any data-parallel size and stage), "
+                              f"or consolidate it (hf-zero consolidate) and start from those weights")
+
+
+def _check_model(engine: "ZeroEngine", manifest: dict[str, Any], folder: Path, layout: dict[str, Any]) -> None:
+    mine = {name: (p["shape"], p["group"]) for name, p in layout.items()}
     saved = {name: (p["shape"], p["group"]) for name, p in manifest["parameters"].items()}
     for name in sorted(set(mine) | set(saved)):
         if mine.get(name) != saved.get(name):

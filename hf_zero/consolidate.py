@@ -25,6 +25,7 @@ from hf_zero import checkpoint
 from hf_zero.config import DTYPES
 from hf_zero.export import SAFETENSORS_DTYPES, ShardedWeightsWriter, meta_like
 from hf_zero.memory import peak_rss, reset_peak_rss
+from hf_zero.tensor_parallel import join_parts
 
 TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # as safetensors' get_dtype() spells them
 
@@ -71,7 +72,7 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     planned = {}
     for name, key in manifest["weights"]:
         if key.startswith("master/"):
-            planned[name] = meta_like(manifest["parameters"][key[len("master/"):]]["shape"], out_dtype)
+            planned[name] = meta_like(checkpoint.whole_shape(manifest, key[len("master/"):]), out_dtype)
         else:
             shape, stored_dtype = module_meta[key]
             stored = TORCH_DTYPES[stored_dtype]
@@ -92,13 +93,24 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
 
 
 def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.Tensor:
-    """One whole tensor: a parameter's fp32 master assembled from the pieces in each rank's file (only
-    those files are opened, and closed after, so their pages do not stay mapped), or a module tensor."""
+    """One whole tensor: a parameter's fp32 master (joined from its tp parts when it is split across a
+    tensor-parallel group), or a module tensor."""
     kind, name = key.split("/", 1)
-    with contextlib.ExitStack() as stack:
-        if kind == "module":
-            rank0 = stack.enter_context(safe_open(str(source / checkpoint.module_state_file(manifest)), framework="pt"))
+    if kind == "module":
+        with safe_open(str(source / checkpoint.module_state_file(manifest)), framework="pt") as rank0:
             return rank0.get_tensor(key)
+    split = checkpoint.tp_split(manifest, name)
+    if split is None:
+        return _read_stored(source, manifest, index, kind, name)
+    parts = [_read_stored(source, manifest, index, kind, checkpoint.tp_part_name(name, r))
+             for r in range(checkpoint.tp_size(manifest))]
+    return join_parts(parts, split["dim"], split["split_factor"])
+
+
+def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str) -> torch.Tensor:
+    """One stored tensor assembled from the pieces in each rank's file (only those files are opened, and
+    closed after, so their pages do not stay mapped)."""
+    with contextlib.ExitStack() as stack:
         files = {file: stack.enter_context(safe_open(str(source / file), framework="pt"))
                  for file in sorted({file for _, _, file in index[name]})}
         shape = manifest["parameters"][name]["shape"]

@@ -24,7 +24,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_zero import checkpoint
@@ -36,7 +35,7 @@ from hf_zero.offload.nvme import ParamReader
 from hf_zero.precision import LossScaler
 from hf_zero.zero.activations import CheckpointStore, apply_activation_checkpointing, check_supports_checkpointing
 from hf_zero.zero.optimizer import ShardedOptimizer, check_optimizer
-from hf_zero.zero.partition import FlatParamBuffer, local
+from hf_zero.zero.partition import FlatParamBuffer, is_tp_replicated, local
 from hf_zero.zero.stage1 import ReplicatedGradients
 from hf_zero.zero.stage2 import PartitionedGradients
 from hf_zero.zero.stage3 import Stage3Params
@@ -73,14 +72,13 @@ def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | 
                          f"it); got {mesh.mesh_dim_names}")
     if group is not None:
         raise ValueError("pass either group or mesh: with a mesh, ZeRO runs over its 'dp' dimension")
+    if mesh.size() != torch.distributed.get_world_size():
+        raise ValueError(f"the mesh must span every process ({torch.distributed.get_world_size()}), not "
+                         f"{mesh.size()}: hf_zero.tensor_parallel.init_mesh builds such a mesh")
     if init_from is not None:
         raise ValueError("init_from with a tensor-parallel mesh is not available yet; build the model, apply "
                          "hf_zero.tensor_parallel.apply_tensor_parallel, then initialize without init_from")
     return mesh["dp"].get_group(), mesh["tp"].get_group()
-
-
-def is_tp_replicated(param: torch.Tensor) -> bool:
-    return not isinstance(param, DTensor) or all(isinstance(p, Replicate) for p in param.placements)
 
 
 def trainable_params_by_group(model: nn.Module, optimizer: torch.optim.Optimizer
@@ -96,6 +94,9 @@ def trainable_params_by_group(model: nn.Module, optimizer: torch.optim.Optimizer
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in group_of:
+            if not p.requires_grad:
+                raise ValueError(f"parameter {name} is in an optimizer param group but does not require grad; "
+                                 f"build the optimizer on the trainable parameters only")
             groups[group_of[id(p)]].append((name, p))
             seen.add(id(p))
         elif p.requires_grad:
@@ -134,6 +135,9 @@ class ZeroEngine(nn.Module):
         self.ledger = Ledger()
         self.comm = Communicator(self.ledger, group)
         self.tp_comm = Communicator(self.ledger, tp_group) if tp_group is not None else None
+        # Every rank holding part of the model's state: the dp group, times the tp group with a mesh.
+        # Checkpoints agree over it, so that a failure on any rank stops every rank.
+        self.world_comm = Communicator(self.ledger) if mesh is not None else self.comm
         self.scaler = LossScaler(cfg)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.global_grad_norm: float | None = None
@@ -356,23 +360,14 @@ class ZeroEngine(nn.Module):
     def save_checkpoint(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own partition (safetensors) and rank 0 a manifest; all ranks must call it.
         `client_state` (JSON: a scheduler's state, a data position) comes back from load_checkpoint."""
-        self._check_no_tensor_parallelism("save_checkpoint")
         self.finish_pending_update()
         return checkpoint.save(self, directory, client_state)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> dict[str, Any] | None:
-        """Loads a checkpoint saved at any world size and stage; returns its client_state."""
-        self._check_no_tensor_parallelism("load_checkpoint")
+        """Loads a checkpoint saved at any data-parallel size and stage (with tensor parallelism: the same
+        tp size); returns its client_state."""
         self.finish_pending_update()
         return checkpoint.load(self, directory)
-
-    def _check_no_tensor_parallelism(self, what: str) -> None:
-        if self.tp_comm is not None and self.tp_comm.world_size > 1:
-            from hf_zero import __version__
-            raise NotImplementedError(f"{what} with tensor parallelism (tp {self.tp_comm.world_size}) is not available "
-                                      f"yet in hf_zero {__version__}: checkpoints hold whole parameters per dp "
-                                      f"shard. Gather the weights with engine.gathered_parameters() and "
-                                      f"DTensor.full_tensor() to export them")
 
     def managed_flats(self) -> list[list[FlatParamBuffer]]:
         """The flat buffers of each optimizer param group."""
@@ -398,7 +393,7 @@ class ZeroEngine(nn.Module):
         """After the masters are set from a checkpoint: the rest of the state, then whole parameters again."""
         own = self.unmanaged_state()
         for name, value in module_state.items():
-            own[name].copy_(value)
+            local(own[name]).copy_(value)
         self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]
         self.skipped_steps = manifest["skipped_steps"]
         self.scaler.load_state_dict(manifest["loss_scaler"])

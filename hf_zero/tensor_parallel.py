@@ -12,16 +12,21 @@ GPT-2 computes with transformers' `Conv1D` (weight stored in x out), which torch
 know, and fuses Q, K and V into one matrix: `Conv1DColwise` shards it with `_StridedShard`, so that
 each rank gets its heads' columns of each of Q, K and V while the global tensor keeps transformers'
 layout (checkpoints and exports are unchanged).
+
+Engine checkpoints store each rank's local part as its own tensor; `split_of` records how the parts
+make the whole and `join_parts` puts them back together (`hf-zero consolidate`), without a process
+group: DTensor's own redistribution needs every tp rank alive.
 """
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from transformers.pytorch_utils import Conv1D
@@ -73,6 +78,25 @@ class Conv1DRowwise(RowwiseParallel):
         return distribute_module(module, device_mesh, partition,
                                  partial(self._prepare_input_fn, (Shard(-1),), (Shard(-1),)),
                                  partial(self._prepare_output_fn, (Replicate(),), True))
+
+
+def split_of(param: DTensor) -> dict[str, Any]:
+    """How a tensor-parallel parameter splits across its 1-D tp mesh: the dimension, and how many
+    concatenated matrices each rank takes a slice of (`split_factor`, 3 for GPT-2's Q|K|V)."""
+    (placement,) = param.placements
+    if isinstance(placement, _StridedShard):
+        return {"shape": list(param.shape), "dim": placement.dim, "split_factor": placement.split_factor}
+    if isinstance(placement, Shard):
+        return {"shape": list(param.shape), "dim": placement.dim, "split_factor": 1}
+    raise ValueError(f"a tensor-parallel parameter placed as {placement} has no checkpoint layout; hf_zero "
+                     f"stores parameters that are sharded (Shard, _StridedShard) or replicated")
+
+
+def join_parts(parts: list[torch.Tensor], dim: int, split_factor: int) -> torch.Tensor:
+    """The whole tensor from every tp rank's local part, in tp-rank order (the inverse of `split_of`'s
+    placement): rank r holds slice r of each of the `split_factor` matrices laid along `dim`."""
+    pieces = [part.chunk(split_factor, dim) for part in parts]
+    return torch.cat([torch.cat([rank_pieces[m] for rank_pieces in pieces], dim) for m in range(split_factor)], dim)
 
 
 def _check_divisible(what: str, count: int, tp: int) -> None:

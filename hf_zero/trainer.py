@@ -134,6 +134,12 @@ class ZeroTrainerMixin:
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # The engine checkpoint loaded next holds every weight; with tensor parallelism the model's
+        # parameters are DTensors, which the whole tensors of model.safetensors cannot be copied into.
+        if self.mesh is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
@@ -170,8 +176,9 @@ class ZeroTrainerMixin:
         with self.engine.gathered_parameters():
             state_dict = {name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                           for name, tensor in self.model.state_dict().items()}
-        if self.args.should_save:
-            self._save(output_dir, state_dict=state_dict)
+            # Written inside: at stage 3 the replicated tensors are views of gathered units, freed on exit.
+            if self.args.should_save:
+                self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

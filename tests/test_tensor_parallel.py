@@ -1,17 +1,21 @@
 """Tensor parallelism (DTensor, hf_zero/tensor_parallel.py) with ZeRO-DP over the "dp" dimension of the
 same mesh, with and without ZeRO-R's partitioned and CPU activation checkpointing: on 4 gloo ranks as
-tp 2 x dp 2 and as tp 4, training equals one process on the global batch."""
+tp 2 x dp 2 and as tp 4, training equals one process on the global batch. Engine checkpoints of
+tensor-parallel runs resume exactly, continue on another dp size and stage, and consolidate whole."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from transformers import BertForSequenceClassification, GPT2LMHeadModel
 
 import hf_zero
+from hf_zero.checkpoint import CheckpointError
+from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
 from tests.conftest import SMALL_BUCKETS
+from tests.checkpoint_helpers import whole_params
 from tests.helpers import batch, make_optimizer, max_diff, tiny_model, train_single_process
 from tests.test_engine import FP32_TOL
 
@@ -29,28 +33,32 @@ def tp_model(kind: str, tp: int) -> tuple[torch.nn.Module, object]:
     return model, mesh
 
 
-def whole_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
-            for n, p in model.named_parameters()}
+def tp_engine(kind: str, tp: int, config: dict) -> hf_zero.ZeroEngine:
+    model, mesh = tp_model(kind, tp)
+    model.train()
+    return hf_zero.initialize(model, make_optimizer(model), {"gradient_clipping": CLIP, **SMALL_BUCKETS, **config},
+                              mesh=mesh)
+
+
+def train_steps(engine: hf_zero.ZeroEngine, kind: str, start: int, stop: int) -> list[float]:
+    """Steps [start, stop) on the global batches, each dp rank taking its part; returns the gradient norms."""
+    dp_rank, dp = engine.comm.rank, engine.comm.world_size
+    norms = []
+    for step in range(start, stop):
+        b = {k: v.chunk(dp)[dp_rank] for k, v in batch(kind, step, GLOBAL_BATCH).items()}
+        engine.backward(engine(**b).loss)
+        engine.step()
+        norms.append(engine.global_grad_norm)
+    return norms
 
 
 def train_tp(tp: int) -> dict[tuple, dict]:
     """Every scenario on this mesh: final whole parameters and the gradient norms."""
     results = {}
     for kind, stage, mode in SCENARIOS:
-        model, mesh = tp_model(kind, tp)
-        model.train()
-        config = {"zero_stage": stage, "gradient_clipping": CLIP, **SMALL_BUCKETS, **CHECKPOINTING[mode]}
-        engine = hf_zero.initialize(model, make_optimizer(model), config, mesh=mesh)
-        dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-        norms = []
-        for step in range(STEPS):
-            b = {k: v.chunk(dp)[dp_rank] for k, v in batch(kind, step, GLOBAL_BATCH).items()}
-            engine.backward(engine(**b).loss)
-            engine.step()
-            norms.append(engine.global_grad_norm)
-        with engine.gathered_parameters():
-            results[(kind, stage, mode)] = {"params": whole_params(model), "norms": norms}
+        engine = tp_engine(kind, tp, {"zero_stage": stage, **CHECKPOINTING[mode]})
+        norms = train_steps(engine, kind, 0, STEPS)
+        results[(kind, stage, mode)] = {"params": whole_params(engine), "norms": norms}
     return results
 
 
@@ -74,7 +82,7 @@ def test_tp_x_zero_dp_matches_single_process(tp_runs, references, kind, stage, m
         assert max_diff(run["params"], reference["params"]) <= FP32_TOL
 
 
-def refusals() -> dict[str, str]:
+def refusals(root: str) -> dict[str, str]:
     """What bad tensor-parallel input raises, on 2 ranks."""
     messages = {}
     mesh = init_mesh(2)
@@ -91,13 +99,26 @@ def refusals() -> dict[str, str]:
             messages[name] = "no error"
         except ValueError as error:
             messages[name] = str(error)
+    tp2 = tp_engine("gpt2-tp", 2, {"zero_stage": 2})
+    tp2.save_checkpoint(f"{root}/tp2")
+    model = tiny_model("gpt2-tp")
+    dp2 = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2})
     model, mesh = tp_model("gpt2-tp", 2)
-    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2}, mesh=mesh)
+    model.transformer.h[0].mlp.c_fc.weight.requires_grad_(False)
     try:
-        engine.save_checkpoint("/nonexistent")
-        messages["checkpoint"] = "no error"
-    except NotImplementedError as error:
-        messages["checkpoint"] = str(error)
+        hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2}, mesh=mesh)
+        messages["frozen_in_optimizer"] = "no error"
+    except ValueError as error:
+        messages["frozen_in_optimizer"] = str(error)
+    trainable = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    frozen = hf_zero.initialize(model, trainable, {"zero_stage": 2}, mesh=mesh)
+    for name, attempt in {"tp_size": lambda: dp2.load_checkpoint(f"{root}/tp2"),
+                          "frozen": lambda: frozen.save_checkpoint(f"{root}/frozen")}.items():
+        try:
+            attempt()
+            messages[name] = "no error"
+        except CheckpointError as error:
+            messages[name] = str(error)
     dist.barrier()
     return messages
 
@@ -107,10 +128,84 @@ def _model_and_optimizer():
     return model, make_optimizer(model)
 
 
-def test_bad_tensor_parallel_input_is_refused_with_what_to_do():
-    messages = spawn_gloo(refusals, 2)[0]
+def test_bad_tensor_parallel_input_is_refused_with_what_to_do(tmp_path):
+    messages = spawn_gloo(refusals, 2, str(tmp_path))[0]
     assert "tensor_parallel_size must divide the world size 2; got 3" in messages["world"]
     assert "tensor_parallel_size 2 must divide the model's attention heads (3)" in messages["heads"]
     assert "plans for transformers' GPT-2 and BERT models; got Linear (model_type None)" in messages["model"]
     assert "mesh must have the dimensions ('dp', 'tp')" in messages["mesh_dims"]
-    assert "save_checkpoint with tensor parallelism (tp 2) is not available yet" in messages["checkpoint"]
+    assert ("was saved with tensor_parallel_size 2 and this engine runs 1: load it with tensor_parallel_size 2"
+            in messages["tp_size"])
+    assert ("frozen tensor-parallel parameters cannot be checkpointed yet: transformer.h.0.mlp.c_fc.weight"
+            in messages["frozen"])
+    assert ("parameter transformer.h.0.mlp.c_fc.weight is in an optimizer param group but does not require grad"
+            in messages["frozen_in_optimizer"])
+    assert not (tmp_path / "frozen").exists() and not (tmp_path / "frozen.partial").exists()
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+SAVE_AT = 3
+SAVED = [("gpt2-tp", 2), ("gpt2-tp", 3), ("bert-tp", 1)]
+
+
+def checkpoint_runs(root: str) -> dict[str, dict]:
+    """tp 2 x dp 2: 2 x SAVE_AT steps straight, against saving at SAVE_AT and resuming in a fresh engine;
+    with the whole parameters at the save point."""
+    results = {}
+    for kind, stage in SAVED:
+        name = f"{kind}-s{stage}"
+        straight = tp_engine(kind, 2, {"zero_stage": stage})
+        train_steps(straight, kind, 0, 2 * SAVE_AT)
+        first = tp_engine(kind, 2, {"zero_stage": stage})
+        train_steps(first, kind, 0, SAVE_AT)
+        first.save_checkpoint(f"{root}/{name}", client_state={"next_step": SAVE_AT})
+        resumed = tp_engine(kind, 2, {"zero_stage": stage})
+        train_steps(resumed, kind, resumed.load_checkpoint(f"{root}/{name}")["next_step"], 2 * SAVE_AT)
+        results[name] = {"straight": whole_params(straight), "resumed": whole_params(resumed),
+                         "at_save": whole_params(first)}
+    return results
+
+
+def continue_on_tp2_dp1(root: str) -> dict[str, torch.Tensor]:
+    """The tp 2 x dp 2 stage-2 checkpoint, continued on 2 ranks (tp 2 x dp 1) at stage 3."""
+    engine = tp_engine("gpt2-tp", 2, {"zero_stage": 3})
+    train_steps(engine, "gpt2-tp", engine.load_checkpoint(f"{root}/gpt2-tp-s2")["next_step"], 2 * SAVE_AT)
+    return whole_params(engine)
+
+
+@pytest.fixture(scope="module")
+def saved_tp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_checkpoints")
+    return root, spawn_gloo(checkpoint_runs, 4, str(root))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, stage", SAVED, ids=[f"{k}-s{s}" for k, s in SAVED])
+def test_a_tensor_parallel_checkpoint_resumes_bitwise_as_the_uninterrupted_run(saved_tp, kind, stage):
+    for rank_result in saved_tp[1]:
+        run = rank_result[f"{kind}-s{stage}"]
+        for name, param in run["straight"].items():
+            assert torch.equal(param, run["resumed"][name]), f"{name} differs after resuming"
+
+
+@pytest.mark.slow
+def test_a_tp2_dp2_checkpoint_continues_the_same_trajectory_on_tp2_dp1_at_stage3(saved_tp):
+    root, results = saved_tp
+    continued = spawn_gloo(continue_on_tp2_dp1, 2, str(root))
+    for rank_result in continued:
+        assert max_diff(rank_result, results[0]["gpt2-tp-s2"]["straight"]) <= FP32_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, stage", [("gpt2-tp", 2), ("bert-tp", 1)])
+def test_a_tensor_parallel_checkpoint_consolidates_to_the_whole_weights(saved_tp, tmp_path, kind, stage):
+    """hf-zero consolidate joins the tp parts (GPT-2's strided Q|K|V, BERT's row and column splits) into
+    the tensors DTensor.full_tensor() gave at the save point."""
+    root, results = saved_tp
+    consolidate(root / f"{kind}-s{stage}", tmp_path, progress=False)
+    model_class = GPT2LMHeadModel if kind.startswith("gpt2") else BertForSequenceClassification
+    loaded = model_class.from_pretrained(tmp_path)
+    expected = results[0][f"{kind}-s{stage}"]["at_save"]
+    assert {n for n, _ in loaded.named_parameters()} == set(expected)
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, expected[name]), f"{name} was not reassembled"

@@ -13,7 +13,7 @@ from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
 from tests.hub_stand_in import HubStandIn, hub_env
 from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, gpt2_model, lm_examples, pushing_run,
                                     resume_runs, run_trainers, saving_run, tensor_parallel_arguments,
-                                    tensor_parallel_runs)
+                                    tensor_parallel_resume_runs, tensor_parallel_runs)
 from training_args import ZeroTrainingArguments
 
 STAGES = (0, 1, 2, 3)
@@ -178,3 +178,13 @@ def test_tensor_parallel_trainer_with_partitioned_cpu_checkpoints_logs_the_stock
         saved = GPT2LMHeadModel.from_pretrained(tmp_path / f"tp{tp}" / "final")
         with torch.no_grad():
             assert_same_logits(saved(input_ids=PROBE_IDS).logits, stock.model(input_ids=PROBE_IDS).logits)
+
+
+@pytest.mark.slow
+def test_resuming_a_tensor_parallel_run_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """--tensor_parallel_size 2 x dp 2 at stage 3 with P_a: the Trainer's checkpoint-3 resumes to the
+    same parameters as the 6 steps straight through."""
+    for rank_result in spawn_gloo(tensor_parallel_resume_runs, 4, str(tmp_path)):
+        for name, param in rank_result["straight"].items():
+            assert torch.equal(param, rank_result["resumed"][name]), f"{name} differs after resuming"
+    assert (tmp_path / "straight" / "checkpoint-3" / "zero_checkpoint" / "manifest.json").is_file()

@@ -16,7 +16,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, Seq2SeqTrainer, 
                           T5Config, T5ForConditionalGeneration, Trainer, TrainingArguments)
 
 from hf_zero import ZeroSeq2SeqTrainer, ZeroTrainer
-from tests.helpers import SEQ, VOCAB, tiny_model
+from tests.helpers import SEQ, VOCAB, named_copy, tiny_model
 from training_args import ZeroSeq2SeqTrainingArguments, ZeroTrainingArguments
 
 # 88 examples on 2 ranks at batch 4: 11 micro-batches per epoch, so with accumulation 2 every epoch
@@ -197,9 +197,10 @@ def pushing_run(root: str) -> dict[str, Any]:
 
 def tensor_parallel_arguments(output_dir: str, global_batch: int, dp: int, **more: Any) -> dict[str, Any]:
     """Trainer arguments for the tensor-parallel comparison: one global batch per step, no accumulation."""
-    return dict(output_dir=output_dir, per_device_train_batch_size=global_batch // dp, per_device_eval_batch_size=4,
-                max_steps=10, max_grad_norm=1.0, learning_rate=2e-3, logging_steps=1, save_strategy="no",
-                use_cpu=True, report_to=[], seed=0, disable_tqdm=True, gradient_checkpointing=True, **more)
+    return {**dict(output_dir=output_dir, per_device_train_batch_size=global_batch // dp,
+                   per_device_eval_batch_size=4, max_steps=10, max_grad_norm=1.0, learning_rate=2e-3, logging_steps=1,
+                   save_strategy="no", use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
+                   gradient_checkpointing=True), **more}
 
 
 def tensor_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
@@ -218,3 +219,18 @@ def tensor_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
                               "checkpoint_bytes": trainer.engine.checkpoints.peak_held_bytes}
         trainer.save_model(f"{root}/tp{tp}/final")
     return results
+
+
+def tensor_parallel_resume_runs(root: str) -> dict[str, dict[str, torch.Tensor]]:
+    """--tensor_parallel_size 2 on 4 ranks, stage 3 with P_a: 6 steps straight (a checkpoint every 3)
+    against a fresh Trainer resumed from checkpoint-3."""
+    params = {}
+    for mode in ("straight", "resumed"):
+        args = ZeroTrainingArguments(**tensor_parallel_arguments(
+            f"{root}/{mode}", 8, 2, max_steps=6, save_strategy="steps", save_steps=3),
+            zero_stage=3, tensor_parallel_size=2, zero_partition_activations=True)
+        trainer = ZeroTrainer(model=gpt2_model("gpt2-tp"), args=args, train_dataset=lm_examples(TRAIN_EXAMPLES, 1))
+        trainer.train(resume_from_checkpoint=f"{root}/straight/checkpoint-3" if mode == "resumed" else None)
+        with trainer.engine.gathered_parameters():
+            params[mode] = named_copy(trainer.model)
+    return params

@@ -109,15 +109,11 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
 
 
 def check_tensor_parallel_flags(args: Any) -> None:
-    """--tensor_parallel_size must split the world; tensor-parallel runs cannot write Trainer checkpoints yet."""
+    """--tensor_parallel_size must split the world into tp groups."""
     tp = args.tensor_parallel_size
     if not isinstance(tp, int) or tp < 1 or args.world_size % tp:
         raise ZeroConfigError(f"--tensor_parallel_size must be a positive integer dividing the number of processes "
                               f"({args.world_size}); got {tp!r}")
-    if tp > 1 and args.save_strategy != "no":
-        raise ZeroConfigError(f"--tensor_parallel_size {tp}: Trainer checkpoints of tensor-parallel runs are not "
-                              f"available yet; pass --save_strategy no (trainer.save_model() still writes the "
-                              f"final model)")
 
 
 def _read_config_file(path: str) -> dict[str, Any]:

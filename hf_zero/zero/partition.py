@@ -18,12 +18,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the tensor itself for anything else)."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def is_tp_replicated(param: torch.Tensor) -> bool:
+    """Whether every tp rank holds the whole tensor (norms, embeddings, row-wise biases; anything without TP)."""
+    return not isinstance(param, DTensor) or all(isinstance(p, Replicate) for p in param.placements)
 
 
 def set_data(param: torch.Tensor, tensor: torch.Tensor) -> None:
