@@ -23,10 +23,11 @@ same batches (accelerate's own rule for a mesh with a "tp" dimension).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import recursively_apply
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -88,6 +89,31 @@ class ZeroTrainerMixin:
             data_mesh = init_device_mesh(self.mesh.device_type, tuple(self.mesh.shape),
                                          mesh_dim_names=("dp_replicate", "tp"))
             self.accelerator._prepare_device_mesh = lambda: data_mesh
+            # Evaluation and the token count gather from every process, tp copies included (the loss
+            # scaling in compute_loss expects those copies and stays as it is).
+            gather_for_metrics = self.accelerator.gather_for_metrics
+            self.accelerator.gather_for_metrics = self._once_per_tp_group(gather_for_metrics)
+            self.gather_function = self.accelerator.gather_for_metrics  # the Trainer took the original
+
+    def _once_per_tp_group(self, gathering: Callable[..., Any]) -> Callable[..., Any]:
+        """`gathering` with accelerate's gather keeping one copy per tp group: the ranks of a tp group
+        saw the same batch, so predictions, metrics and token counts would hold each sample tp times.
+        Inside gather_for_metrics this happens before the last batch's padding is dropped."""
+        tp, world = self.mesh["tp"].size(), self.mesh.size()
+
+        def tp_rank_0_parts(gathered: torch.Tensor) -> torch.Tensor:  # tp groups are consecutive ranks
+            rest = gathered.shape[1:]
+            return gathered.reshape(world, -1, *rest)[::tp].reshape(-1, *rest)
+
+        def gather_once(*args: Any, **kwargs: Any) -> Any:
+            gather_every_copy = self.accelerator.gather
+            self.accelerator.gather = lambda data: recursively_apply(tp_rank_0_parts, gather_every_copy(data))
+            try:
+                return gathering(*args, **kwargs)
+            finally:
+                self.accelerator.gather = gather_every_copy
+
+        return gather_once
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -139,6 +165,11 @@ class ZeroTrainerMixin:
         # parameters are DTensors, which the whole tensors of model.safetensors cannot be copied into.
         if self.mesh is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        if self.mesh is None:
+            return super()._track_num_input_tokens(inputs)
+        return self._once_per_tp_group(super()._track_num_input_tokens)(inputs)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:

@@ -159,7 +159,8 @@ def test_push_to_hub_at_stage3_uploads_consolidated_weights_that_load(tmp_path, 
 @pytest.mark.slow
 def test_tensor_parallel_trainer_with_partitioned_cpu_checkpoints_logs_the_stock_trainers_losses(tmp_path):
     """--tensor_parallel_size 2 (dp 2) and 4 (dp 1) on 4 ranks, --zero_partition_activations
-    --zero_cpu_checkpointing, against the stock Trainer in one process on the same global batch of 8."""
+    --zero_cpu_checkpointing, against the stock Trainer in one process on the same global batch of 8:
+    losses, gradient norms, evaluation loss, predictions and the count of tokens seen."""
     runs = spawn_gloo(tensor_parallel_runs, 4, str(tmp_path))
     stock = Trainer(model=gpt2_model("gpt2-tp"), args=TrainingArguments(**tensor_parallel_arguments(
         str(tmp_path / "stock"), 8, 1)), train_dataset=lm_examples(TRAIN_EXAMPLES, 1),
@@ -167,6 +168,7 @@ def test_tensor_parallel_trainer_with_partitioned_cpu_checkpoints_logs_the_stock
     stock.train()
     logs = [h for h in stock.state.log_history if "loss" in h]
     stock_losses, stock_norms = [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+    stock_eval_loss, stock_prediction = stock.evaluate()["eval_loss"], stock.predict(lm_examples(EVAL_EXAMPLES, 2))
     assert stock_losses[-1] < stock_losses[0] - 0.1
     for tp in (2, 4):
         for rank_result in runs:
@@ -174,6 +176,12 @@ def test_tensor_parallel_trainer_with_partitioned_cpu_checkpoints_logs_the_stock
             assert max(abs(a - b) for a, b in zip(run["losses"], stock_losses)) < 1e-4
             assert run["grad_norms"] == pytest.approx(stock_norms, rel=1e-4)
             assert run["checkpoint_bytes"]["device"] == 0 and run["checkpoint_bytes"]["host"] > 0
+            # Evaluation counts each sample once, though every rank of a tp group computed it.
+            assert run["eval_loss"] == pytest.approx(stock_eval_loss, abs=1e-4)
+            assert run["prediction"].predictions.shape == stock_prediction.predictions.shape
+            assert (run["prediction"].label_ids == stock_prediction.label_ids).all()
+            assert abs(run["prediction"].predictions - stock_prediction.predictions).max() < 1e-3
+            assert run["tokens_seen"] == stock.state.num_input_tokens_seen
         # The saved model is transformers' own folder: it loads and gives the trained model's logits.
         saved = GPT2LMHeadModel.from_pretrained(tmp_path / f"tp{tp}" / "final")
         with torch.no_grad():

@@ -200,7 +200,7 @@ def tensor_parallel_arguments(output_dir: str, global_batch: int, dp: int, **mor
     return {**dict(output_dir=output_dir, per_device_train_batch_size=global_batch // dp,
                    per_device_eval_batch_size=4, max_steps=10, max_grad_norm=1.0, learning_rate=2e-3, logging_steps=1,
                    save_strategy="no", use_cpu=True, report_to=[], seed=0, disable_tqdm=True,
-                   gradient_checkpointing=True), **more}
+                   gradient_checkpointing=True, include_num_input_tokens_seen=True), **more}
 
 
 def tensor_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
@@ -216,6 +216,8 @@ def tensor_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         results[f"tp{tp}"] = {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
                               "eval_loss": trainer.evaluate()["eval_loss"],
+                              "prediction": trainer.predict(lm_examples(EVAL_EXAMPLES, 2)),
+                              "tokens_seen": trainer.state.num_input_tokens_seen,
                               "checkpoint_bytes": trainer.engine.checkpoints.peak_held_bytes}
         trainer.save_model(f"{root}/tp{tp}/final")
     return results

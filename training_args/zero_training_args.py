@@ -111,6 +111,10 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
 def check_tensor_parallel_flags(args: Any) -> None:
     """--tensor_parallel_size must split the world into tp groups."""
     tp = args.tensor_parallel_size
+    if isinstance(tp, int) and tp > 1 and args.eval_use_gather_object:
+        raise ZeroConfigError(f"--tensor_parallel_size {tp} with --eval_use_gather_object: gathered objects would "
+                              f"hold every sample {tp} times (once per rank of a tp group); leave "
+                              f"--eval_use_gather_object off")
     if not isinstance(tp, int) or tp < 1 or args.world_size % tp:
         raise ZeroConfigError(f"--tensor_parallel_size must be a positive integer dividing the number of processes "
                               f"({args.world_size}); got {tp!r}")

@@ -91,6 +91,12 @@ def test_tensor_parallel_size_must_divide_the_processes(value):
         parse("--tensor_parallel_size", value)
 
 
+def test_tensor_parallelism_refuses_gathering_evaluation_objects():
+    with pytest.raises(ZeroConfigError, match=r"--tensor_parallel_size 2 with --eval_use_gather_object: gathered "
+                                              r"objects would hold every sample 2 times"):
+        parse("--tensor_parallel_size", "2", "--eval_use_gather_object", "true")
+
+
 def test_zero_r_flags_reach_the_engine_config():
     config = parse("--zero_partition_activations", "--zero_cpu_checkpointing", "true").zero_engine_config
     assert config.partition_activations is True and config.cpu_checkpointing is True
