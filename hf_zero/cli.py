@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_zero import ZeroConfig, ZeroConfigError
+from hf_zero import ZeroConfigError
 from hf_zero.config import DTYPES, offload_conflict
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import free_port
@@ -25,10 +25,7 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--nproc_per_node", type=_nproc, default=2, help="processes to start (gloo on CPU, NCCL on GPU)")
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
-    # Refuse bad settings here, before any process starts.
-    ZeroConfig.from_any({"zero_stage": args.zero_stage, "dtype": args.dtype,
-                         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                         "reduce_bucket_size": args.reduce_bucket_size})
+    train_lm.check_args(args, args.nproc_per_node)  # bad settings stop here, before any process starts
     if args.nproc_per_node == 1:
         train_lm.main(args)
         return 0

@@ -18,8 +18,10 @@ from tqdm.auto import tqdm
 
 import hf_zero
 import model_zoo
+from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.launch import init_distributed
 from hf_zero.memory import model_state_bytes
+from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
 
 logger = logging.getLogger("hf_zero.train_lm")
 
@@ -50,6 +52,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduce_bucket_size", type=int, default=500_000,
                    help="gradient bucket in elements; below the demo model's size, so that stage 2 keeps "
                         "a few buckets rather than one as large as the model")
+    p.add_argument("--tensor_parallel_size", type=int, default=1,
+                   help="split each block over this many consecutive ranks (must divide the process count)")
+    p.add_argument("--partition_activations", action="store_true",
+                   help="checkpoint every block, keeping 1/tp of its input per rank (ZeRO-R P_a)")
+    p.add_argument("--cpu_checkpointing", action="store_true", help="keep the block checkpoints in host memory")
+    p.add_argument("--offload_optimizer", default="none", choices=["none", "cpu", "nvme"])
+    p.add_argument("--offload_param", default="none", choices=["none", "cpu", "nvme"], help="stage 3 only")
+    p.add_argument("--nvme_path", default=None, help="a writable folder, for nvme offload")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="GPT-2's residual, embedding and attention dropout (default: the zoo config's)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max_steps", type=int, default=2000)
     p.add_argument("--max_minutes", type=float, default=3.0, help="stop after this much training time")
@@ -57,11 +69,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def engine_config(args: argparse.Namespace) -> dict[str, object]:
+    return {"zero_stage": args.zero_stage, "dtype": args.dtype, "gradient_clipping": 1.0,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "reduce_bucket_size": args.reduce_bucket_size, "partition_activations": args.partition_activations,
+            "cpu_checkpointing": args.cpu_checkpointing, "offload_optimizer": args.offload_optimizer,
+            "offload_param": args.offload_param, "nvme_path": args.nvme_path}
+
+
+def check_args(args: argparse.Namespace, processes: int) -> None:
+    """Refuses bad settings before any work (`hf-zero train` calls it before starting the processes)."""
+    ZeroConfig.from_any(engine_config(args))
+    if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
+        raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
+                              f"got {args.tensor_parallel_size}")
+    if args.dropout is not None and model_zoo.entry(args.model).family != "gpt2":
+        raise ZeroConfigError(f"--dropout sets GPT-2's dropout; {args.model} is not a GPT-2 model")
+
+
 def main(args: argparse.Namespace) -> dict[str, float]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    owns_process_group = not dist.is_initialized()
     init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    check_args(args, world)
     data = torch.frombuffer(bytearray(load_text(args.text)), dtype=torch.uint8).long()
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
@@ -69,8 +101,14 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         raise ValueError(f"--seq_len {args.seq_len} is longer than the validation text ({len(val)} bytes)")
 
     torch.manual_seed(args.seed)
-    model = model_zoo.build(args.model, n_positions=max(args.seq_len, 128))
+    dropout = {} if args.dropout is None else {f"{part}_pdrop": args.dropout for part in ("resid", "embd", "attn")}
+    model = model_zoo.build(args.model, n_positions=max(args.seq_len, 128), **dropout)
     psi = sum(p.numel() for p in model.parameters())
+    mesh, dp_rank, dp = None, rank, world
+    if args.tensor_parallel_size > 1:
+        mesh = init_mesh(args.tensor_parallel_size)
+        apply_tensor_parallel(model, mesh["tp"])
+        dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -78,16 +116,15 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     warmup = max(1, args.max_steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / args.max_steps))))
-    engine = hf_zero.initialize(model, optimizer, {
-        "zero_stage": args.zero_stage, "dtype": args.dtype, "gradient_clipping": 1.0,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "reduce_bucket_size": args.reduce_bucket_size})
+    engine = hf_zero.initialize(model, optimizer, engine_config(args), mesh=mesh)
     if rank == 0:
-        formula = sum(model_state_bytes(args.zero_stage, psi, world, args.dtype).values()) / 2**20
-        logger.info(f"{args.model}: {psi:,} parameters, ZeRO stage {args.zero_stage}, {world} rank(s), "
-                    f"{args.dtype}; paper's model-state formula: {formula:.1f} MiB per rank")
+        formula = sum(model_state_bytes(args.zero_stage, psi, dp, args.dtype).values()) / 2**20
+        logger.info(f"{args.model}: {psi:,} parameters, ZeRO stage {args.zero_stage}, {dp} data-parallel "
+                    f"rank(s) x tp {args.tensor_parallel_size}, {args.dtype}; paper's model-state formula "
+                    f"(without tp): {formula:.1f} MiB per rank")
 
-    stream = batches(train, args.batch_size, args.seq_len + 1, seed=args.seed * 1000 + rank)
+    # The ranks of a tp group compute one batch together, so they draw the same windows.
+    stream = batches(train, args.batch_size, args.seq_len + 1, seed=args.seed * 1000 + dp_rank)
     start, losses = time.monotonic(), []
     bar = tqdm(total=args.max_steps, desc="train", disable=rank != 0)
     for step in range(args.max_steps):
@@ -125,7 +162,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         logger.info(f"{steps_done} steps in {elapsed:.0f} s ({summary['seconds_per_step']:.3f} s/step): "
                     f"loss {summary['first_loss']:.3f} -> {summary['final_train_loss']:.3f}, "
                     f"validation loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits per byte)")
-    if dist.is_initialized():
+    if owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     return summary
 

@@ -1,0 +1,42 @@
+"""The main job, `hf-zero train` (hf_zero/train_lm.py): with tensor parallelism, ZeRO-R's partitioned
+CPU checkpoints and CPU optimizer offload on 2 ranks it trains as the plain job does in one process."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from hf_zero import train_lm
+from hf_zero.launch import spawn_gloo
+
+# Dropout off: with tensor parallelism each rank draws masks for its own heads, so random masks differ.
+SHORT = ["--max_steps", "12", "--seq_len", "64", "--batch_size", "4", "--log_every", "4", "--max_minutes", "5",
+         "--dropout", "0"]
+
+
+def run_job(argv: list[str]) -> dict[str, float]:
+    parser = argparse.ArgumentParser()
+    train_lm.add_arguments(parser)
+    return train_lm.main(parser.parse_args(argv))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_job_with_zero_r_and_cpu_offload_trains_as_one_process():
+    plain = spawn_gloo(run_job, 1, [*SHORT, "--zero_stage", "0"])[0]
+    parallel = spawn_gloo(run_job, 2, [*SHORT, "--zero_stage", "2", "--tensor_parallel_size", "2",
+                                       "--partition_activations", "--cpu_checkpointing",
+                                       "--offload_optimizer", "cpu"])
+    assert plain["final_train_loss"] < plain["first_loss"] - 1.0  # it learns
+    for summary in parallel:
+        assert summary["steps"] == plain["steps"] == 12
+        for key in ("first_loss", "final_train_loss", "val_loss"):
+            assert summary[key] == pytest.approx(plain[key], rel=1e-4), key
+
+
+def test_a_tensor_parallel_size_not_dividing_the_processes_stops_before_they_start():
+    done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "2",
+                           "--tensor_parallel_size", "3"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--tensor_parallel_size must divide the number of processes (2); got 3" in done.stderr
