@@ -18,7 +18,9 @@ callbacks, evaluation); the engine takes over at these points, in the order a st
 
 With --tensor_parallel_size N, __init__ builds the ("dp", "tp") mesh and makes the model's blocks
 tensor-parallel before the optimizer exists, and the data loaders give every rank of a tp group the
-same batches (accelerate's own rule for a mesh with a "tp" dimension).
+same batches (accelerate's own rule for a mesh with a "tp" dimension). Evaluation and the count of
+tokens seen keep one copy of each sample per tp group; resuming skips model.safetensors (whole
+tensors) and takes every weight from the engine checkpoint.
 """
 from __future__ import annotations
 
@@ -89,8 +91,8 @@ class ZeroTrainerMixin:
             data_mesh = init_device_mesh(self.mesh.device_type, tuple(self.mesh.shape),
                                          mesh_dim_names=("dp_replicate", "tp"))
             self.accelerator._prepare_device_mesh = lambda: data_mesh
-            # Evaluation and the token count gather from every process, tp copies included (the loss
-            # scaling in compute_loss expects those copies and stays as it is).
+            # accelerate gathers from every process: evaluation and the token count keep one copy per
+            # tp group. (compute_loss's num_items_in_batch scaling expects every copy; it stays as it is.)
             gather_for_metrics = self.accelerator.gather_for_metrics
             self.accelerator.gather_for_metrics = self._once_per_tp_group(gather_for_metrics)
             self.gather_function = self.accelerator.gather_for_metrics  # the Trainer took the original
