@@ -2,6 +2,7 @@
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -122,3 +123,21 @@ def test_parameters_must_be_fp32_on_cpu():
     p.grad = torch.ones(4, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CPUAdam steps contiguous fp32 CPU parameters; got torch.bfloat16"):
         CPUAdam([p]).step()
+
+
+def test_a_build_killed_while_holding_torchs_lock_does_not_hang_the_next_one(tmp_path):
+    """torch's build lock is a plain file: a killed build leaves it, and the next build would wait on it
+    forever. The cached build is copied under another extensions folder with such a leftover `lock`."""
+    from hf_zero.ops.build import build_directory
+
+    assert cpu_adam_kernel() is not None  # built (or found) in the usual cache
+    copy = tmp_path / build_directory("hf_zero_cpu_adam").relative_to(build_directory("hf_zero_cpu_adam").parents[1])
+    shutil.copytree(build_directory("hf_zero_cpu_adam"), copy)
+    (copy / "lock").touch()
+    done = subprocess.run([sys.executable, "-c", "from hf_zero.ops import cpu_adam_kernel\n"
+                           "assert cpu_adam_kernel() is not None"],
+                          env={**os.environ, "HF_ZERO_EXTENSIONS_DIR": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left by a build of hf_zero_cpu_adam that was interrupted" in done.stderr
+    assert not (copy / "lock").exists()
