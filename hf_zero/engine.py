@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_zero import checkpoint
 from hf_zero.comm import Communicator, Ledger
 from hf_zero.config import ZeroConfig
+from hf_zero.launch import destroy_process_group_at_exit
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HOST
 from hf_zero.offload.nvme import ParamReader
@@ -138,6 +139,8 @@ class ZeroEngine(nn.Module):
         # Every rank holding part of the model's state: the dp group, times the tp group with a mesh.
         # Checkpoints agree over it, so that a failure on any rank stops every rank.
         self.world_comm = Communicator(self.ledger) if mesh is not None else self.comm
+        if torch.distributed.is_initialized():
+            destroy_process_group_at_exit()
         self.scaler = LossScaler(cfg)
         self.micro_steps = self.global_steps = self.skipped_steps = 0
         self.global_grad_norm: float | None = None

@@ -1,6 +1,8 @@
 """Process groups: join the one torchrun set up, or start local gloo ranks for tests and demos."""
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import socket
 from datetime import timedelta
@@ -23,6 +25,19 @@ def init_distributed(backend: str | None = None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
+
+
+@functools.cache  # registers once per process
+def destroy_process_group_at_exit() -> None:
+    """Destroys the default process group when the interpreter exits, if the script has not. Scripts
+    written for the Trainer never do, and a gloo group left to interpreter finalization can abort the
+    process (SIGABRT, "terminate called without an active exception") after the work is done: its
+    worker threads still hold work objects whose tensors need the GIL (pytorch/pytorch#179291)."""
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def free_port() -> int:
