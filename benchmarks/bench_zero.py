@@ -140,7 +140,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for r in range(args.repeats):
         for s in systems:
-            ranks = spawn_gloo(run_system, 2, s, args.workload)
+            # Fresh interpreters, not forks of a preloaded server: each peak RSS is the system's own.
+            ranks = spawn_gloo(run_system, 2, s, args.workload, start_method="spawn")
             runs[s].append({"step_s": max(x["step_s"] for x in ranks),
                             "peak_rss_mib": max(x["peak_rss_mib"] for x in ranks), "psi": ranks[0]["psi"]})
             print(f"repeat {r} {s}: {runs[s][-1]['step_s']:.3f} s/step, peak RSS {runs[s][-1]['peak_rss_mib']:.0f} MiB",

@@ -84,7 +84,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for repeat in range(args.repeats):
         for mode in MODES:
-            ranks = spawn_gloo(run_mode, WORLD, mode)
+            # Fresh interpreters, not forks of a preloaded server: each peak RSS is the system's own.
+            ranks = spawn_gloo(run_mode, WORLD, mode, start_method="spawn")
             runs[mode] += ranks
             print(f"repeat {repeat} {mode}: {ranks[0]['step_s']:.3f} s/step", flush=True)
     first = runs["none"][0]

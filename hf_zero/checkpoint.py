@@ -160,10 +160,16 @@ def save(engine: "ZeroEngine", directory: str | os.PathLike, client_state: dict[
     rank = engine.world_comm.rank
     _check_module_state_is_whole(engine)
     layout = parameter_layout(engine)
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save: never a checkpoint
+
+    def fresh_partial() -> None:
+        # Rank 0 alone clears and creates it, and the others wait for that (_agree gathers): a rank
+        # creating it while rank 0 removes an interrupted save's folder would lose its files or fail.
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save: never a checkpoint
+            partial.mkdir(parents=True)
+
     try:
-        _agree(engine, lambda: partial.mkdir(parents=True, exist_ok=True), f"creating {partial}")
+        _agree(engine, fresh_partial, f"creating {partial}")
         shards = _agree(engine, lambda: _write_shard(engine, partial), f"writing the shards under {partial}")
         _agree(engine, lambda: _commit(engine, partial, final, shards, layout, client_state) if rank == 0 else None,
                f"committing {final}")

@@ -29,10 +29,11 @@ def init_distributed(backend: str | None = None) -> None:
 
 @functools.cache  # registers once per process
 def destroy_process_group_at_exit() -> None:
-    """Destroys the default process group when the interpreter exits, if the script has not. Scripts
-    written for the Trainer never do, and a gloo group left to interpreter finalization can abort the
-    process (SIGABRT, "terminate called without an active exception") after the work is done: its
-    worker threads still hold work objects whose tensors need the GIL (pytorch/pytorch#179291)."""
+    """Destroys the default process group when the interpreter exits, if the script has not (scripts
+    written for the Trainer never do), so that gloo's worker threads are joined while the interpreter is
+    whole: a worker that needs the GIL during finalization, to drop a tensor it held last, aborts the
+    process (pytorch/pytorch#179291). The threads go only with the last reference to the group; DeepSpeed,
+    when something imports it, keeps one in its functions' default arguments."""
     def destroy() -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -47,8 +48,10 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple,
-            threads: int) -> None:
+            threads: int, environ: dict[str, str]) -> None:
     torch.set_num_threads(threads)
+    os.environ.clear()  # the caller's environment, not the one a forkserver started with
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A bounded timeout turns a collective one rank never joins into an error instead of a hung run.
@@ -61,10 +64,25 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         dist.destroy_process_group()
 
 
-def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> list[Any]:
+# Ranks are forked from one server process that imported these once: a spawned rank re-imports torch
+# and transformers, seconds per rank on a small machine, and a test suite starts ranks by the hundred.
+FORKSERVER_PRELOAD = ["torch", "transformers", "hf_zero.trainer"]
+
+
+def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
+               start_method: str = "forkserver") -> list[Any]:
     """Runs fn(*args) on `world_size` local CPU ranks over gloo on 127.0.0.1 and returns each rank's result.
-    `fn` must be importable (defined at module level); results travel through torch.save."""
+    `fn` must be importable (defined at module level); results travel through torch.save; ranks get the
+    caller's environment.
+    By default ranks are forked from a forkserver (never from the caller, whose threads and accelerator
+    state a fork would copy). "spawn" starts fresh interpreters instead, for runs that measure a process's
+    own memory (a fork inherits the server's allocator state) or need a variable that a preloaded module
+    reads when imported (HF_ENDPOINT, by huggingface_hub) set after the server started."""
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method is 'forkserver' or 'spawn', not {start_method!r}")
+    if start_method == "forkserver":
+        mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads),
-                           nprocs=world_size, start_method="spawn")
+        mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, dict(os.environ)),
+                           nprocs=world_size, start_method=start_method)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

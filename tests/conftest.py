@@ -1,10 +1,16 @@
 """Session-wide spawned runs: each world size is spawned once and runs every scenario the tests read."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hf_zero.launch import spawn_gloo
 from tests.helpers import Scenario, run_scenarios
+
+# Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies
+# on a signal, so a rare abort in CI says where it happened.
+os.environ["PYTHONFAULTHANDLER"] = "1"
 
 SMALL_BUCKETS = {"reduce_bucket_size": 3000, "allgather_bucket_size": 6000}  # several buckets, straddling params
 

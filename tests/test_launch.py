@@ -1,11 +1,15 @@
-"""Process groups: a script that builds an engine and exits without destroy_process_group (as every
-Trainer script does) has its group destroyed before interpreter finalization, where gloo can abort."""
+"""Launching: spawn_gloo's ranks, and a script that builds an engine and exits without
+destroy_process_group (as every Trainer script does) having its group destroyed before interpreter
+finalization, where gloo can abort."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
-from hf_zero.launch import free_port
+import pytest
+
+from hf_zero.launch import free_port, spawn_gloo
 
 SCRIPT = """
 import atexit, os
@@ -29,3 +33,19 @@ def test_a_script_that_never_destroys_its_process_group_has_it_destroyed_at_exit
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.splitlines()[-2:] == ["trained", "group alive at the end of exit: False"], done.stdout
+
+
+def environment_variable(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_spawned_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, start_method):
+    spawn_gloo(environment_variable, 1, "HF_ZERO_PROBE")  # the forkserver is running before the variable is set
+    monkeypatch.setenv("HF_ZERO_PROBE", start_method)
+    assert spawn_gloo(environment_variable, 2, "HF_ZERO_PROBE", start_method=start_method) == [start_method] * 2
+
+
+def test_an_unknown_start_method_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="'forkserver' or 'spawn', not 'fork'"):
+        spawn_gloo(environment_variable, 1, "HOME", start_method="fork")

@@ -142,7 +142,8 @@ def test_push_to_hub_at_stage3_uploads_consolidated_weights_that_load(tmp_path, 
     with HubStandIn(tmp_path / "hub") as hub:
         for key, value in hub_env(hub).items():
             monkeypatch.setenv(key, value)
-        run = spawn_gloo(pushing_run, 2, str(tmp_path))[0]
+        # Fresh interpreters: huggingface_hub reads HF_ENDPOINT when imported, and a forkserver has.
+        run = spawn_gloo(pushing_run, 2, str(tmp_path), start_method="spawn")[0]
     assert hub.unexpected == []
     assert [c["summary"] for c in hub.commits] == ["Training in progress, step 2", "Training in progress, step 4",
                                                    "End of training"]

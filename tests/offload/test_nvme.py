@@ -138,7 +138,7 @@ def parameters_on_nvme_memory(path: str) -> dict[str, int | bool]:
 def test_parameters_on_nvme_hold_only_the_read_pool_in_host_memory(tmp_path):
     """The shard (67 MB in fp32) is in files; host memory holds the buffers of the chunks being gathered,
     as many as prefetch_bucket_size lets run ahead."""
-    m = spawn_gloo(parameters_on_nvme_memory, 1, str(tmp_path))[0]
+    m = spawn_gloo(parameters_on_nvme_memory, 1, str(tmp_path), start_method="spawn")[0]
     print(f"forward+backward+step grew RSS by {m['grown'] / 2**20:.1f} MiB; read pool {m['pool_bytes'] / 2**20:.1f} "
           f"MiB, parameter shard on NVMe {m['shard_bytes'] / 2**20:.1f} MiB")
     # Every chunk's memory was given back; the optimizer's placeholders have no storage.
