@@ -359,6 +359,28 @@ class ZeroEngine(nn.Module):
             with self.stage3.gathered():
                 yield self.module
 
+    @torch.no_grad()
+    def gathered_masters(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter's fp32 master weights, whole, on every rank (with tensor parallelism:
+        this rank's local parts). For inspection and tests: it holds the model in fp32. All ranks must call it."""
+        self.finish_pending_update()
+        masters = {s.name: torch.zeros(s.numel) for flats in self.managed_flats() for flat in flats
+                   for s in flat.slices}
+        for g, chunks in enumerate(self.owned_chunk_ranges()):
+            for k, (flat, lo, hi) in enumerate(chunks):
+                master, _ = self.sharded_optimizer.chunk_state(g, k)
+                for piece in flat.pieces_between(lo, hi):
+                    n = piece.param_hi - piece.param_lo
+                    masters[piece.slice.name][piece.param_lo:piece.param_hi] = \
+                        master.detach()[piece.range_lo:piece.range_lo + n].float().cpu()
+        shapes = {s.name: s.shape for flats in self.managed_flats() for flat in flats for s in flat.slices}
+        for name, values in masters.items():
+            if self.zero_stage >= 1:  # each element is owned by one rank; the others hold zeros
+                values = values.to(self.comm.device)
+                self.comm.all_reduce_(values)
+            masters[name] = values.cpu().view(shapes[name])
+        return masters
+
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own partition (safetensors) and rank 0 a manifest; all ranks must call it.

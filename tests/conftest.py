@@ -29,7 +29,6 @@ def world2_scenarios() -> list[Scenario]:
         Scenario("s3_paper_schedule_gpt2", config={"zero_stage": 3, "reshard_root_after_forward": True,
                                                    **SMALL_BUCKETS}),
         Scenario("s2_no_overlap_gpt2", config={"zero_stage": 2, "overlap_comm": False, **SMALL_BUCKETS}),
-        Scenario("ddp_bf16", config={"dtype": "bf16"}),
         Scenario("s2_deep", "gpt2-deep", {"zero_stage": 2, **SMALL_BUCKETS}, steps=2),
         Scenario("s3_deep", "gpt2-deep", {"zero_stage": 3, **SMALL_BUCKETS}, steps=2),
     ]

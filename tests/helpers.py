@@ -63,6 +63,16 @@ def named_copy(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
+def assert_weights_round_the_masters(weights: dict[str, torch.Tensor], masters: dict[str, torch.Tensor],
+                                     dtype: torch.dtype) -> None:
+    """Each compute-dtype weight is its fp32 master rounded, within one ulp of the compute dtype (the host
+    kernel and ATen may break a tie differently; nothing more may differ)."""
+    for name, master in masters.items():
+        rounded = master.to(dtype)
+        ulp = (torch.nextafter(rounded.abs(), torch.tensor(float("inf"), dtype=dtype)) - rounded.abs()).float()
+        assert torch.all((weights[name].float() - rounded.float()).abs() <= ulp), name
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[n] - b[n]).abs().max().item() for n in a)
@@ -163,6 +173,7 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
                     record["after_poison"] = named_copy(model)
         with engine.gathered_parameters():
             record["params"] = named_copy(model)
+        record["masters"] = engine.gathered_masters()
         record["comm_elements"] = engine.ledger.last_step_elements
         record["state_bytes"] = engine.ledger.state_bytes
         flats = engine.flats or engine.stage3.flats

@@ -80,16 +80,6 @@ def test_gradient_bucket_buffers_stay_bounded_whatever_the_model_depth(world2, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_within_the_difference_ddp_shows(world2, single_process, stage):
-    ref = single_process(dtype=torch.bfloat16)["params"]
-    for rank_result in world2:
-        ddp_gap = max_diff(rank_result["ddp_bf16"]["params"], ref)
-        ours_gap = max_diff(rank_result[f"s{stage}_bf16"]["params"], ref)
-        assert ours_gap <= ddp_gap, f"stage {stage} bf16 is {ours_gap:.3g} from single process, DDP {ddp_gap:.3g}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp16_overflow_on_one_shard_skips_the_step_on_every_rank(world2, stage):
     for rank_result in world2:
         r = rank_result[f"s{stage}_fp16_overflow"]
