@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,51 +18,73 @@ class ZeroConfigError(ValueError):
     """A setting has a value the engine cannot use; the message names the setting and what is allowed."""
 
 
+def setting(default: Any, help: str, deepspeed: str | None = None, choices: tuple | None = None,
+            trainer_flag: str | None = None) -> Any:
+    """A ZeroConfig field with what every front end says about it: `help` (without the default, which is
+    added from the field), the DeepSpeed config key it replaces, the allowed values, and for the settings
+    that the Trainer already has a flag for, that flag."""
+    return field(default=default, metadata={"help": help, "deepspeed": deepspeed, "choices": choices,
+                                            "trainer_flag": trainer_flag})
+
+
 @dataclass
 class ZeroConfig:
-    """Settings of the ZeRO engine. Sizes are in elements, as in DeepSpeed's configuration."""
+    """Settings of the ZeRO engine. Sizes are in elements, as in DeepSpeed's configuration. Each field is
+    declared once, here: the Trainer's --zero_* flags (hf_zero/arguments.py), `hf-zero train`'s options and
+    the README's flag table are made from these declarations."""
 
-    zero_stage: int = 2
-    dtype: str = "fp32"
+    zero_stage: int = setting(2, "0 plain data parallel, 1 partition optimizer states, 2 also gradients, "
+                                 "3 also parameters", "zero_optimization.stage", (0, 1, 2, 3))
+    dtype: str = setting("fp32", "compute dtype; the fp32 master weights stay on the shard", "bf16.enabled / "
+                         "fp16.enabled", tuple(DTYPES), trainer_flag="--bf16/--fp16")
     # C_B: fixed-size gradient buckets, independent of model size (paper section 6.2).
-    reduce_bucket_size: int = 5_000_000
-    # Stages 1-2: at most this many parameter elements are being all-gathered at once after the step.
-    allgather_bucket_size: int = 50_000_000
-    overlap_comm: bool = True
-    # Stage 3: how many parameter elements of upcoming units may be gathered ahead of use.
-    prefetch_bucket_size: int = 50_000_000
-    # Stage 3: parameters with fewer elements than this stay replicated on every rank.
-    param_persistence_threshold: int = 0
-    # Stage 3: class names of the modules gathered and freed as one unit; None uses the model's
-    # `_no_split_modules` (transformers' block classes) or else the children of its ModuleLists.
-    unit_module_classes: list[str] | None = None
-    # Stage 3: free the root unit (embeddings, head) after forward and gather it again for backward, as
-    # the paper's 3Ψ schedule does. Off by default: backward needs it at once, so keeping it saves Ψ_root
-    # of all-gather per step for no extra peak memory (FSDP2 does the same with its root).
-    reshard_root_after_forward: bool = False
-    gradient_accumulation_steps: int = 1
-    gradient_clipping: float = 0.0
-    # fp16 loss scaling: loss_scale 0 means dynamic, starting at 2**initial_scale_power.
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    min_loss_scale: float = 1.0
-    # ZeRO-Offload / ZeRO-Infinity: where this rank's optimizer states (stages 1-3) and parameter
-    # shards (stage 3) live; nvme needs nvme_path. delayed_param_update overlaps the CPU step with the
-    # next forward and backward (ZeRO-Offload section 5.2).
-    offload_optimizer: str = "none"
-    offload_param: str = "none"
-    nvme_path: str | None = None
-    # NVMe: elements per tile streamed through the pool of 3 host buffer sets (3 x 12 bytes per element).
-    nvme_tile_numel: int = 8_000_000
-    delayed_param_update: bool = False
-    # Ordinary steps before the delayed update starts (the paper: the first steps move the most).
-    delayed_param_update_warmup: int = 10
+    reduce_bucket_size: int = setting(5_000_000, "gradient elements reduced per bucket (C_B)",
+                                      "zero_optimization.reduce_bucket_size")
+    allgather_bucket_size: int = setting(50_000_000, "stages 1-2: parameter elements all-gathered at once "
+                                         "after the step", "zero_optimization.allgather_bucket_size")
+    overlap_comm: bool = setting(True, "reduce gradient buckets while backward goes on",
+                                 "zero_optimization.overlap_comm")
+    prefetch_bucket_size: int = setting(50_000_000, "stage 3: parameter elements of upcoming units gathered "
+                                        "ahead of use", "zero_optimization.stage3_prefetch_bucket_size")
+    param_persistence_threshold: int = setting(0, "stage 3: parameters with fewer elements stay whole on every "
+                                               "rank (DeepSpeed's default: 1e5)",
+                                               "zero_optimization.stage3_param_persistence_threshold")
+    # None uses the model's `_no_split_modules` (transformers' block classes) or else the children of its
+    # ModuleLists.
+    unit_module_classes: list[str] | None = setting(None, "stage 3: class names of the modules gathered and "
+                                                    "freed as one unit (default: the model's blocks)")
+    # Off by default: backward needs the root at once, so keeping it saves Ψ_root of all-gather per step
+    # for no extra peak memory (FSDP2 does the same with its root).
+    reshard_root_after_forward: bool = setting(False, "stage 3: free the root unit (embeddings, head) after "
+                                               "forward and gather it again for backward, the paper's 3Ψ schedule")
+    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step",
+                                               "gradient_accumulation_steps",
+                                               trainer_flag="--gradient_accumulation_steps")
+    gradient_clipping: float = setting(0.0, "global gradient norm clipping, 0 for none", "gradient_clipping",
+                                       trainer_flag="--max_grad_norm")
+    loss_scale: float = setting(0.0, "fp16: a static loss scale, 0 for dynamic", "fp16.loss_scale")
+    initial_scale_power: int = setting(16, "fp16: the dynamic scale starts at 2**this", "fp16.initial_scale_power")
+    loss_scale_window: int = setting(1000, "fp16: clean steps before the dynamic scale doubles",
+                                     "fp16.loss_scale_window")
+    min_loss_scale: float = setting(1.0, "fp16: the dynamic scale's floor", "fp16.min_loss_scale")
+    # ZeRO-Offload / ZeRO-Infinity: where this rank's optimizer states and parameter shards live.
+    offload_optimizer: str = setting("none", "stages 1-3: where optimizer states live",
+                                     "zero_optimization.offload_optimizer.device", OFFLOAD_DEVICES)
+    offload_param: str = setting("none", "stage 3: where parameter shards live (nvme needs offload_optimizer "
+                                 "nvme)", "zero_optimization.offload_param.device", OFFLOAD_DEVICES)
+    nvme_path: str | None = setting(None, "folder for nvme offload", "offload_*.nvme_path")
+    nvme_tile_numel: int = setting(8_000_000, "nvme: elements per tile streamed through the pool of 3 host "
+                                   "buffer sets (3 x 12 bytes per element)", "aio.block_size (in bytes there)")
+    delayed_param_update: bool = setting(False, "ZeRO-Offload's one-step delayed update: overlap the CPU "
+                                         "optimizer step with the next step (needs offload_optimizer)")
+    # The paper: the first steps move the most, so they run undelayed.
+    delayed_param_update_warmup: int = setting(10, "ordinary steps before the delayed update starts")
     # ZeRO-R: every transformer block checkpointed, its input checkpoint split across the tensor-parallel
     # group (P_a) and/or kept in host memory (P_a+cpu), in one contiguous buffer per step (M_D).
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-
+    partition_activations: bool = setting(False, "ZeRO-R P_a: split activation checkpoints across the tensor-"
+                                          "parallel group", "activation_checkpointing.partition_activations")
+    cpu_checkpointing: bool = setting(False, "ZeRO-R P_a+cpu: keep activation checkpoints in host memory",
+                                      "activation_checkpointing.cpu_checkpointing")
     @classmethod
     def from_any(cls, config: "ZeroConfig | dict[str, Any] | str | Path | None") -> "ZeroConfig":
         """Builds a validated config from a ZeroConfig, a dict, or a JSON file path."""
@@ -142,17 +165,24 @@ class ZeroConfig:
                                   f"the optimizer's NVMe stream); got {name('offload_optimizer')} "
                                   f"{self.offload_optimizer}. Set both to nvme, or {name('offload_param')} cpu")
         if self.nvme_path and uses_nvme:
-            from hf_zero.offload.nvme import NvmeError, check_nvme_path
-            try:
-                check_nvme_path(self.nvme_path)
-            except NvmeError as error:
-                fail("nvme_path", str(error).removeprefix("nvme_path "))
+            problem = nvme_path_problem(self.nvme_path)
+            if problem:
+                fail("nvme_path", problem)
         if self.delayed_param_update and self.offload_optimizer == "none":
             fail("delayed_param_update", f"overlaps the CPU optimizer step; it needs {name('offload_optimizer')} "
                                          f"cpu or nvme")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def nvme_path_problem(path: str | os.PathLike) -> str | None:
+    """What is wrong with an nvme_path, with what to do, or None: the folder must exist and be writable."""
+    if not Path(path).is_dir():
+        return f"{str(path)!r} does not exist or is not a folder; create it on the NVMe drive (e.g. mkdir -p {path})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{str(path)!r} is not writable by this process; fix its permissions or choose another folder"
+    return None
 
 
 def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str,
@@ -167,3 +197,61 @@ def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str
                 f"partition); got {name('zero_stage')} 0")
     return None
 
+
+
+def described_settings() -> list[dataclasses.Field]:
+    """Every ZeroConfig field, in declaration order, with its metadata (help, deepspeed, choices, trainer_flag)."""
+    return list(dataclasses.fields(ZeroConfig))
+
+
+def help_of(setting: dataclasses.Field, default: Any = dataclasses.MISSING) -> str:
+    """The help text of a setting with its default (or `default`, where a front end changes it) and the
+    DeepSpeed key it replaces."""
+    default = setting.default if default is dataclasses.MISSING else default
+    shown = "" if default is None else f" (default {_show(default)})"
+    key = f" [{setting.metadata['deepspeed']}]" if setting.metadata["deepspeed"] else ""
+    return f"{setting.metadata['help']}{shown}{key}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int) and value >= 1_000_000 and value % 1_000_000 == 0:
+        return f"{value:.0e}".replace("e+0", "e")
+    return str(value)
+
+
+def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None = None) -> None:
+    """Adds `--NAME` options for these engine settings to an argparse parser, with their declared help,
+    choices and defaults (`defaults` overrides some, for a front end whose workload needs other values)."""
+    hints = {s.name: s for s in described_settings()}
+    for name in names:
+        s = hints[name]
+        default = (defaults or {}).get(name, s.default)
+        if s.type == "bool":
+            parser.add_argument(f"--{name}", action="store_true", default=default, help=help_of(s, default))
+            continue
+        kind = {"int": int, "float": float}.get(s.type, str)
+        choices = list(s.metadata["choices"]) if s.metadata["choices"] else None
+        parser.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help_of(s, default))
+
+
+def trainer_flag(name: str) -> str:
+    """The Trainer flag that sets engine setting `name`: the Trainer's own where it has one, else --zero_*."""
+    owned = ZeroConfig.__dataclass_fields__[name].metadata["trainer_flag"]
+    return owned or (f"--{name}" if name.startswith("zero_") else f"--zero_{name}")
+
+
+METAVARS = {"int": " N", "float": " N", "bool": "", "list[str] | None": " NAME [NAME ...]", "str | None": " DIR"}
+
+
+def flag_rows() -> list[str]:
+    """The README flag table's rows for the engine settings, from the declarations above."""
+    rows = []
+    for s in described_settings():
+        owned = s.metadata["trainer_flag"]
+        value = " {" + ",".join(map(str, s.metadata["choices"])) + "}" if s.metadata["choices"] else METAVARS[s.type]
+        default = "the Trainer's" if owned else "" if s.default is None else _show(s.default)
+        key = f"`{s.metadata['deepspeed']}`" if s.metadata["deepspeed"] else ""
+        rows.append(f"| `{owned or trainer_flag(s.name) + value}` | {default} | {key} | {s.metadata['help']} |")
+    return rows

@@ -12,8 +12,8 @@ this rank's shard plus one unit, never the model.
 - `SeededInit` runs the model's own `_init_weights` (transformers' initialisation, with its
   distributions and GPT-2's scaled residual projections) module by module in the order transformers
   applies it (children first), each module drawing from a generator seeded by (seed, module name). So
-  the values do not depend on how the model is cut or on the world size, and `init_weights(model,
-  seed)` on a whole model (what `model_zoo.build(name, seed=...)` does in one process) gives the same.
+  the values do not depend on how the model is cut or on the world size, and `build_seeded` on a
+  whole model in one process gives the same.
 - `PretrainedWeights` reads from a folder `save_pretrained` wrote: for each unit only the slices of the
   safetensors files this rank owns (`get_slice` reads without loading the file), whole tensors only for
   the small persistent parameters and what the engine does not partition (buffers, frozen weights).
@@ -67,6 +67,18 @@ def init_weights(model: nn.Module, seed: int, names: Iterable[str] | None = None
     for name, module, owner in _init_order(model):
         if wanted is None or name in wanted:
             _init_module(seed, name, module, owner)
+
+
+def build_seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """`build()` run on the meta device, then given memory on the CPU and initialised by `init_weights`:
+    the values an engine built with `init_from=SeededInit(seed)` holds, shard by shard."""
+    with torch.device("meta"):
+        model = build()
+    model.to_empty(device="cpu")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives tied parameters separate tensors; tie them again before writing
+    init_weights(model, seed)
+    return model
 
 
 class SeededInit:

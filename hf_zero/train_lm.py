@@ -19,11 +19,15 @@ from tqdm.auto import tqdm
 import hf_zero
 import model_zoo
 from hf_zero.config import ZeroConfig, ZeroConfigError
+from hf_zero.config import add_arguments as add_engine_arguments
 from hf_zero.launch import init_distributed
 from hf_zero.memory import model_state_bytes
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
 
 logger = logging.getLogger("hf_zero.train_lm")
+# The engine settings the job takes as options, declared (help, choices, defaults) in hf_zero.config.
+ENGINE_SETTINGS = ["zero_stage", "dtype", "gradient_accumulation_steps", "reduce_bucket_size", "offload_optimizer",
+                   "offload_param", "nvme_path", "partition_activations", "cpu_checkpointing"]
 
 
 def load_text(path: str | None) -> bytes:
@@ -44,22 +48,13 @@ def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2-demo", choices=model_zoo.list())
     p.add_argument("--text", default=None, help="a local text file (default: pydoc_data.topics)")
-    p.add_argument("--zero_stage", type=int, default=2)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    # The demo model (3.3M) is below the engine's default bucket, so stage 2 would keep one bucket as large
+    # as the model: a smaller one keeps a few.
+    add_engine_arguments(p, ENGINE_SETTINGS, defaults={"reduce_bucket_size": 500_000})
     p.add_argument("--batch_size", type=int, default=8, help="micro-batch per rank")
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--reduce_bucket_size", type=int, default=500_000,
-                   help="gradient bucket in elements; below the demo model's size, so that stage 2 keeps "
-                        "a few buckets rather than one as large as the model")
     p.add_argument("--tensor_parallel_size", type=int, default=1,
                    help="split each block over this many consecutive ranks (must divide the process count)")
-    p.add_argument("--partition_activations", action="store_true",
-                   help="checkpoint every block, keeping 1/tp of its input per rank (ZeRO-R P_a)")
-    p.add_argument("--cpu_checkpointing", action="store_true", help="keep the block checkpoints in host memory")
-    p.add_argument("--offload_optimizer", default="none", choices=["none", "cpu", "nvme"])
-    p.add_argument("--offload_param", default="none", choices=["none", "cpu", "nvme"], help="stage 3 only")
-    p.add_argument("--nvme_path", default=None, help="a writable folder, for nvme offload")
     p.add_argument("--dropout", type=float, default=None,
                    help="GPT-2's residual, embedding and attention dropout (default: the zoo config's)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -70,11 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, object]:
-    return {"zero_stage": args.zero_stage, "dtype": args.dtype, "gradient_clipping": 1.0,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "reduce_bucket_size": args.reduce_bucket_size, "partition_activations": args.partition_activations,
-            "cpu_checkpointing": args.cpu_checkpointing, "offload_optimizer": args.offload_optimizer,
-            "offload_param": args.offload_param, "nvme_path": args.nvme_path}
+    return {"gradient_clipping": 1.0, **{name: getattr(args, name) for name in ENGINE_SETTINGS}}
 
 
 def check_args(args: argparse.Namespace, processes: int) -> None:

@@ -36,12 +36,11 @@ from torch.distributed.tensor import DTensor
 from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer import SCHEDULER_NAME, logger
 
-import hf_zero
 from hf_zero import export
 from hf_zero.checkpoint import TRAINER_SUBFOLDER
-from hf_zero.engine import ZeroEngine
+from hf_zero.arguments import ZeroArgumentsMixin
+from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
-from training_args import ZeroArgumentsMixin
 
 
 class ZeroOptimizer(AcceleratedOptimizer):
@@ -129,7 +128,7 @@ class ZeroTrainerMixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None or self.optimizer is None:
             optimizer = super().create_optimizer(model)
-            self.engine = hf_zero.initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh)
+            self.engine = initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh)
             self.optimizer = ZeroOptimizer(self.engine)
             # The engine has placed the model and owns its parameters' storage; accelerate's
             # prepare_model (run by evaluate) would otherwise call model.to(device), which copies

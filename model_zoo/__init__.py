@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
 
 BYTE_VOCAB = 256  # the main job tokenises text as UTF-8 bytes: no tokenizer download needed
@@ -110,27 +109,16 @@ def config(name: str, **overrides: Any) -> PretrainedConfig:
     return BertConfig(**{**e.shape, **overrides})
 
 
-def build(name: str, seed: int | None = None, **overrides: Any) -> PreTrainedModel:
+def build(name: str, **overrides: Any) -> PreTrainedModel:
     """A freshly initialised model (on the current default device, so `with torch.device("meta")` builds
-    one without memory); MiniLM comes with its pretrained weights. With `seed`, every module is
-    initialised from its own generator (hf_zero.construct.init_weights), which is what a stage-3 engine
-    built with `init_from=SeededInit(seed)` holds, shard by shard."""
+    one without memory); MiniLM comes with its pretrained weights. For values that do not depend on how a
+    model is cut, `hf_zero.construct.build_seeded(lambda: model_zoo.build(name), seed)`."""
     if name == MINILM:
         from transformers import BertModel
 
         return BertModel.from_pretrained(_minilm_path(), **overrides)
-    cfg = config(name, **overrides)
     model_class = GPT2LMHeadModel if entry(name).family == "gpt2" else BertForMaskedLM
-    if seed is None:
-        return model_class(cfg)
-    from hf_zero.construct import init_weights
-
-    with torch.device("meta"):
-        model = model_class(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives tied parameters separate tensors; tie them again before writing
-    init_weights(model, seed)
-    return model
+    return model_class(config(name, **overrides))
 
 
 def parameter_count(name: str, **overrides: Any) -> int:

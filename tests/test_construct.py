@@ -8,7 +8,7 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
 import hf_zero
 import model_zoo
-from hf_zero.construct import PretrainedWeights, SeededInit
+from hf_zero.construct import PretrainedWeights, SeededInit, build_seeded
 from hf_zero.launch import spawn_gloo
 from hf_zero.memory import peak_rss
 from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
@@ -31,7 +31,7 @@ def build_partitioned(name: str, dtype: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", [("gpt2-tiny", "fp32"), ("bert-tiny", "fp32"), ("gpt2-tiny", "bf16")])
 def test_partitioned_construction_equals_the_single_process_build(name, dtype):
-    reference = model_zoo.build(name, seed=SEED)
+    reference = build_seeded(lambda: model_zoo.build(name), SEED)
     built = spawn_gloo(build_partitioned, 2, name, dtype)[0]
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
     for n, p in reference.named_parameters():
@@ -56,7 +56,7 @@ def train_built_both_ways() -> dict:
                 model = model_zoo.build("gpt2-tiny", **NO_DROPOUT)
             init_from = SeededInit(SEED)
         else:
-            model, init_from = model_zoo.build("gpt2-tiny", seed=SEED, **NO_DROPOUT), None
+            model, init_from = build_seeded(lambda: model_zoo.build("gpt2-tiny", **NO_DROPOUT), SEED), None
         engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                     {"zero_stage": 3, "param_persistence_threshold": 100}, init_from=init_from)
         for step in range(3):
@@ -79,7 +79,7 @@ def test_a_partitioned_build_trains_exactly_as_the_whole_model_does():
 
 def test_seeded_build_draws_transformers_distributions():
     """The seeded build changes only the random stream: same init scheme as transformers' own."""
-    seeded, stock = model_zoo.build("gpt2-demo", seed=SEED), model_zoo.build("gpt2-demo")
+    seeded, stock = build_seeded(lambda: model_zoo.build("gpt2-demo"), SEED), model_zoo.build("gpt2-demo")
     for (n, p), (_, q) in zip(seeded.named_parameters(), stock.named_parameters()):
         assert abs(p.float().std() - q.float().std()) < 0.2 * q.float().std() + 1e-6, n
         assert abs(p.float().mean() - q.float().mean()) < 0.01 + 0.2 * abs(q.float().mean()), n
@@ -111,7 +111,7 @@ def test_partitioned_from_pretrained_gives_the_normal_loads_outputs_reading_only
         reference = BertModel.from_pretrained(folder).eval()
     else:
         folder = str(tmp_path)
-        model_zoo.build("gpt2-tiny", seed=SEED).save_pretrained(folder)  # tied head: wte saved once
+        build_seeded(lambda: model_zoo.build("gpt2-tiny"), SEED).save_pretrained(folder)  # tied head: wte saved once
         reference = GPT2LMHeadModel.from_pretrained(folder).eval()
     results = spawn_gloo(load_partitioned, 2, kind, folder)
     with torch.no_grad():

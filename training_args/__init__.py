@@ -1,5 +1,8 @@
-"""ZeroTrainingArguments: transformers' TrainingArguments plus the ZeRO engine's settings as --zero_* flags."""
-from training_args.zero_training_args import (
+"""ZeroTrainingArguments: transformers' TrainingArguments plus the ZeRO engine's settings as --zero_* flags.
+
+The flags are made from hf_zero.ZeroConfig's declarations (hf_zero/arguments.py); this package is the
+import path scripts use, and depends on hf_zero, never the other way round."""
+from hf_zero.arguments import (
     ZeroArgumentsMixin,
     ZeroSeq2SeqTrainingArguments,
     ZeroTrainingArguments,

@@ -6,6 +6,7 @@ import torch
 
 import hf_zero
 import model_zoo
+from hf_zero.construct import build_seeded
 from hf_zero.ops import CPUAdam
 from hf_zero.train_lm import batches, load_text
 from tests.helpers import batch, named_copy, tiny_model
@@ -65,7 +66,7 @@ def test_delayed_update_equals_the_hand_computed_one_step_delay(stage):
 
 def train_tiny_lm(delayed: bool, steps: int) -> list[float]:
     torch.manual_seed(0)
-    model = model_zoo.build("gpt2-tiny", seed=0)
+    model = build_seeded(lambda: model_zoo.build("gpt2-tiny"), 0)
     config = {"zero_stage": 2, "offload_optimizer": "cpu", "delayed_param_update": delayed,
               "delayed_param_update_warmup": 40}
     engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)

@@ -101,3 +101,26 @@ def test_zero_r_flags_reach_the_engine_config():
     config = parse("--zero_partition_activations", "--zero_cpu_checkpointing", "true").zero_engine_config
     assert config.partition_activations is True and config.cpu_checkpointing is True
     assert parse("--tensor_parallel_size", "1").tensor_parallel_size == 1
+
+
+def test_the_readme_flag_table_is_the_one_the_settings_declare():
+    """Each setting is declared once (hf_zero.config): the README's table is made from the declarations."""
+    from pathlib import Path
+
+    from hf_zero.arguments import readme_flag_rows
+    from hf_zero.config import flag_rows
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for row in flag_rows() + readme_flag_rows():
+        assert row in readme.splitlines(), f"README's flag table lacks or differs in: {row}"
+
+
+def test_every_engine_setting_is_a_trainer_flag_or_the_trainers_own():
+    from dataclasses import fields
+
+    from hf_zero.config import trainer_flag
+
+    parser = HfArgumentParser(ZeroTrainingArguments)
+    flags = {option for action in parser._actions for option in action.option_strings}
+    for setting in fields(ZeroConfig):
+        assert trainer_flag(setting.name).split("/")[0] in flags, setting.name

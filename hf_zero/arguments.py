@@ -1,0 +1,144 @@
+"""The Trainer's --zero_* flags, made from the ZeroConfig declarations and resolved into one validated
+ZeroConfig when the arguments are parsed.
+
+Every flag defaults to None, meaning "not given": a flag given on the command line wins over the
+same key in --zero_config FILE.json, which wins over the engine's default. Precision, gradient
+accumulation and clipping are the Trainer's own flags (--bf16/--fp16, --gradient_accumulation_steps,
+--max_grad_norm), so neither a --zero_* flag nor the file sets them a second time.
+
+The public import path is `training_args` (the design card's package), which re-exports these classes;
+they are defined here so that `hf_zero.run` can put them in place of transformers' without hf_zero
+importing the packages built on it.
+"""
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+from hf_zero.config import ZeroConfig, ZeroConfigError, described_settings, help_of, trainer_flag
+
+# The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
+# may not repeat them.
+TRAINER_OWNED = {s.name: s.metadata["trainer_flag"] for s in described_settings() if s.metadata["trainer_flag"]}
+# Flags of the Trainer integration that are not engine settings.
+EXTRA_FLAGS = {
+    "zero_config": ("JSON file of engine settings (hf_zero.ZeroConfig keys); flags win over it", "FILE.json",
+                    "the rest of `zero_optimization`: a JSON object of `hf_zero.ZeroConfig` keys"),
+    "tensor_parallel_size": ("ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
+                             "is split over them and ZeRO runs over the remaining data-parallel dimension "
+                             "(default 1: no tensor parallelism)", "N",
+                             "Megatron's model parallel size (`mpu`)"),
+}
+
+
+def _flag_field(setting: Any, hint: Any) -> tuple[str, Any, Any]:
+    """The --zero_* dataclass field for an engine setting: optional, None when not given."""
+    metadata: dict[str, Any] = {"help": help_of(setting)}
+    if setting.metadata["choices"]:
+        metadata["choices"] = list(setting.metadata["choices"])
+    if hint is bool:  # given bare (--zero_cpu_checkpointing) or with a value, as the Trainer's switches are
+        metadata.update(nargs="?", const=True)
+    name = setting.name if setting.name.startswith("zero_") else f"zero_{setting.name}"
+    optional = hint if type(None) in typing.get_args(hint) else hint | None
+    return name, optional, field(default=None, metadata=metadata)
+
+
+def _engine_flag_fields() -> list[tuple[str, Any, Any]]:
+    hints = typing.get_type_hints(ZeroConfig)
+    return [_flag_field(s, hints[s.name]) for s in described_settings() if s.name not in TRAINER_OWNED]
+
+
+def _post_init(self: Any) -> None:
+    for other in ("deepspeed", "fsdp"):
+        if getattr(self, other, None):
+            raise ZeroConfigError(
+                f"--{other} and hf_zero's ZeRO engine cannot both run the training: drop --{other} and use "
+                f"--zero_stage (see the README's flag table for the DeepSpeed key each --zero_* flag replaces)")
+    super(ZeroArgumentsMixin, self).__post_init__()
+    self.zero_engine_config = zero_config_from_flags(self)
+    check_tensor_parallel_flags(self)
+    # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
+    # GradScaler on top would cast twice and scale the loss twice.
+    self.mixed_precision = "no"
+
+
+ZeroArgumentsMixin = make_dataclass(
+    "ZeroArgumentsMixin",
+    _engine_flag_fields() + [
+        ("zero_config", str | None, field(default=None, metadata={"help": EXTRA_FLAGS["zero_config"][0]})),
+        ("tensor_parallel_size", int, field(default=1, metadata={"help": EXTRA_FLAGS["tensor_parallel_size"][0]})),
+    ],
+    namespace={"__post_init__": _post_init, "__module__": __name__,
+               "__doc__": "The engine's settings as Trainer flags (DeepSpeed config key in brackets)."})
+
+
+def zero_config_from_flags(args: Any) -> ZeroConfig:
+    """Flags given > keys in --zero_config > engine defaults; raises ZeroConfigError naming the flag."""
+    settings: dict[str, Any] = {}
+    if args.zero_config:
+        settings = _read_config_file(args.zero_config)
+    for f in fields(ZeroArgumentsMixin):
+        value = getattr(args, f.name)
+        if f.name not in EXTRA_FLAGS and value is not None:
+            settings[f.name if f.name == "zero_stage" else f.name.removeprefix("zero_")] = value
+    # The Trainer scales each micro-batch's loss for accumulation and decides where each window
+    # ends (the last one of an epoch may be short), so the engine reduces when told and does not
+    # divide the loss again.
+    settings.update(dtype="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+                    gradient_clipping=float(args.max_grad_norm or 0.0), gradient_accumulation_steps=1)
+    config = ZeroConfig(**settings)
+    config.validate(name=trainer_flag)
+    return config
+
+
+def readme_flag_rows() -> list[str]:
+    """The rows of the README's flag table that are not engine settings (config.flag_rows has those)."""
+    return [f"| `--{name} {metavar}` | {'1' if name == 'tensor_parallel_size' else ''} | {key} | {text.split(' (')[0]} |"
+            for name, (text, metavar, key) in EXTRA_FLAGS.items()]
+
+
+def check_tensor_parallel_flags(args: Any) -> None:
+    """--tensor_parallel_size must split the world into tp groups."""
+    tp = args.tensor_parallel_size
+    if isinstance(tp, int) and tp > 1 and args.eval_use_gather_object:
+        raise ZeroConfigError(f"--tensor_parallel_size {tp} with --eval_use_gather_object: gathered objects would "
+                              f"hold every sample {tp} times (once per rank of a tp group); leave "
+                              f"--eval_use_gather_object off")
+    if not isinstance(tp, int) or tp < 1 or args.world_size % tp:
+        raise ZeroConfigError(f"--tensor_parallel_size must be a positive integer dividing the number of processes "
+                              f"({args.world_size}); got {tp!r}")
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ZeroConfigError(f"--zero_config {path}: no such file")
+    try:
+        settings = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ZeroConfigError(f"--zero_config {path} is not valid JSON: {error}") from None
+    if not isinstance(settings, dict):
+        raise ZeroConfigError(f"--zero_config {path} must hold a JSON object of engine settings")
+    known = {f.name for f in fields(ZeroConfig)} - set(TRAINER_OWNED)
+    for key in settings:
+        if key in TRAINER_OWNED:
+            raise ZeroConfigError(f"--zero_config {path} sets {key!r}, which the Trainer's {TRAINER_OWNED[key]} "
+                                  f"sets; remove it from the file")
+        if key not in known:
+            raise ZeroConfigError(f"--zero_config {path}: unknown setting {key!r}; known: {sorted(known)}")
+    return settings
+
+
+@dataclass
+class ZeroTrainingArguments(ZeroArgumentsMixin, TrainingArguments):
+    """transformers.TrainingArguments with the --zero_* flags; use with hf_zero.ZeroTrainer."""
+
+
+@dataclass
+class ZeroSeq2SeqTrainingArguments(ZeroArgumentsMixin, Seq2SeqTrainingArguments):
+    """transformers.Seq2SeqTrainingArguments with the --zero_* flags; use with hf_zero.ZeroSeq2SeqTrainer."""
