@@ -61,8 +61,8 @@ def run_mode(mode: str) -> dict:
         before = current_rss()
         start = time.perf_counter()
         loss = engine(input_ids=ids, labels=ids).loss
-        if engine.checkpoints is not None:
-            checkpoints = dict(engine.checkpoints.held_bytes)
+        if engine.activation_store is not None:
+            checkpoints = dict(engine.activation_store.held_bytes)
         engine.backward(loss)
         activation_peak = peak_rss() - before
         engine.step()

@@ -27,18 +27,21 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
+from hf_zero.comm import Communicator
 from hf_zero.export import weights_to_save
 from hf_zero.tensor_parallel import split_of
-from hf_zero.zero.partition import ParamSlice, Piece, is_tp_replicated, local
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, is_tp_replicated, local
 
 if TYPE_CHECKING:
-    from hf_zero.engine import ZeroEngine
+    from hf_zero.zero.update import UpdateBackend
 
 FORMAT, VERSION = "hf_zero.checkpoint", 1
 MANIFEST = "manifest.json"
@@ -50,45 +53,61 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file and what is wrong."""
 
 
-def chunk_pieces(engine: "ZeroEngine") -> list[list[list[Piece]]]:
-    """pieces[g][k]: the parameter pieces inside chunk k of param group g that this rank owns."""
-    return [[flat.pieces_between(lo, hi) for flat, lo, hi in ranges] for ranges in engine.owned_chunk_ranges()]
+@dataclass(frozen=True)
+class StoredPiece:
+    """The part of one parameter inside one of this rank's chunks, under the name it is stored by."""
+
+    name: str       # the parameter's name, or for a part split across the tp group, `<name>@tp<r>`
+    param_lo: int   # first element of the piece within the (local part of the) parameter
+    param_hi: int
+    chunk_lo: int   # where the piece starts within the chunk
+    written: bool   # whether this rank stores it (a piece every tp rank holds is stored by tp rank 0 alone)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What a checkpoint needs to know of how an engine partitions its model, and nothing of the engine:
+    the engine describes itself with `describe_layout`, and saving and loading work from this."""
+
+    zero_stage: int
+    dtype: str
+    chunk_numels: list[list[int]]              # [group][chunk]: this rank's chunks, in the optimizer's order
+    pieces: list[list[list[StoredPiece]]]      # [group][chunk]: the parameter pieces in each
+    writes_states: bool                        # False where another rank writes the same states (stage 0)
+    parameters: dict[str, dict[str, Any]]      # stored name -> shape and param group, every tp rank's
+    tensor_parallel: dict[str, Any]            # tp size, and how each split parameter's parts make it whole
+    weights: list[list[str]]                   # [name save_pretrained writes, key of the stored tensor]
+    module_state: dict[str, torch.Tensor]      # frozen parameters and buffers, replicated on every rank
 
 
 def tp_part_name(name: str, tp_rank: int) -> str:
     return f"{name}@tp{tp_rank}"
 
 
-def stored_name(engine: "ZeroEngine", s: ParamSlice) -> str:
-    """The name a parameter's elements are stored under: its own, or for a parameter split across the
-    tp group, its name and this rank's tp rank."""
-    if engine.tp_comm is None or is_tp_replicated(s.param):
-        return s.name
-    return tp_part_name(s.name, engine.tp_comm.rank)
+def describe_layout(module: nn.Module, flats_by_group: list[list[FlatParamBuffer]],
+                    owned_ranges: list[list[tuple[FlatParamBuffer, int, int]]], zero_stage: int, dtype: str,
+                    rank: int, tp_comm: Communicator | None) -> ShardLayout:
+    """The layout of an engine's partition. With tensor parallelism every rank must call it (the parameter
+    table holds every tp rank's parts, gathered over the tp group)."""
+    def stored_name(s: ParamSlice) -> str:
+        return s.name if tp_comm is None or is_tp_replicated(s.param) else tp_part_name(s.name, tp_comm.rank)
 
-
-def writes_piece(engine: "ZeroEngine", piece: Piece) -> bool:
-    """Whether this rank stores `piece`: a piece every tp rank holds is stored by tp rank 0 alone."""
-    return engine.tp_comm is None or engine.tp_comm.rank == 0 or not is_tp_replicated(piece.slice.param)
-
-
-def parameter_layout(engine: "ZeroEngine") -> dict[str, dict[str, Any]]:
-    """Each stored tensor's shape and optimizer param group: what a checkpoint must match. With tensor
-    parallelism it holds every tp rank's parts, gathered over the tp group (every rank must call it)."""
-    mine = {stored_name(engine, s): {"shape": list(s.shape), "group": g}
-            for g, flats in enumerate(engine.managed_flats()) for flat in flats for s in flat.slices}
-    if engine.tp_comm is None:
-        return mine
-    return {name: entry for part in engine.tp_comm.all_gather_object(mine) for name, entry in part.items()}
-
-
-def tensor_parallel_layout(engine: "ZeroEngine") -> dict[str, Any]:
-    """The tp size, and for each parameter split across the tp group, its whole shape and split."""
-    if engine.tp_comm is None:
-        return {"size": 1, "split": {}}
-    return {"size": engine.tp_comm.world_size,
-            "split": {s.name: split_of(s.param) for flats in engine.managed_flats() for flat in flats
-                      for s in flat.slices if not is_tp_replicated(s.param)}}
+    slices = [(g, s) for g, flats in enumerate(flats_by_group) for flat in flats for s in flat.slices]
+    pieces = [[[StoredPiece(stored_name(p.slice), p.param_lo, p.param_hi, p.range_lo,
+                            tp_comm is None or tp_comm.rank == 0 or not is_tp_replicated(p.slice.param))
+                for p in flat.pieces_between(lo, hi)] for flat, lo, hi in chunks] for chunks in owned_ranges]
+    parameters = {stored_name(s): {"shape": list(s.shape), "group": g} for g, s in slices}
+    tensor_parallel: dict[str, Any] = {"size": 1, "split": {}}
+    if tp_comm is not None:
+        parameters = {name: entry for part in tp_comm.all_gather_object(parameters) for name, entry in part.items()}
+        tensor_parallel = {"size": tp_comm.world_size,
+                           "split": {s.name: split_of(s.param) for _, s in slices if not is_tp_replicated(s.param)}}
+    managed = {id(s.param): s for _, s in slices}
+    weights = [[name, f"master/{managed[id(t)].name}" if id(t) in managed else f"module/{name}"]
+               for name, t in weights_to_save(module).items()]
+    module_state = {name: t for name, t in module.state_dict(keep_vars=True).items() if id(t) not in managed}
+    return ShardLayout(zero_stage, dtype, [[hi - lo for _, lo, hi in chunks] for chunks in owned_ranges], pieces,
+                       zero_stage >= 1 or rank == 0, parameters, tensor_parallel, weights, module_state)
 
 
 def tp_size(manifest: dict[str, Any]) -> int:
@@ -104,14 +123,6 @@ def whole_shape(manifest: dict[str, Any], name: str) -> list[int]:
     """A parameter's shape as the model declares it (the whole of its tp parts)."""
     split = tp_split(manifest, name)
     return split["shape"] if split else manifest["parameters"][name]["shape"]
-
-
-def saved_weights(engine: "ZeroEngine") -> list[list[str]]:
-    """[name save_pretrained writes, key of the stored tensor] for every weight, in state_dict order:
-    what `hf-zero consolidate` writes, with tied weights once, as save_pretrained does."""
-    managed = engine.managed_slices
-    return [[name, f"master/{managed[id(t)].name}" if id(t) in managed else f"module/{name}"]
-            for name, t in weights_to_save(engine.module).items()]
 
 
 def write_model_files(module: torch.nn.Module, folder: Path) -> None:
@@ -139,110 +150,103 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _agree(engine: "ZeroEngine", action: Callable[[], Any], what: str) -> list[Any]:
-    """Runs `action` on every rank; if it failed anywhere, raises that rank's error on every rank."""
-    try:
-        result, error = action(), None
-    except Exception as e:  # reported to every rank below, then raised
-        result, error = None, f"{type(e).__name__}: {e}"
-    outcomes = engine.world_comm.all_gather_object((result, error))
-    failed = [(rank, err) for rank, (_, err) in enumerate(outcomes) if err is not None]
-    if failed:
-        rank, err = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {err}")
-    return [res for res, _ in outcomes]
-
-
 # ---- save ------------------------------------------------------------------------------------
-def save(engine: "ZeroEngine", directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
+def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
+         module: nn.Module, training_state: dict[str, Any], client_state: Any = None) -> Path:
+    """Every rank of `comm` (all ranks holding part of the model's state) writes its partition, rank 0 the
+    manifest; `training_state` (step counters, loss scale) goes into the manifest as it is."""
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
-    rank = engine.world_comm.rank
-    _check_module_state_is_whole(engine)
-    layout = parameter_layout(engine)
+    _check_module_state_is_whole(layout)
 
     def fresh_partial() -> None:
-        # Rank 0 alone clears and creates it, and the others wait for that (_agree gathers): a rank
+        # Rank 0 alone clears and creates it, and the others wait for that (agree gathers): a rank
         # creating it while rank 0 removes an interrupted save's folder would lose its files or fail.
-        if rank == 0:
+        if comm.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save: never a checkpoint
             partial.mkdir(parents=True)
 
+    def commit(shards: list[dict[str, Any] | None]) -> None:
+        if comm.rank == 0:
+            write_model_files(module, partial)
+            (partial / MANIFEST).write_text(json.dumps(_manifest(layout, backend, comm, training_state, shards,
+                                                                 client_state), indent=1))
+            _swap_in(partial, final)
+
     try:
-        _agree(engine, fresh_partial, f"creating {partial}")
-        shards = _agree(engine, lambda: _write_shard(engine, partial), f"writing the shards under {partial}")
-        _agree(engine, lambda: _commit(engine, partial, final, shards, layout, client_state) if rank == 0 else None,
-               f"committing {final}")
+        comm.agree(fresh_partial, f"creating {partial}", CheckpointError)
+        shards = comm.agree(lambda: _write_shard(layout, backend, comm, partial), f"writing the shards under {partial}",
+                            CheckpointError)
+        comm.agree(lambda: commit(shards), f"committing {final}", CheckpointError)
     except CheckpointError:
-        if rank == 0:
+        if comm.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise
     return final
 
 
-def _check_module_state_is_whole(engine: "ZeroEngine") -> None:
+def _check_module_state_is_whole(layout: ShardLayout) -> None:
     """Rank 0 stores the module state every rank holds; a frozen parameter split across the tp group
     (not stepped, so not in the engine's shards) has no stored form yet."""
-    split = [name for name, t in engine.unmanaged_state().items() if not is_tp_replicated(t)]
+    split = [name for name, t in layout.module_state.items() if not is_tp_replicated(t)]
     if split:
         raise CheckpointError(f"frozen tensor-parallel parameters cannot be checkpointed yet: {', '.join(split)}; "
                               f"train them (requires_grad=True) or leave their modules out of the tp plan")
 
 
-def _write_shard(engine: "ZeroEngine", folder: Path) -> dict[str, Any] | None:
+def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
+                 folder: Path) -> dict[str, Any] | None:
     """Writes this rank's partition; returns what the manifest says about the file."""
-    writes = engine.zero_stage >= 1 or engine.comm.rank == 0  # stage 0: every rank holds the same state
-    if not writes:
+    if not layout.writes_states:
         return None
-    opt = engine.sharded_optimizer
     tensors: dict[str, torch.Tensor] = {}
     listed = []
-    scalars: list[dict[str, float]] = [{} for _ in opt.masters]
+    scalars: list[dict[str, float]] = [{} for _ in layout.pieces]
     elementwise: set[str] = set()
-    for g, chunks in enumerate(chunk_pieces(engine)):
+    for g, chunks in enumerate(layout.pieces):
         for k, pieces in enumerate(chunks):
-            master, state = opt.chunk_state(g, k)  # read from the files when the states live on NVMe
+            master, state = backend.chunk_state(g, k)  # read from the files when the states live on NVMe
             for key, value in state.items():
                 if is_elementwise(value, master):
                     elementwise.add(key)
                 else:
                     scalars[g][key] = float(value)
-            for piece in [p for p in pieces if writes_piece(engine, p)]:
-                name, lo, hi, at = stored_name(engine, piece.slice), piece.param_lo, piece.param_hi, piece.range_lo
+            for piece in [p for p in pieces if p.written]:
+                name, lo, hi, at = piece.name, piece.param_lo, piece.param_hi, piece.chunk_lo
                 listed.append([name, lo, hi])
                 tensors[f"master/{name}/{lo}"] = master.detach()[at:at + hi - lo].float().clone()
                 for key, value in state.items():
                     if is_elementwise(value, master):
                         tensors[f"{key}/{name}/{lo}"] = value[at:at + hi - lo].clone()
-    if engine.world_comm.rank == 0:
-        for name, tensor in engine.unmanaged_state().items():
+    if comm.rank == 0:
+        for name, tensor in layout.module_state.items():
             tensors[f"module/{name}"] = local(tensor.detach()).clone()
-    file = folder / f"rank{engine.world_comm.rank:05d}-of-{engine.world_comm.world_size:05d}.safetensors"
+    file = folder / f"rank{comm.rank:05d}-of-{comm.world_size:05d}.safetensors"
     save_file(tensors, str(file))
     return {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file), "pieces": listed,
             "optimizer_state": {"scalars": scalars, "elementwise": sorted(elementwise)}}
 
 
-def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, layout: dict[str, Any],
-            client_state: Any) -> None:
-    shards = [s for s in shards if s is not None]
+def _manifest(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator, training_state: dict[str, Any],
+              shards: list[dict[str, Any] | None], client_state: Any) -> dict[str, Any]:
+    written = [s for s in shards if s is not None]
     # Every rank saw the same per-group scalars (Adam's step); rank 0's shard always exists.
-    optimizer_state = [s.pop("optimizer_state") for s in shards][0]
-    manifest = {
-        "format": FORMAT, "version": VERSION, "zero_stage": engine.zero_stage,
-        "world_size": engine.world_comm.world_size, "dtype": engine.config.dtype,
-        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps, "loss_scaler": engine.scaler.state_dict(),
-        "parameters": layout, "tensor_parallel": tensor_parallel_layout(engine),
-        "optimizer": _optimizer_manifest(engine, optimizer_state),
-        "module_state": sorted(engine.unmanaged_state()),
-        "weights": saved_weights(engine),
-        "shards": shards,
+    optimizer_state = [s.pop("optimizer_state") for s in written][0]
+    optimizer = backend.optimizer
+    return {
+        "format": FORMAT, "version": VERSION, "zero_stage": layout.zero_stage, "world_size": comm.world_size,
+        "dtype": layout.dtype, **training_state,
+        "parameters": layout.parameters, "tensor_parallel": layout.tensor_parallel,
+        "optimizer": {"class": type(optimizer).__name__, **optimizer_state,
+                      "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                                       for group in optimizer.param_groups]},
+        "module_state": sorted(layout.module_state), "weights": layout.weights, "shards": written,
         "client_state": client_state,
     }
-    write_model_files(engine.module, partial)
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    # Swap the new folder in; the old one is removed only once the new one is in place.
+
+
+def _swap_in(partial: Path, final: Path) -> None:
+    """Puts the new folder in place; the old one is removed only once the new one is in place."""
     old = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -251,50 +255,46 @@ def _commit(engine: "ZeroEngine", partial: Path, final: Path, shards: list, layo
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _optimizer_manifest(engine: "ZeroEngine", state: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer's hyper-parameters, per-step scalars (e.g. Adam's step) and elementwise state names."""
-    opt = engine.sharded_optimizer.optimizer
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-    return {"class": type(opt).__name__, "param_groups": groups, **state}
-
-
 # ---- load ------------------------------------------------------------------------------------
-def load(engine: "ZeroEngine", directory: str | os.PathLike) -> dict[str, Any] | None:
+def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend",
+         comm: Communicator) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Sets the backend's masters and optimizer state from a checkpoint saved at any data-parallel size and
+    stage; returns the manifest (training state, client_state) and the module state for the caller to restore.
+    Nothing changes unless every rank's checks passed."""
     folder = Path(directory)
     manifest = read_manifest(folder)
-    _check_tensor_parallel_size(engine, manifest, folder)
-    _check_model(engine, manifest, folder, parameter_layout(engine))
+    _check_tensor_parallel_size(layout, manifest, folder)
+    _check_model(layout, backend, manifest, folder)
     # Each rank hashes its share of the files; any failure stops every rank before any state changes.
-    shards, rank, world = manifest["shards"], engine.world_comm.rank, engine.world_comm.world_size
-    _agree(engine, lambda: check_files(shards[rank::world], folder), f"checking {folder}")
+    shards = manifest["shards"]
+    comm.agree(lambda: check_files(shards[comm.rank::comm.world_size], folder), f"checking {folder}",
+               CheckpointError)
     index = index_pieces(manifest)
-    opt = engine.sharded_optimizer
     elementwise = manifest["optimizer"]["elementwise"]
     new_state: dict[int, dict[str, Any]] = {}
     position = 0
     with contextlib.ExitStack() as stack, torch.no_grad():
         files = {shard["file"]: stack.enter_context(safe_open(str(folder / shard["file"]), framework="pt"))
                  for shard in shards}
-        for g, chunks in enumerate(chunk_pieces(engine)):
+        for g, chunks in enumerate(layout.pieces):
             for k, pieces in enumerate(chunks):
-                master = opt.masters[g][k]
-                values = {kind: torch.zeros(master.numel(), dtype=torch.float32) for kind in ["master", *elementwise]}
+                values = {kind: torch.zeros(layout.chunk_numels[g][k], dtype=torch.float32)
+                          for kind in ["master", *elementwise]}
                 for piece in pieces:
                     n = piece.param_hi - piece.param_lo
                     for kind, out in values.items():
-                        read_range(files, index, kind, stored_name(engine, piece.slice), piece.param_lo, piece.param_hi,
-                                    out[piece.range_lo:piece.range_lo + n])
+                        read_range(files, index, kind, piece.name, piece.param_lo, piece.param_hi,
+                                   out[piece.chunk_lo:piece.chunk_lo + n])
                 master = values.pop("master")
                 state = {**manifest["optimizer"]["scalars"][g], **values} if values else {}
-                opt.load_chunk(g, k, master, state)
+                backend.load_chunk(g, k, master, state)
                 if state:
                     new_state[position] = state
                 position += 1
         # States on NVMe went to their files in load_chunk; the optimizer still takes the hyper-parameters.
-        _load_optimizer(opt.optimizer, manifest, {} if opt.nvme is not None else new_state)
+        _load_optimizer(backend.optimizer, manifest, new_state if backend.states_in_optimizer else {})
         module_state = _read_module_state(files, manifest)
-        engine.restore(module_state, manifest)
-    return manifest["client_state"]
+    return manifest, module_state
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -313,25 +313,25 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_tensor_parallel_size(engine: "ZeroEngine", manifest: dict[str, Any], folder: Path) -> None:
-    saved, mine = tp_size(manifest), engine.tp_comm.world_size if engine.tp_comm else 1
+def _check_tensor_parallel_size(layout: ShardLayout, manifest: dict[str, Any], folder: Path) -> None:
+    saved, mine = tp_size(manifest), layout.tensor_parallel["size"]
     if saved != mine:
         raise CheckpointError(f"{folder / MANIFEST} was saved with tensor_parallel_size {saved} and this engine runs "
                               f"{mine}: load it with tensor_parallel_size {saved} (any data-parallel size and stage), "
                               f"or consolidate it (hf-zero consolidate) and start from those weights")
 
 
-def _check_model(engine: "ZeroEngine", manifest: dict[str, Any], folder: Path, layout: dict[str, Any]) -> None:
-    mine = {name: (p["shape"], p["group"]) for name, p in layout.items()}
+def _check_model(layout: ShardLayout, backend: "UpdateBackend", manifest: dict[str, Any], folder: Path) -> None:
+    mine = {name: (p["shape"], p["group"]) for name, p in layout.parameters.items()}
     saved = {name: (p["shape"], p["group"]) for name, p in manifest["parameters"].items()}
     for name in sorted(set(mine) | set(saved)):
         if mine.get(name) != saved.get(name):
             raise CheckpointError(
                 f"{folder / MANIFEST} is from another model or optimizer grouping: parameter {name!r} is "
                 f"{_describe(saved.get(name))} in the checkpoint and {_describe(mine.get(name))} in this engine")
-    if manifest["optimizer"]["class"] != type(engine.sharded_optimizer.optimizer).__name__:
+    if manifest["optimizer"]["class"] != type(backend.optimizer).__name__:
         raise CheckpointError(f"{folder / MANIFEST} holds {manifest['optimizer']['class']} state; this engine "
-                              f"steps {type(engine.sharded_optimizer.optimizer).__name__}")
+                              f"steps {type(backend.optimizer).__name__}")
 
 
 def _describe(entry: tuple[list[int], int] | None) -> str:

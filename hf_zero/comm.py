@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -123,3 +123,17 @@ class Communicator:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
+
+    def agree(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError) -> list[Any]:
+        """Runs `action` on every rank and returns every rank's result. If it failed on any rank, every rank
+        raises `error` with the first failing rank's message, so that no rank goes on into a collective the
+        others never join."""
+        try:
+            result, failure = action(), None
+        except Exception as e:  # reported to every rank below, then raised
+            result, failure = None, f"{type(e).__name__}: {e}"
+        outcomes = self.all_gather_object((result, failure))
+        failed = [(rank, text) for rank, (_, text) in enumerate(outcomes) if text is not None]
+        if failed:
+            raise error(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+        return [res for res, _ in outcomes]

@@ -9,24 +9,23 @@ any order; that is all `ShardedWeightsWriter` does by hand. The split into files
 safetensors and `from_pretrained` unchanged.
 
 Two writers feed it: `hf-zero consolidate` (one parameter at a time, read from a checkpoint's shards)
-and the stage-3 `save_model` (one unit at a time, gathered across the ranks).
+and the engine's `save_weights` (at stage 3 one unit at a time, gathered across the ranks). This file
+knows safetensors and transformers' folder layout, nothing of the engine.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 
-if TYPE_CHECKING:
-    from hf_zero.engine import ZeroEngine
+from hf_zero.device import bytes_of
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -130,61 +129,37 @@ class ShardedWeightsWriter:
             (self.folder / (filename + ".partial")).unlink(missing_ok=True)
 
 
-def bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The tensor's memory as bytes, without a copy. Not through numpy: a storage handed to numpy can no
-    longer be resized, and stage 3 frees gathered buffers by resizing their storage to zero."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
 def meta_like(shape: torch.Size | list[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
 @torch.no_grad()
-def save_stage3_weights(engine: "ZeroEngine", folder: str | os.PathLike, write: bool,
-                        max_shard_size: int | str = SAVE_PRETRAINED_MAX_SHARD_SIZE) -> None:
-    """Every rank gathers the model one unit at a time; the rank with `write` copies each unit's tensors
-    into the files as it arrives. No rank holds more than its shard plus one gathered unit.
-    A write error is raised on every rank only after the last gather, so no rank waits forever."""
-    stage3 = engine.stage3
-    slices = engine.managed_slices
-    weights = weights_to_save(engine.module)
-    save_name = {id(t): name for name, t in weights.items()}
-    planned = {name: meta_like(slices[id(t)].shape if id(t) in slices else t.shape, t.dtype)
-               for name, t in weights.items()}
-    writer, error = None, None
+def write_as_they_arrive(folder: str | os.PathLike, planned: dict[str, torch.Tensor],
+                         arrivals: Iterable[dict[str, torch.Tensor]], write: bool,
+                         max_shard_size: int | str = SAVE_PRETRAINED_MAX_SHARD_SIZE) -> Exception | None:
+    """Writes each batch of tensors `arrivals` yields into its place in the files planned for `planned`.
+    Every batch is taken from `arrivals` even after a failure, or when this process does not `write`: on
+    several ranks producing a batch is a collective that the others join. Returns the first error."""
+    writer: ShardedWeightsWriter | None = None
+    error: Exception | None = None
 
     def attempt(action: Callable[[], Any]) -> None:
         nonlocal error
         if write and error is None:
             try:
                 action()
-            except Exception as e:  # raised on every rank below
-                error = f"{type(e).__name__}: {e}"
+            except Exception as e:  # returned to the caller, who raises it on every rank
+                error = e
 
     def open_writer() -> None:
         nonlocal writer
         writer = ShardedWeightsWriter(folder, planned, max_shard_size)
 
     attempt(open_writer)
-    for unit in stage3.units:
-        was_gathered = unit.gathered
-        unit.gather()
-        unit.wait()
-        for flat in unit.flats:
-            for s in flat.slices:
-                if id(s.param) in save_name:
-                    attempt(lambda: writer.write(save_name[id(s.param)], s.param.data))
-        if not was_gathered:
-            unit.free()
-    for name, t in weights.items():
-        if id(t) not in slices:  # buffers and frozen parameters: whole on every rank
-            attempt(lambda: writer.write(name, t))
+    for tensors in arrivals:
+        for name, tensor in tensors.items():
+            attempt(lambda: writer.write(name, tensor))
     attempt(lambda: writer.close())
-    if error is not None and writer is not None:
+    if writer is not None and error is not None:
         writer.abort()
-    errors = engine.comm.all_gather_object(error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        raise RuntimeError(f"writing the weights to {folder} failed on rank {failed[0][0]}: {failed[0][1]}")
+    return error

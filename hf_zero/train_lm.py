@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,19 +79,20 @@ def check_args(args: argparse.Namespace, processes: int) -> None:
         raise ZeroConfigError(f"--dropout sets GPT-2's dropout; {args.model} is not a GPT-2 model")
 
 
-def main(args: argparse.Namespace) -> dict[str, float]:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    owns_process_group = not dist.is_initialized()
-    init_distributed()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    check_args(args, world)
+def split_text(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text as bytes: the first 95% to train on, the rest to validate."""
     data = torch.frombuffer(bytearray(load_text(args.text)), dtype=torch.uint8).long()
     split = int(0.95 * len(data))
     train, val = data[:split], data[split:]
     if args.seq_len >= len(val):
         raise ValueError(f"--seq_len {args.seq_len} is longer than the validation text ({len(val)} bytes)")
+    return train, val
 
+
+def build_engine(args: argparse.Namespace, rank: int, world: int
+                 ) -> tuple[hf_zero.ZeroEngine, torch.optim.lr_scheduler.LRScheduler, int]:
+    """The zoo model (tensor-parallel when asked), AdamW with decay on matrices only and a warm-up plus
+    cosine schedule, in the engine; returns the engine, the schedule and this rank's data-parallel rank."""
     torch.manual_seed(args.seed)
     dropout = {} if args.dropout is None else {f"{part}_pdrop": args.dropout for part in ("resid", "embd", "attn")}
     model = model_zoo.build(args.model, n_positions=max(args.seq_len, 128), **dropout)
@@ -113,9 +115,12 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         logger.info(f"{args.model}: {psi:,} parameters, ZeRO stage {args.zero_stage}, {dp} data-parallel "
                     f"rank(s) x tp {args.tensor_parallel_size}, {args.dtype}; paper's model-state formula "
                     f"(without tp): {formula:.1f} MiB per rank")
+    return engine, schedule, dp_rank
 
-    # The ranks of a tp group compute one batch together, so they draw the same windows.
-    stream = batches(train, args.batch_size, args.seq_len + 1, seed=args.seed * 1000 + dp_rank)
+
+def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.optim.lr_scheduler.LRScheduler,
+          stream: Iterator[torch.Tensor], rank: int) -> tuple[list[float], float]:
+    """Steps until --max_steps or --max_minutes; returns each step's loss and the seconds spent."""
     start, losses = time.monotonic(), []
     bar = tqdm(total=args.max_steps, desc="train", disable=rank != 0)
     for step in range(args.max_steps):
@@ -133,24 +138,41 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         if time.monotonic() - start > 60 * args.max_minutes:
             break
     bar.close()
-    steps_done, elapsed = step + 1, time.monotonic() - start
+    return losses, time.monotonic() - start
 
+
+@torch.no_grad()
+def validation_loss(args: argparse.Namespace, engine: hf_zero.ZeroEngine, val: torch.Tensor) -> float:
     engine.eval()
-    with torch.no_grad():
-        val_stream = batches(val, args.batch_size, args.seq_len + 1, seed=12345)
-        val_loss = sum(engine(input_ids=(x := next(val_stream))[:, :-1], labels=x[:, :-1]).loss.item()
-                       for _ in range(10)) / 10
+    val_stream = batches(val, args.batch_size, args.seq_len + 1, seed=12345)
+    return sum(engine(input_ids=(x := next(val_stream))[:, :-1], labels=x[:, :-1]).loss.item()
+               for _ in range(10)) / 10
+
+
+def main(args: argparse.Namespace) -> dict[str, float]:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    owns_process_group = not dist.is_initialized()
+    init_distributed()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    check_args(args, world)
+    train_text, val_text = split_text(args)
+    engine, schedule, dp_rank = build_engine(args, rank, world)
+    # The ranks of a tp group compute one batch together, so they draw the same windows.
+    stream = batches(train_text, args.batch_size, args.seq_len + 1, seed=args.seed * 1000 + dp_rank)
+    losses, elapsed = train(args, engine, schedule, stream, rank)
+    val_loss = validation_loss(args, engine, val_text)
     # Every rank reports what it holds and sends, in rank order.
     for r in range(world):
         if r == rank:
             logger.info(engine.ledger.report(rank))
         if world > 1:
             dist.barrier()
-    summary = {"steps": steps_done, "seconds_per_step": elapsed / steps_done,
+    summary = {"steps": len(losses), "seconds_per_step": elapsed / len(losses),
                "first_loss": losses[0], "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
                "val_loss": val_loss}
     if rank == 0:
-        logger.info(f"{steps_done} steps in {elapsed:.0f} s ({summary['seconds_per_step']:.3f} s/step): "
+        logger.info(f"{len(losses)} steps in {elapsed:.0f} s ({summary['seconds_per_step']:.3f} s/step): "
                     f"loss {summary['first_loss']:.3f} -> {summary['final_train_loss']:.3f}, "
                     f"validation loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits per byte)")
     if owns_process_group and dist.is_initialized():

@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor
 from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer import SCHEDULER_NAME, logger
 
-from hf_zero import export
 from hf_zero.checkpoint import TRAINER_SUBFOLDER
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
@@ -190,14 +189,14 @@ class ZeroTrainerMixin:
             self.engine.finish_pending_update()  # delayed_param_update: the model gets the last update first
         if self.mesh is not None:
             return self._save_tensor_parallel_model(output_dir, _internal_call)
-        if self.engine is None or self.engine.stage3 is None:
+        if self.engine is None or self.engine.zero_stage < 3:
             return super().save_model(output_dir, _internal_call)  # stages 0-2: every rank holds whole weights
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if self.args.should_save:
             # Config, generation config, tokenizer, training arguments; the weights follow. The empty
             # state dict is what the Trainer passes for DeepSpeed's ZeRO-3 too.
             self._save(output_dir, state_dict={})
-        export.save_stage3_weights(self.engine, output_dir, write=self.args.should_save)
+        self.engine.save_weights(output_dir, write=self.args.should_save)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

@@ -118,7 +118,6 @@ def logits_of(engine: hf_zero.ZeroEngine) -> torch.Tensor:
 def consolidation_runs(root: str) -> dict[str, Any]:
     """Trained 2-rank engines (stage 3 fp32, stage 2 bf16) with their checkpoints, logits and whole
     parameters; the stage-3 one also writes its weights the way ZeroTrainer.save_model does."""
-    from hf_zero import export
     from hf_zero.zero import stage3
 
     results = {}
@@ -142,16 +141,15 @@ def consolidation_runs(root: str) -> dict[str, Any]:
 
     def counting_gather(unit):
         gather(unit)
-        gathered_at_once.append(sum(u.gathered and not u.persistent for u in engine_s3.stage3.units))
+        gathered_at_once.append(sum(u.gathered and not u.persistent for u in engine_s3.params.units))
 
     stage3.Unit.gather = counting_gather
     try:
-        export.save_stage3_weights(engine_s3, f"{root}/s3_saved_model", write=rank_world()[0] == 0,
-                                   max_shard_size="20KB")
+        engine_s3.save_weights(f"{root}/s3_saved_model", write=rank_world()[0] == 0, max_shard_size="20KB")
     finally:
         stage3.Unit.gather = gather
     results["s3_saved_model"] = {"logits": logits_of(engine_s3), "gathered_at_once": gathered_at_once,
-                                 "units": len(engine_s3.stage3.units)}
+                                 "units": len(engine_s3.params.units)}
     return results
 
 
@@ -166,7 +164,7 @@ def save_large_checkpoint(folder: str) -> int:
     model = GPT2LMHeadModel(GPT2Config(**LARGE_GPT2))
     engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
     engine.save_checkpoint(folder)
-    return max(s.numel for flats in engine.managed_flats() for flat in flats for s in flat.slices)
+    return max(s.numel for flats in engine.params.flats_by_group() for flat in flats for s in flat.slices)
 
 
 def world4_checkpoint_runs(root: str) -> dict[str, Any]:

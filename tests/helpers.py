@@ -151,7 +151,7 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
         for step in range(sc.steps):
             hook = None
             if sc.poison_step == step and rank == 1:
-                flat = (engine.flats or engine.stage3.flats)[0]
+                flat = engine.params.flats[0]
                 target = flat.slices[0].param  # its element 0 sits in rank 0's chunk of bucket 0
                 hook = target.register_hook(lambda g: g.index_put((torch.tensor([0]),) * g.dim(),
                                                                   torch.tensor(float("inf"), dtype=g.dtype)))
@@ -176,16 +176,15 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
         record["masters"] = engine.gathered_masters()
         record["comm_elements"] = engine.ledger.last_step_elements
         record["state_bytes"] = engine.ledger.state_bytes
-        flats = engine.flats or engine.stage3.flats
+        flats = engine.params.flats
         record["padding"] = sum(f.padded_numel - f.numel for f in flats)
         record["psi"] = psi
-        record["peak_buffer_bytes"] = getattr(engine.grads, "peak_buffer_bytes", 0)
+        record["peak_buffer_bytes"] = getattr(engine.params.grads, "peak_buffer_bytes", 0)
         element = flats[0].data.element_size()
         group_bytes = sorted(sum(t.numel() for t in g["params"]) * world * element for g in engine.optimizer.param_groups)
         record["smaller_groups_bytes"] = sum(group_bytes[:-1])
         record["largest_bucket_bytes"] = max(b.numel for f in flats for b in f.buckets) * element
-        record["root_numel"] = sum(f.numel for u in engine.stage3.units if u.is_root for f in u.flats) \
-            if engine.stage3 else 0
+        record["root_numel"] = sum(f.numel for u in getattr(engine.params, "units", []) if u.is_root for f in u.flats)
         record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
         results[sc.name] = record
     return results

@@ -88,7 +88,7 @@ def test_stage3_save_writes_the_engines_weights_gathering_one_unit_at_a_time(tra
     root, results = trained
     run = results["s3_saved_model"]
     assert max(run["gathered_at_once"]) == 1 and len(run["gathered_at_once"]) == run["units"]
-    # save_stage3_weights writes weights only; the Trainer adds config and tokenizer. Borrow the config.
+    # save_weights writes weights only; the Trainer adds config and tokenizer. Borrow the config.
     (root / "s3_saved_model" / "config.json").write_text((root / "s3" / "config.json").read_text())
     assert_same_logits(logits_from(root / "s3_saved_model"), run["logits"])
 

@@ -25,7 +25,7 @@ def build_partitioned(name: str, dtype: str) -> dict:
     with engine.gathered_parameters():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"params": params, "buffers": {n: b.clone() for n, b in model.named_buffers()},
-            "masters": [m.detach().clone() for g in engine.sharded_optimizer.masters for m in g]}
+            "masters": [m.detach().clone() for g in engine.sharded_optimizer.backend.masters for m in g]}
 
 
 @pytest.mark.slow
@@ -144,7 +144,7 @@ def build_gpt2_large_and_step() -> dict:
                                 init_from=SeededInit(SEED))
     built_peak = peak_rss()
     built_state_bytes = sum(engine.ledger.state_bytes.values())
-    shard = engine.stage3.param_shards[0]
+    shard = engine.params.param_shards[0]
     before = shard[:100_000].clone()
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     loss = engine(input_ids=ids, labels=ids).loss
@@ -152,7 +152,7 @@ def build_gpt2_large_and_step() -> dict:
     engine.step()
     return {"baseline": baseline, "built_peak": built_peak, "loss": loss.item(),
             "changed": not torch.equal(before, shard[:100_000]),
-            "largest_unit_bytes": 4 * max(u.numel for u in engine.stage3.units),
+            "largest_unit_bytes": 4 * max(u.numel for u in engine.params.units),
             "state_bytes": built_state_bytes}
 
 

@@ -14,7 +14,6 @@ from tests.hub_stand_in import HubStandIn, hub_env
 from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, gpt2_model, lm_examples, pushing_run,
                                     resume_runs, run_trainers, saving_run, tensor_parallel_arguments,
                                     tensor_parallel_resume_runs, tensor_parallel_runs)
-from training_args import ZeroTrainingArguments
 
 STAGES = (0, 1, 2, 3)
 RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s in STAGES]

@@ -218,7 +218,7 @@ def tensor_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
                               "eval_loss": trainer.evaluate()["eval_loss"],
                               "prediction": trainer.predict(lm_examples(EVAL_EXAMPLES, 2)),
                               "tokens_seen": trainer.state.num_input_tokens_seen,
-                              "checkpoint_bytes": trainer.engine.checkpoints.peak_held_bytes}
+                              "checkpoint_bytes": trainer.engine.activation_store.peak_held_bytes}
         trainer.save_model(f"{root}/tp{tp}/final")
     return results
 

@@ -10,17 +10,13 @@ on the host masters.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from hf_zero.device import HOST, to_host_memory
 from hf_zero.ops import CPUAdam, adam_step_with_state, cpu_adam_kernel
-
-HOST = torch.device("cpu")
-
-
-def to_host_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in host memory, pinned when there is an accelerator to copy to and from."""
-    tensor = tensor.to(HOST)
-    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+from hf_zero.zero.update import UpdateBackend
 
 
 def adamw_mode_of(optimizer: torch.optim.Optimizer) -> dict[int, bool] | None:
@@ -51,3 +47,62 @@ class HostAdam:
         adam_step_with_state(self.optimizer.param_groups[g], self.adamw_mode[g],
                              self.optimizer.state[master] if state is None else state, master, grad, out,
                              grad_scale, self.kernel)
+
+
+def staged_outputs(param_chunks: list[list[torch.Tensor]], staged: bool) -> list[list[torch.Tensor]]:
+    """Where a host update writes the new compute-dtype values: the parameter chunks themselves when they are
+    in host memory and nothing reads them meanwhile, else host buffers that `publish_outputs` copies over."""
+    return [[to_host_memory(torch.zeros_like(c, device=HOST)) if staged else c for c in chunks]
+            for chunks in param_chunks]
+
+
+def publish_outputs(outs: list[list[torch.Tensor]], param_chunks: list[list[torch.Tensor]]) -> None:
+    """Copies staged host values into the parameter chunks (non-blocking to a device)."""
+    for staged, chunks in zip(outs, param_chunks):
+        for out, chunk in zip(staged, chunks):
+            if out is not chunk:
+                chunk.copy_(out, non_blocking=True)
+
+
+class HostUpdate(UpdateBackend):
+    """ZeRO-Offload: fp32 master shards and optimizer states in host memory, stepped there; gradients arrive
+    reduced and partitioned, the new parameters go back in the compute dtype. Adam and AdamW run the C++
+    kernel (HostAdam); any other optimizer runs its own step() on the host masters.
+    `staged`: the new values go to host buffers first (the parameters are on a device, or a delayed update
+    writes while the model reads), copied over by publish()."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
+                 fp32_init: list[list[torch.Tensor]] | None, staged: bool) -> None:
+        super().__init__(optimizer, param_chunks)
+        adamw_mode = adamw_mode_of(optimizer)
+        self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
+        self.master_shards = [to_host_memory(torch.cat([t.reshape(-1) for t in chunks]).float())
+                              for chunks in (fp32_init or param_chunks)]
+        self.masters = [list(torch.split(shard, [c.numel() for c in chunks]))
+                        for shard, chunks in zip(self.master_shards, param_chunks)]
+        self.outs = staged_outputs(param_chunks, staged)
+        self._retarget()
+
+    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+        for g, (masters, grads) in enumerate(zip(self.masters, grad_chunks)):
+            for k, (master, grad) in enumerate(zip(masters, grads)):
+                if self.host_adam is not None:
+                    self.host_adam.step_chunk(g, master, grad.to(HOST), self.outs[g][k], coef)
+                else:
+                    master.grad = grad.to(HOST, torch.float32).mul_(coef)
+        if self.host_adam is None:
+            self.optimizer.step()
+            for masters, outs in zip(self.masters, self.outs):
+                for master, out in zip(masters, outs):
+                    out.copy_(master)
+                    master.grad = None
+
+    def publish(self) -> None:
+        publish_outputs(self.outs, self.param_chunks)
+
+    def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        self.masters[g][k].copy_(master)
+        self.param_chunks[g][k].copy_(master)
+
+    def held_bytes(self) -> int:
+        return super().held_bytes() + sum(s.numel() * s.element_size() for s in self.master_shards)

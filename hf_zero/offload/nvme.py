@@ -25,11 +25,14 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from hf_zero.export import bytes_of
-from hf_zero.offload.host import HOST, HostAdam, to_host_memory
+from hf_zero.config import nvme_path_problem
+from hf_zero.device import HOST, bytes_of, to_host_memory
+from hf_zero.offload.host import HostAdam, adamw_mode_of, publish_outputs, staged_outputs
+from hf_zero.zero.update import UpdateBackend
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # fp32, read and written by every step
 SLOTS = 3  # reading the next tile, updating this one, writing the last one
@@ -49,15 +52,11 @@ class Tile:
 
 
 def check_nvme_path(path: str | os.PathLike) -> Path:
-    """The folder must exist and be writable: refused with what to do before any work starts."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise NvmeError(f"nvme_path {str(path)!r} does not exist or is not a folder; create it on the NVMe drive "
-                        f"(e.g. mkdir -p {path})")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise NvmeError(f"nvme_path {str(path)!r} is not writable by this process; fix its permissions or choose "
-                        f"another folder")
-    return folder
+    """The folder must exist and be writable (ZeroConfig checked it already; it may have changed since)."""
+    problem = nvme_path_problem(path)
+    if problem:
+        raise NvmeError(f"nvme_path {problem}")
+    return Path(path)
 
 
 class NvmeAdamStates:
@@ -143,7 +142,7 @@ class NvmeAdamStates:
         """Sets a chunk's master and moments, and parameters if given (start-up and checkpoint loading)."""
         for kind, tensor in values.items():
             self._io(False, g, kind, self.side if side is None else side, self.chunk_starts[g][k],
-                     tensor.to(self.dtypes[kind]).contiguous())
+                     tensor.to(HOST, self.dtypes[kind]).contiguous())
 
     def read_param(self, g: int, k: int, out: torch.Tensor) -> None:
         """Chunk k of group g's parameters, as last published, into `out` (a unit being gathered)."""
@@ -204,6 +203,62 @@ class NvmeAdamStates:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+class NvmeUpdate(UpdateBackend):
+    """ZeRO-Infinity: the masters and Adam moments in files (NvmeAdamStates), stepped tile by tile on the
+    host. With `params_on_nvme` (offload_param nvme) the compute-dtype parameters are in the same files and
+    stage-3 units read them from there; otherwise the new values are staged in host buffers and copied to
+    the parameter chunks on publish(), so that a step failing half-way leaves the model at the last good step.
+    The optimizer's param groups keep the chunks as placeholders: the masters are in the files."""
+
+    states_in_optimizer = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
+                 fp32_init: list[list[torch.Tensor]] | None, nvme_path: str, rank: int, tile_numel: int,
+                 params_on_nvme: bool) -> None:
+        super().__init__(optimizer, param_chunks)
+        param_dtype = param_chunks[0][0].dtype if params_on_nvme else None
+        self.states = NvmeAdamStates(nvme_path, rank, [[c.numel() for c in cs] for cs in param_chunks],
+                                     fp32_init or param_chunks, HostAdam(optimizer, adamw_mode_of(optimizer)),
+                                     tile_numel, param_dtype)
+        if params_on_nvme:
+            for g, chunks in enumerate(param_chunks):
+                for k, chunk in enumerate(chunks):
+                    self.states.write_chunk(g, k, {"param": chunk})
+        self.outs = None if params_on_nvme else staged_outputs(param_chunks, staged=True)
+        self.masters = param_chunks
+        self._retarget()
+
+    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+        self.states.step(grad_chunks, self.outs, coef)
+
+    def publish(self) -> None:
+        if self.outs is None:
+            self.states.publish()
+        else:
+            publish_outputs(self.outs, self.param_chunks)
+
+    def chunk_state(self, g: int, k: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        values = self.states.read_chunk(g, k)
+        master = values.pop("master")
+        return master, ({"step": self.states.steps[g], **values} if self.states.steps[g] > 0 else {})
+
+    def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        params = {"param": master} if self.outs is None else {}
+        self.states.write_chunk(g, k, {"master": master, **params,
+                                       **{kind: state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state}})
+        if "step" in state:
+            self.states.steps[g] = torch.tensor(float(state["step"]))
+        if self.outs is not None:
+            self.param_chunks[g][k].copy_(master)
+
+    def held_bytes(self) -> int:
+        """The pool; the files are reported by states.file_bytes()."""
+        return self.states.pool_bytes()
+
+    def param_reader(self) -> "ParamReader | None":
+        return ParamReader(self.states) if self.outs is None else None
 
 
 class ParamReader:

@@ -65,6 +65,10 @@ class GradientReducer:
     def allocate(self) -> None:
         """Makes sure the gradient storage exists (stages 2-3 allocate it at the first backward)."""
 
+    def buffer_bytes(self) -> int:
+        """Communication buffers held now (stages 2-3: bucket buffers, C_B)."""
+        return 0
+
     def begin(self, reduce: bool) -> None:
         """Called before each backward; `reduce` says whether this backward's buckets are reduced."""
         self.active, self.reducing = True, reduce

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
@@ -24,10 +24,16 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
-from hf_zero.offload.host import to_host_memory
-from hf_zero.offload.nvme import ParamReader
-from hf_zero.zero.partition import FlatParamBuffer, release_storage, set_data
+from hf_zero.config import ZeroConfig
+from hf_zero.device import HOST, to_host_memory
+from hf_zero.zero.holder import ParamHolder
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, release_storage, set_data
 from hf_zero.zero.stage2 import PartitionedGradients
+
+if TYPE_CHECKING:
+    from hf_zero.offload.nvme import ParamReader
+
+PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
 
 
 class Unit:
@@ -127,59 +133,67 @@ def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[t
     return units
 
 
-class Stage3Params:
-    """Owns the units, their shards and the hooks that gather and free them around each use."""
+class Stage3Params(ParamHolder):
+    """The stage-3 parameter holder (holder.py): owns the units, their shards and the hooks that gather
+    and free them around each use. Its gather is Unit.gather, its reduce Stage3Gradients, below."""
+
+    replicated, reduces_every_backward = False, True
 
     def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
-                 comm: Communicator, unit_module_classes: list[str] | None, persistence_threshold: int,
-                 prefetch_numel: int, overlap_comm: bool, reshard_root_after_forward: bool,
-                 init_from: Any = None, device: torch.device | None = None,
-                 param_shard_device: torch.device | None = None, grad_shard_device: torch.device | None = None
-                 ) -> None:
-        """`param_shard_device` / `grad_shard_device`: where the shards live when offloaded (host memory)."""
-        self.comm, self.prefetch_numel = comm, prefetch_numel
-        self.param_shard_device = param_shard_device
+                 comm: Communicator, config: ZeroConfig, init_from: Any = None,
+                 device: torch.device | None = None) -> None:
+        """`init_from` (hf_zero/construct.py) fills a model built on meta, on `device`. With offload the
+        parameter shards (offload_param) and gradient shards (offload_optimizer) live in host memory."""
+        self.comm, self.prefetch_numel = comm, config.prefetch_bucket_size
+        self.param_shard_device = HOST if config.offload_param != "none" else None
         self.reader: ParamReader | None = None
-        self.reshard_root_after_forward = reshard_root_after_forward
-        group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
-        unit_modules = find_unit_modules(model, unit_module_classes)
-        owner: dict[int, str] = {}
-        for uname, module in unit_modules:
-            for _, p in module.named_parameters():
-                owner.setdefault(id(p), uname)
-        members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], "<persistent>": []}
-        for name, p in model.named_parameters():
-            if id(p) in group_of:
-                key = "<persistent>" if p.numel() < persistence_threshold else owner.get(id(p), "")
-                members.setdefault(key, []).append((name, p))
-        modules = dict(unit_modules) | {"": model, "<persistent>": model}
-        self.units: list[Unit] = []
-        for uname, named in members.items():
-            if not named:
-                continue
-            by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
-            for n, p in named:
-                by_group.setdefault(group_of[id(p)], []).append((n, p))
-            gs = sorted(by_group)
-            flats = [FlatParamBuffer(by_group[g], comm.world_size, dtype, device=device) for g in gs]
-            self.units.append(Unit(uname, modules[uname], flats, gs, comm, persistent=uname == "<persistent>"))
+        self.reshard_root_after_forward = config.reshard_root_after_forward
+        self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.flats]
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
-        self.grads = Stage3Gradients(self, comm, overlap_comm, grad_shard_device)
-        self.fp32_init = self._shard(len(groups), dtype, model, init_from)
+        self.grads = Stage3Gradients(self, comm, config.overlap_comm,
+                                     HOST if config.offload_optimizer != "none" else None)
+        self._allocate_shards(len(groups), dtype)
+        self.fp32_init = self._fill_shards(model, init_from) if init_from is not None else self._shard_built_units()
+        if dtype == torch.float32:
+            self.fp32_init = None
         # Execution orders, recorded as units first run; prefetch follows them.
         self.forward_order: list[Unit] = []
         self.backward_order: list[Unit] = []
         self._install_hooks(model)
 
-    def _shard(self, num_groups: int, dtype: torch.dtype, model: nn.Module, init_from: Any
-               ) -> list[list[torch.Tensor]] | None:
-        """Cuts this rank's chunk out of every unit into one contiguous shard per param group (M_D).
-        Returns the chunks' fp32 values when computing in lower precision (the masters' start).
-        With `init_from` (hf_zero/construct.py) the parameters have no values yet: one unit at a time
-        gets memory, is filled by `init_from` (in fp32), gives up its chunk and is freed."""
+    def _cut_into_units(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
+                        config: ZeroConfig, device: torch.device | None) -> list[Unit]:
+        """One unit per block module, one for the root (the rest), one for the persistent small parameters;
+        each holds one flat buffer per param group it has parameters of."""
+        group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
+        unit_modules = find_unit_modules(model, config.unit_module_classes)
+        owner: dict[int, str] = {}
+        for uname, module in unit_modules:
+            for _, p in module.named_parameters():
+                owner.setdefault(id(p), uname)
+        members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], PERSISTENT: []}
+        for name, p in model.named_parameters():
+            if id(p) in group_of:
+                key = PERSISTENT if p.numel() < config.param_persistence_threshold else owner.get(id(p), "")
+                members.setdefault(key, []).append((name, p))
+        modules = dict(unit_modules) | {"": model, PERSISTENT: model}
+        units = []
+        for uname, named in members.items():
+            by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+            for n, p in named:
+                by_group.setdefault(group_of[id(p)], []).append((n, p))
+            gs = sorted(by_group)
+            flats = [FlatParamBuffer(by_group[g], self.comm.world_size, dtype, device=device) for g in gs]
+            if flats:
+                units.append(Unit(uname, modules[uname], flats, gs, self.comm, persistent=uname == PERSISTENT))
+        return units
+
+    def _allocate_shards(self, num_groups: int, dtype: torch.dtype) -> None:
+        """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D), and the
+        fp32 start values of each chunk (the masters' start when computing in lower precision)."""
         rank, device = self.comm.rank, self.flats[0].data.device
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
@@ -188,8 +202,8 @@ class Stage3Params:
                              else to_host_memory(torch.zeros(n, dtype=dtype)) for n in sizes]
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
-        fp32_init: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
-        chunk_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        self.chunk_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         offsets = [0] * num_groups
         for fi, (flat, unit) in enumerate(zip(self.flats, self.unit_of_flat)):
             g = unit.group_of(flat)
@@ -198,26 +212,32 @@ class Stage3Params:
             offsets[g] += hi - lo
             fp32 = None if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=device)
             if fp32 is not None:
-                fp32_init[g].append(fp32)
+                self.fp32_chunks[g].append(fp32)
             unit.shard_ids.append((g, len(self.param_chunks[g])))
             self.param_chunks[g].append(chunk)
             self.chunk_flats[g].append(fi)
             unit.shards.append(chunk)
-            chunk_of[id(flat)] = (chunk, fp32)
+            self.chunk_of[id(flat)] = (chunk, fp32)
 
-        def cut(unit: Unit) -> None:  # this rank's chunk of each of the unit's flat buffers
-            for flat in unit.flats:
-                chunk, fp32 = chunk_of[id(flat)]
-                lo, hi = flat.buckets[0].owned_range(rank)
-                flat.read_params(lo, hi, chunk if fp32 is None else fp32)
-                if fp32 is not None:
-                    chunk.copy_(fp32)
+    def _cut(self, unit: Unit) -> None:
+        """Copies this rank's chunk of each of the unit's flat buffers into its shard (and fp32 start)."""
+        for flat in unit.flats:
+            chunk, fp32 = self.chunk_of[id(flat)]
+            lo, hi = flat.buckets[0].owned_range(self.comm.rank)
+            flat.read_params(lo, hi, chunk if fp32 is None else fp32)
+            if fp32 is not None:
+                chunk.copy_(fp32)
 
-        if init_from is None:
-            for unit in self.units:
-                cut(unit)
-                unit.adopt_params()
-            return None if dtype == torch.float32 else fp32_init
+    def _shard_built_units(self) -> list[list[torch.Tensor]]:
+        """A model that has its values: each unit gives this rank its chunk, then frees its buffer."""
+        for unit in self.units:
+            self._cut(unit)
+            unit.adopt_params()
+        return self.fp32_chunks
+
+    def _fill_shards(self, model: nn.Module, init_from: Any) -> list[list[torch.Tensor]]:
+        """A model without values yet: one unit at a time gets memory, is filled by `init_from` (in fp32),
+        gives up its chunk and is freed, so no rank holds more than its shard and one unit."""
         staging: dict[int, torch.Tensor] = {}
 
         def open_unit(unit: Unit) -> list[torch.Tensor]:
@@ -225,7 +245,7 @@ class Stage3Params:
             return [staging[id(f)] for f in unit.flats]
 
         def close_unit(unit: Unit) -> None:
-            cut(unit)
+            self._cut(unit)
             for flat in unit.flats:
                 staged = staging.pop(id(flat))
                 if unit.persistent:  # stays gathered: its values move into its own compute-dtype buffer
@@ -235,8 +255,20 @@ class Stage3Params:
             unit.gathered = True
             unit.free()
 
-        init_from.fill(model, self.units, open_unit, close_unit, rank)
-        return None if dtype == torch.float32 else fp32_init
+        init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
+        return self.fp32_chunks
+
+    @property
+    def shard(self) -> int:
+        return self.comm.rank
+
+    def chunk_keys(self) -> list[list[tuple[int, int]]]:
+        return [[(fi, 0) for fi in flats] for flats in self.chunk_flats]
+
+    def attach(self, backend: Any) -> None:
+        reader = backend.param_reader()
+        if reader is not None:
+            self.read_shards_from(reader)
 
     def read_shards_from(self, reader: ParamReader) -> None:
         """offload_param nvme: from now on units read their chunks from the files (the optimizer wrote
@@ -266,9 +298,6 @@ class Stage3Params:
         for s in flat.slices:
             set_data(s.param, flat.view_of(s, buffer))
         return buffer
-
-    def grad_chunks(self) -> list[list[torch.Tensor]]:
-        return [[self.grads.owned_grad(fi, 0) for fi in flats] for flats in self.chunk_flats]
 
     # ---- hooks -------------------------------------------------------------------------------
     def _install_hooks(self, model: nn.Module) -> None:
@@ -349,13 +378,31 @@ class Stage3Params:
         for unit in self.units:
             unit.free()
 
-    def regather_persistent(self) -> None:
-        """After the step, refresh the replicated small parameters from their updated shards."""
+    def after_step(self) -> None:
+        """Only the persistent parameters are replicated: refreshed from their updated shards. The rest are
+        gathered on use."""
         for unit in self.units:
             if unit.persistent:
                 unit.gathered = False
                 unit.gather()
                 unit.wait()
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self.free_all()
+
+    def reset(self) -> None:
+        self.free_all()
+        self.after_step()
+
+    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+        for unit in self.units:
+            was_gathered = unit.gathered
+            unit.gather()
+            unit.wait()
+            yield [s for flat in unit.flats for s in flat.slices]
+            if not was_gathered:
+                unit.free()
 
     def held_bytes(self) -> int:
         gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)

@@ -78,7 +78,7 @@ def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_p
     engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), config)
     x = torch.randn(4, 2048)
     engine.backward(engine(x).sum())
-    states = engine.sharded_optimizer.nvme
+    states = engine.sharded_optimizer.backend.states
     reset_peak_rss()
     before = peak_rss()
     engine.step()
@@ -117,11 +117,11 @@ def parameters_on_nvme_memory(path: str) -> dict[str, int | bool]:
     for _ in range(2):
         engine.backward(engine(x).square().mean())
         engine.step()
-    reader = engine.stage3.reader
+    reader = engine.params.reader
     measured = {
         "chunks_hold_no_storage": all(c.untyped_storage().nbytes() == 0
-                                      for cs in engine.sharded_optimizer.param_chunks for c in cs),
-        "shards_released": engine.stage3.param_shards == [],
+                                      for cs in engine.params.param_chunks for c in cs),
+        "shards_released": engine.params.param_shards == [],
         "file_bytes": os.path.getsize(os.path.join(path, "rank00000", "group0.param.A")),
         "shard_bytes": 4 * 16 * block_numel, "unit_bytes": 4 * block_numel,
         "buffers_created": reader.created, "pool_bytes": reader.pool_bytes(),
@@ -194,7 +194,7 @@ def test_a_full_disk_during_a_write_raises_and_keeps_the_last_good_state(tmp_pat
     engines: list = []
     good = train(nvme_config(tmp_path, stage, offload_param=offload_param), 2, engine_out=engines)
     engine = engines[0]
-    states = engine.sharded_optimizer.nvme
+    states = engine.sharded_optimizer.backend.states
     before = {(g, k): states.read_chunk(g, k) for g, ks in enumerate(states.chunk_numels) for k in range(len(ks))}
     real_pwritev = os.pwritev
     calls = {"n": 0}

@@ -67,9 +67,9 @@ def test_offloaded_states_are_in_host_memory_and_counted_in_the_ledger():
                                 {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"})
     engine.backward(engine(torch.randn(4, 8)).sum())
     engine.step()
-    opt = engine.sharded_optimizer
+    opt = engine.sharded_optimizer.backend
     assert all(m.device.type == "cpu" and m.dtype == torch.float32 for m in opt.master_shards)
-    assert all(g.device.type == "cpu" for g in engine.grads.grad_shards)
-    assert all(s.device.type == "cpu" for s in engine.stage3.param_shards)
+    assert all(g.device.type == "cpu" for g in engine.params.grads.grad_shards)
+    assert all(s.device.type == "cpu" for s in engine.params.param_shards)
     # 12 bytes per element of fp32 master + Adam moments, over one rank.
     assert engine.ledger.state_bytes["optimizer_states"] == 12 * psi + 4  # + Adam's fp32 step counters

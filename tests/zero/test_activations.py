@@ -35,7 +35,7 @@ def measure(tp: int) -> dict[str, dict]:
             apply_activation_checkpointing(model, store)
         engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2, **(MODES.get(mode) or {})},
                                     mesh=mesh)
-        store = store or engine.checkpoints
+        store = store or engine.activation_store
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         losses, in_buffer = [], []
         for step in range(STEPS):
@@ -96,7 +96,7 @@ def test_without_tensor_parallelism_cpu_checkpointing_offloads_whole_checkpoints
     offloaded, engine = train_single({"cpu_checkpointing": True}, gradient_checkpointing=False)
     assert offloaded == plain
     blocks, hidden = engine.module.config.n_layer, engine.module.config.n_embd
-    assert engine.checkpoints.peak_held_bytes == {"device": 0, "host": 4 * SEQ * hidden * GLOBAL_BATCH * blocks}
+    assert engine.activation_store.peak_held_bytes == {"device": 0, "host": 4 * SEQ * hidden * GLOBAL_BATCH * blocks}
 
 
 def test_without_tensor_parallelism_partition_activations_says_there_is_nothing_to_partition(caplog):
@@ -104,7 +104,7 @@ def test_without_tensor_parallelism_partition_activations_says_there_is_nothing_
         losses, engine = train_single({"partition_activations": True}, gradient_checkpointing=False)
     assert "tensor parallel size is 1" in caplog.text and "nothing to partition" in caplog.text
     assert losses == train_single({}, gradient_checkpointing=True)[0]
-    assert not engine.checkpoints.partition
+    assert not engine.activation_store.partition
 
 
 def test_activation_checkpointing_needs_a_model_that_supports_it():

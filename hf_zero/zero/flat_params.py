@@ -1,0 +1,152 @@
+"""Stages 0-2: every rank holds the whole parameters, in one flat buffer per param group.
+
+`FlatParams` is the parameter holder of these stages (holder.py): the buffers, cut into buckets whose
+chunk r rank r updates, the gradient reduction, and after the step the all-gather that gives every rank
+the updated chunks, bucket by bucket in place.
+
+The reduction: stages 0 and 1 keep the whole gradient (`ReplicatedGradients`, below). Each parameter's
+`.grad` is a view into one flat gradient buffer per param group, so autograd accumulates micro-batches in
+place (M_D: no per-parameter gradient tensors). Only the backward before the optimizer step reduces,
+bucket by bucket as the buckets fill, overlapping the rest of that backward: stage 0 all-reduces (plain
+data parallelism), stage 1 reduce-scatters in place, so this rank's chunk of the buffer ends up holding
+the averaged gradient of the elements it updates. Stage 2 reduce-scatters every backward into a gradient
+shard and keeps no whole gradient (stage2.py, which stage 3 shares).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from hf_zero.comm import Communicator
+from hf_zero.config import ZeroConfig
+from hf_zero.device import HOST
+from hf_zero.zero.holder import ParamHolder
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
+from hf_zero.zero.reducer import BucketKey, GradientReducer
+from hf_zero.zero.stage2 import PartitionedGradients
+
+
+class FlatParams(ParamHolder):
+    """The parameters of stages 0-2, grouped by optimizer param group, in reverse model order (backward
+    produces the last layers' gradients first, so buckets fill in turn)."""
+
+    def __init__(self, groups: list[list[tuple[str, nn.Parameter]]], stage: int, dtype: torch.dtype,
+                 comm: Communicator, config: ZeroConfig) -> None:
+        self.comm, self.replicated = comm, stage == 0
+        self.reduces_every_backward = stage == 2
+        self.allgather_bucket_size = config.allgather_bucket_size
+        self.flats = [FlatParamBuffer(list(reversed(named)), 1 if self.replicated else comm.world_size, dtype,
+                                      config.reduce_bucket_size) for named in groups]
+        self.fp32_init = None if dtype == torch.float32 else [
+            [self._read_fp32(flat, b) for b in flat.buckets] for flat in self.flats]
+        for flat in self.flats:
+            flat.pack_and_bind()
+        if stage == 2:
+            # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
+            self.grads = PartitionedGradients(self.flats, comm, config.overlap_comm,
+                                              shard_device=HOST if config.offload_optimizer != "none" else None)
+        else:
+            self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, partitioned=stage == 1)
+        self.param_chunks = [[flat.owned_chunk(b, self.shard) for b in flat.buckets] for flat in self.flats]
+
+    @property
+    def shard(self) -> int:
+        return 0 if self.replicated else self.comm.rank
+
+    def _read_fp32(self, flat: FlatParamBuffer, bucket: Any) -> torch.Tensor:
+        """This rank's chunk of a bucket, in fp32, read from the parameters before they are cast."""
+        lo, hi = bucket.owned_range(self.shard)
+        values = torch.empty(hi - lo, device=flat.data.device)
+        flat.read_params(lo, hi, values)
+        return values
+
+    def chunk_keys(self) -> list[list[BucketKey]]:
+        return [[(fi, b.index) for b in flat.buckets] for fi, flat in enumerate(self.flats)]
+
+    def after_step(self) -> None:
+        """All-gathers every bucket in place, at most allgather_bucket_size elements in flight."""
+        if self.replicated:
+            return
+        in_flight: deque[tuple[Any, int]] = deque()
+        numel_in_flight = 0
+        for flat in self.flats:
+            for b in flat.buckets:
+                work = self.comm.all_gather_(flat.data[b.start:b.end], flat.owned_chunk(b, self.shard), async_op=True)
+                in_flight.append((work, b.numel))
+                numel_in_flight += b.numel
+                while numel_in_flight > self.allgather_bucket_size and len(in_flight) > 1:
+                    done, n = in_flight.popleft()
+                    done.wait()
+                    numel_in_flight -= n
+        for work, _ in in_flight:
+            work.wait()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        yield  # every rank holds every parameter whole
+
+    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+        yield list(self.slices())
+
+    def held_bytes(self) -> int:
+        return sum(flat.data.numel() * flat.data.element_size() for flat in self.flats)
+
+    def check_bound(self) -> None:
+        moved = [name for flat in self.flats for name in flat.moved_params()]
+        if moved:
+            raise RuntimeError(
+                f"parameters {moved[:3]}{' ...' if len(moved) > 3 else ''} no longer live in the engine's flat "
+                f"buffers: model.to(...), model.half() or `param.data = ...` was called after hf_zero.initialize. "
+                f"Move or cast the model before initialize; after it, the engine owns the parameters' storage")
+
+
+class ReplicatedGradients(GradientReducer):
+    """Stages 0-1: the whole gradient in one flat buffer per param group, reduced at the step's last backward."""
+
+    def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
+                 partitioned: bool) -> None:
+        super().__init__(flat_params, comm, overlap_comm)
+        self.partitioned = partitioned
+        self.shard = comm.rank if partitioned else 0
+        self.flat_grads = [torch.zeros_like(flat.data) for flat in flat_params]
+        self.grad_views: dict[nn.Parameter, torch.Tensor] = {}
+        for flat, flat_grad in zip(flat_params, self.flat_grads):
+            for s in flat.slices:
+                self.grad_views[s.param] = flat.view_of(s, flat_grad)
+                s.param.grad = wrap_like(s.param, self.grad_views[s.param])
+
+    def accumulate(self, param: nn.Parameter) -> None:
+        view = self.grad_views[param]
+        if local(param.grad).data_ptr() != view.data_ptr():
+            # Someone replaced .grad (e.g. zero_grad(set_to_none=True)): fold it back into the buffer.
+            view.add_(local_grad(param))
+            param.grad = wrap_like(param, view)
+
+    def reduce_bucket(self, key: BucketKey):
+        fi, bi = key
+        flat, bucket = self.flat_params[fi], self.flat_params[fi].buckets[bi]
+        bucket_grad = self.flat_grads[fi][bucket.start:bucket.end]
+        bucket_grad.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
+        if self.partitioned:
+            owned = flat.owned_chunk(bucket, self.shard, self.flat_grads[fi])
+            work = self.comm.reduce_scatter_(owned, bucket_grad, async_op=True)
+        else:
+            work = self.comm.all_reduce_(bucket_grad, async_op=True)
+        return work, lambda: None
+
+    def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
+        flat = self.flat_params[fi]
+        return flat.owned_chunk(flat.buckets[bi], self.shard, self.flat_grads[fi])
+
+    def zero_grad(self) -> None:
+        for g in self.flat_grads:
+            g.zero_()
+        for param, view in self.grad_views.items():
+            param.grad = wrap_like(param, view)
+
+    def held_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.flat_grads)

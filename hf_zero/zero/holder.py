@@ -1,0 +1,92 @@
+"""The interface every stage's parameter holder gives the engine (FlatParams for stages 0-2,
+Stage3Params for stage 3), so that the engine never asks which stage it runs.
+
+A holder owns the model's trainable parameters: their flat buffers, this rank's chunks of them (what the
+optimizer updates), the gradient reduction during backward and the all-gather after the step, each
+stage's gather beside its reduce, as FSDP2's FSDPParamGroup keeps them.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, Iterator
+
+import torch
+
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice
+from hf_zero.zero.reducer import GradientReducer
+
+
+class ParamHolder(ABC):
+    # Every flat buffer, in the order the gradient reducer's bucket keys (flat index, bucket) count them.
+    flats: list[FlatParamBuffer]
+    grads: GradientReducer
+    # param_chunks[g][k]: the compute-dtype elements of chunk k of param group g that this rank updates.
+    param_chunks: list[list[torch.Tensor]]
+    # Stage 0: every rank holds and updates everything; nothing is partitioned.
+    replicated: bool
+    # Stages 0-1 keep whole gradients and reduce once per optimizer step; stages 2-3 reduce every backward.
+    reduces_every_backward: bool
+    fp32_init: list[list[torch.Tensor]] | None
+
+    def grad_chunks(self) -> list[list[torch.Tensor]]:
+        """The reduced gradient of each param chunk, same layout."""
+        return [[self.grads.owned_grad(fi, bi) for fi, bi in keys] for keys in self.chunk_keys()]
+
+    @abstractmethod
+    def chunk_keys(self) -> list[list[tuple[int, int]]]:
+        """(flat buffer, bucket) of each param chunk, same layout."""
+
+    def flats_by_group(self) -> list[list[FlatParamBuffer]]:
+        """The flat buffers of each optimizer param group."""
+        return [list({fi: self.flats[fi] for fi, _ in keys}.values()) for keys in self.chunk_keys()]
+
+    def owned_ranges(self) -> list[list[tuple[FlatParamBuffer, int, int]]]:
+        """For each param chunk, its flat buffer and the element range [lo, hi) of it, same layout."""
+        return [[(self.flats[fi], *self.flats[fi].buckets[bi].owned_range(self.shard)) for fi, bi in keys]
+                for keys in self.chunk_keys()]
+
+    @property
+    @abstractmethod
+    def shard(self) -> int:
+        """Which chunk of every bucket this rank owns."""
+
+    def take_fp32_init(self) -> list[list[torch.Tensor]] | None:
+        """The fp32 start of each param chunk (mixed precision: the masters' initial values), handed over once."""
+        fp32_init, self.fp32_init = self.fp32_init, None
+        return fp32_init
+
+    def slices(self) -> Iterator[ParamSlice]:
+        return (s for flats in self.flats_by_group() for flat in flats for s in flat.slices)
+
+    def begin_backward(self, last_micro_batch: bool) -> None:
+        self.grads.begin(reduce=self.reduces_every_backward or last_micro_batch)
+
+    def end_backward(self) -> None:
+        self.grads.finish()
+
+    @abstractmethod
+    def after_step(self) -> None:
+        """Shares the updated chunks with the other ranks (the all-gather that follows the update)."""
+
+    @abstractmethod
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Every parameter whole for the duration (read-only use: inspection, tests, export)."""
+
+    @abstractmethod
+    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+        """The parameters, whole, a group of slices at a time (stage 3: a unit), freed after each."""
+
+    @abstractmethod
+    def held_bytes(self) -> int:
+        """Parameter memory this rank holds between steps."""
+
+    def check_bound(self) -> None:
+        """Raises when the model's parameters no longer view the holder's buffers."""
+
+    def attach(self, backend: Any) -> None:
+        """Called once the update backend exists (stage 3 reads its shards from NVMe when the backend holds them)."""
+
+    def reset(self) -> None:
+        """After the masters were set from a checkpoint: free what is gathered and share the new values."""
+        self.after_step()

@@ -1,0 +1,98 @@
+"""Update backends: where the fp32 masters and optimizer states of this rank's chunks live, and the update
+that runs there. One per place: on the device (here), in host memory (hf_zero/offload/host.py), on NVMe
+(hf_zero/offload/nvme.py). `ShardedOptimizer` (optimizer.py) keeps what is the same everywhere: the
+gradient norm, clipping, the overflow check and the delayed update.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class UpdateBackend(ABC):
+    """param_chunks[g][k]: the compute-dtype tensor of chunk k of param group g that this rank updates.
+    `masters[g][k]` is what the user optimizer's param group g holds for it."""
+
+    masters: list[list[torch.Tensor]]
+    # Whether checkpoints load the optimizer state through the optimizer's own load_state_dict (in memory),
+    # or the backend took it in load_chunk (NVMe).
+    states_in_optimizer = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]]) -> None:
+        self.optimizer, self.param_chunks = optimizer, param_chunks
+
+    def _retarget(self) -> None:
+        """The user's param groups step this rank's masters from now on (their hyper-parameters stay)."""
+        for group, masters in zip(self.optimizer.param_groups, self.masters):
+            group["params"] = masters
+
+    @abstractmethod
+    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+        """Applies `coef` x the gradients to the masters; the new compute-dtype values are published next."""
+
+    def publish(self) -> None:
+        """Hands the last update's compute-dtype values to the parameter chunks."""
+
+    def chunk_state(self, g: int, k: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The fp32 master of chunk k of group g and its optimizer state."""
+        master = self.masters[g][k]
+        return master, self.optimizer.state.get(master, {})
+
+    @abstractmethod
+    def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        """Sets chunk k of group g's fp32 master and its compute-dtype copy (the state, where it lives
+        outside the optimizer)."""
+
+    def held_bytes(self) -> int:
+        """Masters kept besides the parameters, and every tensor of the optimizer's state, in memory."""
+        return sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
+                   for v in state.values() if torch.is_tensor(v))
+
+    def param_reader(self) -> Any:
+        """Where stage-3 units read their parameter chunks from instead of memory, when not from memory."""
+        return None
+
+
+class DeviceUpdate(UpdateBackend):
+    """The optimizer steps on the compute device. In fp32 the parameter chunks are the masters, updated in
+    place, with the reduced gradient chunks as their gradients. In lower precision each param group gets one
+    contiguous fp32 master shard; gradients become fp32 only for the duration of the step, as the paper's
+    12Ψ/Nd optimizer-state budget assumes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
+                 grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None) -> None:
+        super().__init__(optimizer, param_chunks)
+        self.mixed = fp32_init is not None
+        self.master_shards = [torch.cat([t.reshape(-1) for t in chunks]).float() for chunks in fp32_init or []]
+        if self.mixed:
+            self.masters = [list(torch.split(shard, [c.numel() for c in chunks]))
+                            for shard, chunks in zip(self.master_shards, param_chunks)]
+        else:
+            self.masters = param_chunks
+            for masters, grads in zip(param_chunks, grad_chunks):
+                for master, grad in zip(masters, grads):
+                    master.grad = grad
+        self._retarget()
+
+    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+        for masters, grads in zip(self.masters, grad_chunks):
+            for master, grad in zip(masters, grads):
+                if self.mixed:
+                    master.grad = grad.to(master.device, torch.float32).mul_(coef)
+                elif coef != 1.0:
+                    grad.mul_(coef)
+        self.optimizer.step()
+        if self.mixed:
+            for masters, chunks in zip(self.masters, self.param_chunks):
+                for master, chunk in zip(masters, chunks):
+                    chunk.copy_(master)
+                    master.grad = None
+
+    def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        self.masters[g][k].copy_(master)
+        self.param_chunks[g][k].copy_(master)
+
+    def held_bytes(self) -> int:
+        return super().held_bytes() + sum(s.numel() * s.element_size() for s in self.master_shards)
