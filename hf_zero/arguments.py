@@ -25,13 +25,12 @@ from hf_zero.config import ZeroConfig, ZeroConfigError, described_settings, help
 # The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
 # may not repeat them.
 TRAINER_OWNED = {s.name: s.metadata["trainer_flag"] for s in described_settings() if s.metadata["trainer_flag"]}
-# Flags of the Trainer integration that are not engine settings.
-EXTRA_FLAGS = {
-    "zero_config": ("JSON file of engine settings (hf_zero.ZeroConfig keys); flags win over it", "FILE.json",
+# Flags of the Trainer integration that are not engine settings: default, help, metavar, what it replaces.
+EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
+    "zero_config": (None, "JSON file of engine settings (hf_zero.ZeroConfig keys); flags win over it", "FILE.json",
                     "the rest of `zero_optimization`: a JSON object of `hf_zero.ZeroConfig` keys"),
-    "tensor_parallel_size": ("ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
-                             "is split over them and ZeRO runs over the remaining data-parallel dimension "
-                             "(default 1: no tensor parallelism)", "N",
+    "tensor_parallel_size": (1, "ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
+                             "is split over them and ZeRO runs over the remaining data-parallel dimension", "N",
                              "Megatron's model parallel size (`mpu`)"),
 }
 
@@ -70,9 +69,9 @@ def _post_init(self: Any) -> None:
 ZeroArgumentsMixin = make_dataclass(
     "ZeroArgumentsMixin",
     _engine_flag_fields() + [
-        ("zero_config", str | None, field(default=None, metadata={"help": EXTRA_FLAGS["zero_config"][0]})),
-        ("tensor_parallel_size", int, field(default=1, metadata={"help": EXTRA_FLAGS["tensor_parallel_size"][0]})),
-    ],
+        (name, str | None if default is None else type(default),
+         field(default=default, metadata={"help": text if default is None else f"{text} (default {default})"}))
+        for name, (default, text, _, _) in EXTRA_FLAGS.items()],
     namespace={"__post_init__": _post_init, "__module__": __name__,
                "__doc__": "The engine's settings as Trainer flags (DeepSpeed config key in brackets)."})
 
@@ -98,8 +97,8 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
 
 def readme_flag_rows() -> list[str]:
     """The rows of the README's flag table that are not engine settings (config.flag_rows has those)."""
-    return [f"| `--{name} {metavar}` | {'1' if name == 'tensor_parallel_size' else ''} | {key} | {text.split(' (')[0]} |"
-            for name, (text, metavar, key) in EXTRA_FLAGS.items()]
+    return [f"| `--{name} {metavar}` | {'' if default is None else default} | {key} | {text} |"
+            for name, (default, text, metavar, key) in EXTRA_FLAGS.items()]
 
 
 def check_tensor_parallel_flags(args: Any) -> None:

@@ -24,7 +24,8 @@ from hf_zero.config import ZeroConfigError
 # (defining module, class name) -> hf_zero's replacement, as "module:attribute".
 REPLACEMENTS = {
     ("transformers.training_args", "TrainingArguments"): "hf_zero.arguments:ZeroTrainingArguments",
-    ("transformers.training_args_seq2seq", "Seq2SeqTrainingArguments"): "hf_zero.arguments:ZeroSeq2SeqTrainingArguments",
+    ("transformers.training_args_seq2seq", "Seq2SeqTrainingArguments"):
+        "hf_zero.arguments:ZeroSeq2SeqTrainingArguments",
     ("transformers.trainer", "Trainer"): "hf_zero.trainer:ZeroTrainer",
     ("transformers.trainer_seq2seq", "Seq2SeqTrainer"): "hf_zero.trainer:ZeroSeq2SeqTrainer",
 }

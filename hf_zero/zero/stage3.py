@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from hf_zero.offload.nvme import ParamReader
 
 PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
+Chunk = tuple[torch.Tensor, "torch.Tensor | None"]  # this rank's chunk of a flat buffer, and its fp32 start
 
 
 class Unit:
@@ -155,10 +156,12 @@ class Stage3Params(ParamHolder):
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
         self.grads = Stage3Gradients(self, comm, config.overlap_comm,
                                      HOST if config.offload_optimizer != "none" else None)
-        self._allocate_shards(len(groups), dtype)
-        self.fp32_init = self._fill_shards(model, init_from) if init_from is not None else self._shard_built_units()
-        if dtype == torch.float32:
-            self.fp32_init = None
+        chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype)
+        if init_from is not None:
+            self._fill_shards(model, init_from, chunk_of)
+        else:
+            self._shard_built_units(chunk_of)
+        self.fp32_init = None if dtype == torch.float32 else fp32_chunks
         # Execution orders, recorded as units first run; prefetch follows them.
         self.forward_order: list[Unit] = []
         self.backward_order: list[Unit] = []
@@ -191,9 +194,11 @@ class Stage3Params(ParamHolder):
                 units.append(Unit(uname, modules[uname], flats, gs, self.comm, persistent=uname == PERSISTENT))
         return units
 
-    def _allocate_shards(self, num_groups: int, dtype: torch.dtype) -> None:
-        """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D), and the
-        fp32 start values of each chunk (the masters' start when computing in lower precision)."""
+    def _allocate_shards(self, num_groups: int, dtype: torch.dtype
+                         ) -> tuple[dict[int, Chunk], list[list[torch.Tensor]]]:
+        """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D), and in
+        lower precision a buffer per chunk for its fp32 start values (the masters' start). Returns where each
+        flat buffer's chunk goes, and the fp32 buffers by param group."""
         rank, device = self.comm.rank, self.flats[0].data.device
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
@@ -202,8 +207,8 @@ class Stage3Params(ParamHolder):
                              else to_host_memory(torch.zeros(n, dtype=dtype)) for n in sizes]
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
-        self.fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
-        self.chunk_of: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        chunk_of: dict[int, Chunk] = {}
         offsets = [0] * num_groups
         for fi, (flat, unit) in enumerate(zip(self.flats, self.unit_of_flat)):
             g = unit.group_of(flat)
@@ -212,30 +217,30 @@ class Stage3Params(ParamHolder):
             offsets[g] += hi - lo
             fp32 = None if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=device)
             if fp32 is not None:
-                self.fp32_chunks[g].append(fp32)
+                fp32_chunks[g].append(fp32)
             unit.shard_ids.append((g, len(self.param_chunks[g])))
             self.param_chunks[g].append(chunk)
             self.chunk_flats[g].append(fi)
             unit.shards.append(chunk)
-            self.chunk_of[id(flat)] = (chunk, fp32)
+            chunk_of[id(flat)] = (chunk, fp32)
+        return chunk_of, fp32_chunks
 
-    def _cut(self, unit: Unit) -> None:
+    def _cut(self, unit: Unit, chunk_of: dict[int, Chunk]) -> None:
         """Copies this rank's chunk of each of the unit's flat buffers into its shard (and fp32 start)."""
         for flat in unit.flats:
-            chunk, fp32 = self.chunk_of[id(flat)]
+            chunk, fp32 = chunk_of[id(flat)]
             lo, hi = flat.buckets[0].owned_range(self.comm.rank)
             flat.read_params(lo, hi, chunk if fp32 is None else fp32)
             if fp32 is not None:
                 chunk.copy_(fp32)
 
-    def _shard_built_units(self) -> list[list[torch.Tensor]]:
+    def _shard_built_units(self, chunk_of: dict[int, Chunk]) -> None:
         """A model that has its values: each unit gives this rank its chunk, then frees its buffer."""
         for unit in self.units:
-            self._cut(unit)
+            self._cut(unit, chunk_of)
             unit.adopt_params()
-        return self.fp32_chunks
 
-    def _fill_shards(self, model: nn.Module, init_from: Any) -> list[list[torch.Tensor]]:
+    def _fill_shards(self, model: nn.Module, init_from: Any, chunk_of: dict[int, Chunk]) -> None:
         """A model without values yet: one unit at a time gets memory, is filled by `init_from` (in fp32),
         gives up its chunk and is freed, so no rank holds more than its shard and one unit."""
         staging: dict[int, torch.Tensor] = {}
@@ -245,7 +250,7 @@ class Stage3Params(ParamHolder):
             return [staging[id(f)] for f in unit.flats]
 
         def close_unit(unit: Unit) -> None:
-            self._cut(unit)
+            self._cut(unit, chunk_of)
             for flat in unit.flats:
                 staged = staging.pop(id(flat))
                 if unit.persistent:  # stays gathered: its values move into its own compute-dtype buffer
@@ -256,7 +261,6 @@ class Stage3Params(ParamHolder):
             unit.free()
 
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
-        return self.fp32_chunks
 
     @property
     def shard(self) -> int:
