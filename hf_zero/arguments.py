@@ -12,15 +12,14 @@ importing the packages built on it.
 """
 from __future__ import annotations
 
-import json
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
-from pathlib import Path
 from typing import Any
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
-from hf_zero.config import ZeroConfig, ZeroConfigError, described_settings, help_of, trainer_flag
+from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, flag_rows, help_of,
+                            read_settings_file, trainer_flag)
 
 # The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
 # may not repeat them.
@@ -95,10 +94,13 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
     return config
 
 
-def readme_flag_rows() -> list[str]:
-    """The rows of the README's flag table that are not engine settings (config.flag_rows has those)."""
-    return [f"| `--{name} {metavar}` | {'' if default is None else default} | {key} | {text} |"
+def readme_flag_table() -> str:
+    """README's table of the Trainer flags: the engine settings' rows (config.flag_rows), then the rest.
+    Regenerate it with `python -c "from hf_zero.arguments import readme_flag_table; print(readme_flag_table())"`."""
+    rows = [f"| `--{name} {metavar}` | {'' if default is None else default} | {key} | {text} |"
             for name, (default, text, metavar, key) in EXTRA_FLAGS.items()]
+    return "\n".join(["| flag | default | DeepSpeed config key it replaces | what it does |", "|---|---|---|---|",
+                      *flag_rows(), *rows])
 
 
 def check_tensor_parallel_flags(args: Any) -> None:
@@ -114,15 +116,7 @@ def check_tensor_parallel_flags(args: Any) -> None:
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
-    file = Path(path)
-    if not file.is_file():
-        raise ZeroConfigError(f"--zero_config {path}: no such file")
-    try:
-        settings = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ZeroConfigError(f"--zero_config {path} is not valid JSON: {error}") from None
-    if not isinstance(settings, dict):
-        raise ZeroConfigError(f"--zero_config {path} must hold a JSON object of engine settings")
+    settings = read_settings_file(path, "--zero_config")
     known = {f.name for f in fields(ZeroConfig)} - set(TRAINER_OWNED)
     for key in settings:
         if key in TRAINER_OWNED:

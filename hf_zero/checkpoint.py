@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -43,6 +44,7 @@ from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, is_tp_replicated
 if TYPE_CHECKING:
     from hf_zero.zero.update import UpdateBackend
 
+logger = logging.getLogger("hf_zero")
 FORMAT, VERSION = "hf_zero.checkpoint", 1
 MANIFEST = "manifest.json"
 # Where a ZeroTrainer checkpoint-N folder keeps the engine checkpoint, beside the config and tokenizer.
@@ -375,15 +377,30 @@ def read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], state: dict[int, dict]) -> None:
-    """Through the optimizer's own load_state_dict, which casts and places the state as it expects."""
+    """Through the optimizer's own load_state_dict, which casts and places the state as it expects. The
+    checkpoint's hyper-parameters win, as they do in torch's load_state_dict; where they differ from the
+    optimizer's, a warning says so."""
     current = optimizer.state_dict()
-    for group, saved in zip(current["param_groups"], manifest["optimizer"]["param_groups"]):
+    for g, (group, saved) in enumerate(zip(current["param_groups"], manifest["optimizer"]["param_groups"])):
+        _warn_of_replaced_hyper_parameters(g, group, saved)
         group.update(saved)
     for entry in state.values():
         for key, value in entry.items():
             if not torch.is_tensor(value):
                 entry[key] = torch.tensor(value, dtype=torch.float32)
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def _warn_of_replaced_hyper_parameters(g: int, current: dict[str, Any], saved: dict[str, Any]) -> None:
+    """The learning rate and weight decay the script set, against the checkpoint's. With an lr scheduler
+    the groups carry `initial_lr`: the scheduled lr moves every step and the scheduler's own state restores
+    it, so the script's setting is compared as `initial_lr`."""
+    lr_key = "initial_lr" if "initial_lr" in current and "initial_lr" in saved else "lr"
+    for key in (lr_key, "weight_decay"):
+        if key in current and key in saved and current[key] != saved[key]:
+            logger.warning(f"load_checkpoint: param group {g} has {key} {current[key]} in this optimizer and "
+                           f"{saved[key]} in the checkpoint; the checkpoint's value is used (as torch's "
+                           f"Optimizer.load_state_dict does). Set it after loading to train with another.")
 
 
 def module_state_file(manifest: dict[str, Any]) -> str:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -67,6 +69,8 @@ class ZeroConfig:
     loss_scale_window: int = setting(1000, "fp16: clean steps before the dynamic scale doubles",
                                      "fp16.loss_scale_window")
     min_loss_scale: float = setting(1.0, "fp16: the dynamic scale's floor", "fp16.min_loss_scale")
+    max_skipped_steps_in_a_row: int = setting(10, "optimizer steps skipped in a row (gradients not finite) "
+                                              "before training stops with an error; 0 never stops")
     # ZeRO-Offload / ZeRO-Infinity: where this rank's optimizer states and parameter shards live.
     offload_optimizer: str = setting("none", "stages 1-3: where optimizer states live",
                                      "zero_optimization.offload_optimizer.device", OFFLOAD_DEVICES)
@@ -91,7 +95,7 @@ class ZeroConfig:
         if config is None:
             config = cls()
         elif isinstance(config, (str, Path)):
-            config = json.loads(Path(config).read_text())
+            config = read_settings_file(config, "config file")
         if isinstance(config, dict):
             known = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(config) - known)
@@ -113,36 +117,57 @@ class ZeroConfig:
         def fail(key: str, message: str) -> None:
             raise ZeroConfigError(f"{name(key)} {message}")
 
-        if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
+        self._validate_types(fail)
+        if self.zero_stage not in (0, 1, 2, 3):
             fail("zero_stage", f"must be one of 0, 1, 2, 3; got {self.zero_stage!r}")
         if self.dtype not in DTYPES:
             fail("dtype", f"must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "gradient_accumulation_steps",
                     "loss_scale_window", "nvme_tile_numel"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if value <= 0:
                 fail(key, f"must be a positive integer; got {value!r}")
-        for key in ("prefetch_bucket_size", "param_persistence_threshold", "delayed_param_update_warmup"):
+        for key in ("prefetch_bucket_size", "param_persistence_threshold", "delayed_param_update_warmup",
+                    "max_skipped_steps_in_a_row"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if value < 0:
                 fail(key, f"must be an integer >= 0; got {value!r}")
         for key in ("gradient_clipping", "loss_scale"):
             value = getattr(self, key)
-            if not isinstance(value, (int, float)) or value < 0:
+            if value < 0:
                 fail(key, f"must be a number >= 0 (0 turns it off); got {value!r}")
         if self.loss_scale > 0 and self.dtype != "fp16":
             fail("loss_scale", f"applies to fp16 only (bf16 and fp32 need no scaling); got "
                                f"{name('loss_scale')}={self.loss_scale} with {name('dtype')}={self.dtype!r}")
         if self.min_loss_scale <= 0:
             fail("min_loss_scale", f"must be > 0; got {self.min_loss_scale!r}")
-        if not isinstance(self.initial_scale_power, int) or not 0 <= self.initial_scale_power <= 64:
+        if not 0 <= self.initial_scale_power <= 64:
             fail("initial_scale_power", f"must be an integer in 0..64; got {self.initial_scale_power!r}")
-        if self.unit_module_classes is not None and (
-            not isinstance(self.unit_module_classes, (list, tuple))
-            or not all(isinstance(c, str) for c in self.unit_module_classes)
-        ):
-            fail("unit_module_classes", f"must be a list of module class names; got {self.unit_module_classes!r}")
         self._validate_offload(name, fail)
+
+    def _validate_types(self, fail: Callable[[str, str], None]) -> None:
+        """Each value has its declared type exactly: a bool is no number (True is not 1), a float no integer
+        (2.0 is no stage), and every number is finite (an infinite loss scale skips every step, a NaN one
+        or a NaN clipping threshold would compare false everywhere and silently turn the feature off)."""
+        for setting in described_settings():
+            value, kind = getattr(self, setting.name), setting.type
+            if value is None and kind.endswith("| None"):
+                continue
+            if kind.startswith("list[str]"):
+                ok, wanted = isinstance(value, (list, tuple)) and all(isinstance(c, str) for c in value), \
+                    "a list of module class names"
+            elif kind.startswith("str"):
+                ok, wanted = isinstance(value, str), "a string"
+            elif kind == "bool":
+                ok, wanted = type(value) is bool, "true or false"
+            elif kind == "int":
+                ok, wanted = type(value) is int, "an integer"
+            else:
+                ok, wanted = type(value) in (int, float) and math.isfinite(value), "a finite number"
+            if not ok:
+                choices = setting.metadata["choices"]
+                fail(setting.name, f"must be {'one of ' + ', '.join(map(str, choices)) if choices else wanted}; "
+                                   f"got {value!r}")
 
     def _validate_offload(self, name: Callable[[str], str], fail: Callable[[str, str], None]) -> None:
         for key in ("offload_optimizer", "offload_param"):
@@ -176,12 +201,33 @@ class ZeroConfig:
         return dataclasses.asdict(self)
 
 
+def read_settings_file(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """The JSON object of settings in `path`; a missing, unreadable or malformed file is refused naming it
+    (`what` says which option gave it)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ZeroConfigError(f"{what} {path}: no such file")
+    try:
+        settings = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise ZeroConfigError(f"{what} {path} cannot be read: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ZeroConfigError(f"{what} {path} is not valid JSON: {error}") from None
+    if not isinstance(settings, dict):
+        raise ZeroConfigError(f"{what} {path} must hold a JSON object of engine settings")
+    return settings
+
+
 def nvme_path_problem(path: str | os.PathLike) -> str | None:
     """What is wrong with an nvme_path, with what to do, or None: the folder must exist and be writable."""
     if not Path(path).is_dir():
         return f"{str(path)!r} does not exist or is not a folder; create it on the NVMe drive (e.g. mkdir -p {path})"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{str(path)!r} is not writable by this process; fix its permissions or choose another folder"
+    try:  # as root, access() says yes to folders the kernel still refuses (sysfs, some read-only mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=".hf_zero_probe_", dir=path))
+    except OSError as error:
+        return f"{str(path)!r}: cannot create a folder in it ({error.strerror}); choose another folder"
     return None
 
 

@@ -47,6 +47,10 @@ from hf_zero.zero.stages import check_builds_from, param_holder
 logger = logging.getLogger("hf_zero")
 
 
+class NonFiniteGradientsError(RuntimeError):
+    """Too many optimizer steps in a row had gradients that were not finite (max_skipped_steps_in_a_row)."""
+
+
 def check_model(model: nn.Module, init_from: Any) -> None:
     if isinstance(model, DistributedDataParallel):
         raise TypeError("the model is already wrapped in DistributedDataParallel; pass the bare model "
@@ -219,7 +223,7 @@ class ZeroEngine(nn.Module):
         if torch.distributed.is_initialized():
             destroy_process_group_at_exit()
         self.scaler = LossScaler(cfg)
-        self.micro_steps = self.global_steps = self.skipped_steps = 0
+        self.micro_steps = self.global_steps = self.skipped_steps = self.skipped_in_a_row = 0
         self.global_grad_norm: float | None = None
         self.last_step_skipped = False
         build_device = sync_module_states(model, self.comm, init_from)
@@ -281,10 +285,19 @@ class ZeroEngine(nn.Module):
         self.last_step_skipped = not stepped
         if stepped:
             self.params.after_step()
+            self.skipped_in_a_row = 0
         else:
             self.skipped_steps += 1
-            logger.warning("rank %d: gradient overflow, step %d skipped; loss scale is now %g",
-                           self.comm.rank, self.global_steps, self.scaler.scale)
+            self.skipped_in_a_row += 1
+            logger.warning("rank %d: %s", self.comm.rank,
+                           self.scaler.skipped_step_message(self.global_steps, self.global_grad_norm))
+            limit = self.config.max_skipped_steps_in_a_row
+            if limit and self.skipped_in_a_row >= limit:  # the norm is global: every rank stops here alike
+                raise NonFiniteGradientsError(
+                    f"{self.skipped_in_a_row} optimizer steps in a row were skipped because the gradients were not "
+                    f"finite (last global norm {self.global_grad_norm}); stopping rather than training nothing. "
+                    f"Look for inf or NaN in the loss or the data, or lower the learning rate; "
+                    f"max_skipped_steps_in_a_row sets how many skipped steps in a row are allowed (0: no limit)")
         self.params.grads.zero_grad()
         self.global_steps += 1
         self.ledger.close_step()

@@ -25,6 +25,13 @@ class LossScaler:
         self.min_scale = config.min_loss_scale
         self.clean_steps = 0
 
+    def skipped_step_message(self, step: int, norm: float) -> str:
+        """What happened when step `step` was skipped, in the terms of this precision."""
+        if self.dynamic:
+            return f"gradient overflow, step {step} skipped; loss scale is now {self.scale:g}"
+        return (f"the gradients are not finite (global norm {norm}): the loss or a gradient is inf or NaN, so step "
+                f"{step} was skipped and the parameters and optimizer states are as they were")
+
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return

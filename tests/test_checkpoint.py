@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
+import hf_zero
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import (SAVE_AT, continue_from, continue_on_this_world, new_engine, train,
                                       whole_params, world2_checkpoint_runs, world4_checkpoint_runs)
-from tests.helpers import max_diff, tiny_model
+from tests.helpers import make_optimizer, max_diff, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +166,22 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_p
     assert max_diff(whole_params(reference), whole_params(engine)) == 0
     engine.save_checkpoint(folder)  # the next save clears what the crash left
     assert not (tmp_path / "ckpt.partial").exists()
+
+
+def test_a_checkpoints_learning_rate_and_weight_decay_win_and_a_warning_says_so(one_checkpoint, caplog):
+    import logging
+
+    folder, _ = one_checkpoint
+    model = tiny_model("gpt2")
+    optimizer = make_optimizer(model, lr=5e-4)
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 1, "reduce_bucket_size": 3000})
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        engine.load_checkpoint(folder)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("param group 0 has lr 0.0005 in this optimizer and 0.001 in the checkpoint; the checkpoint's value "
+               "is used" in w for w in warnings), warnings
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-3, 1e-3]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        new_engine({"zero_stage": 1}).load_checkpoint(folder)  # the same settings: nothing to say
+    assert not [r for r in caplog.records if "load_checkpoint" in r.getMessage()]

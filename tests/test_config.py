@@ -81,3 +81,41 @@ def test_unit_classes_that_match_nothing_list_the_model_classes():
     model = tiny_model("gpt2")
     with pytest.raises(ValueError, match=r"unit_module_classes \['NoSuchBlock'\] match no module.*GPT2Block"):
         hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 3, "unit_module_classes": ["NoSuchBlock"]})
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"dtype": "fp16", "loss_scale": float("inf")}, r"loss_scale must be a finite number; got inf"),
+    ({"dtype": "fp16", "loss_scale": float("nan")}, r"loss_scale must be a finite number; got nan"),
+    ({"gradient_clipping": float("nan")}, r"gradient_clipping must be a finite number; got nan"),
+    ({"zero_stage": 2.0}, r"zero_stage must be one of 0, 1, 2, 3; got 2.0"),
+    ({"zero_stage": True}, r"zero_stage must be one of 0, 1, 2, 3; got True"),
+    ({"overlap_comm": "no"}, r"overlap_comm must be true or false; got 'no'"),
+    ({"reduce_bucket_size": 5e6}, r"reduce_bucket_size must be an integer; got 5000000.0"),
+    ({"gradient_clipping": True}, r"gradient_clipping must be a finite number; got True"),
+    ({"unit_module_classes": "GPT2Block"}, r"unit_module_classes must be a list of module class names"),
+])
+def test_types_are_checked_exactly_and_numbers_must_be_finite(settings, message):
+    with pytest.raises(ZeroConfigError, match=message):
+        ZeroConfig.from_any(settings)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"config file .*missing.json: no such file"),
+    ("{not json", r"config file .*bad.json is not valid JSON: Expecting property name"),
+    ("[1, 2]", r"config file .*list.json must hold a JSON object of engine settings"),
+])
+def test_a_missing_or_invalid_config_file_is_named(tmp_path, content, message):
+    name = {None: "missing.json", "{not json": "bad.json", "[1, 2]": "list.json"}[content]
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    with pytest.raises(ZeroConfigError, match=message):
+        ZeroConfig.from_any(str(tmp_path / name))
+
+
+def test_an_nvme_path_the_kernel_refuses_is_caught_at_config_time():
+    """As root, access() says /sys is writable; creating a folder there still fails (EPERM)."""
+    import os
+    if not (os.path.isdir("/sys") and os.access("/sys", os.W_OK | os.X_OK)):
+        pytest.skip("needs a folder that access() calls writable and the kernel refuses (/sys as root)")
+    with pytest.raises(ZeroConfigError, match=r"nvme_path '/sys': cannot create a folder in it"):
+        ZeroConfig.from_any({"zero_stage": 2, "offload_optimizer": "nvme", "nvme_path": "/sys"})

@@ -152,3 +152,32 @@ def test_moving_the_model_after_initialize_is_refused_instead_of_training_stale_
     model.to(torch.device("cpu", 0))
     with pytest.raises(RuntimeError, match=r"no longer live in the engine's flat buffers: model.to\(...\)"):
         engine.backward(engine(**batch("gpt2", 0, 4)).loss)
+
+
+def test_non_finite_gradients_skip_the_step_in_plain_words_and_training_stops_after_the_limit(caplog):
+    """fp32: a NaN loss skips the step (no loss-scale wording: there is no loss scale), a finite step resets
+    the count, and max_skipped_steps_in_a_row skipped steps in a row stop training with an error."""
+    import logging
+
+    from hf_zero.engine import NonFiniteGradientsError
+
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2, "max_skipped_steps_in_a_row": 3})
+
+    def step(poisoned: bool, number: int) -> None:
+        loss = engine(**batch("gpt2", number, 4)).loss
+        engine.backward(loss * float("nan") if poisoned else loss)
+        engine.step()
+
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        for number, poisoned in enumerate([True, True, False, True, True]):
+            step(poisoned, number)
+        assert engine.skipped_steps == 4
+        before = named_copy(model)
+        with pytest.raises(NonFiniteGradientsError, match=r"3 optimizer steps in a row were skipped because the "
+                                                          r"gradients were not finite.*max_skipped_steps_in_a_row"):
+            step(True, 5)
+    assert max_diff(named_copy(model), before) == 0.0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 5
+    assert all("the gradients are not finite" in w and "loss scale" not in w for w in warnings)
