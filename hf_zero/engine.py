@@ -232,7 +232,6 @@ class ZeroEngine(nn.Module):
         self.sharded_optimizer = apply_optimizer(optimizer, self.params, cfg, self.comm, self.scaler, self.tp_comm)
         self.activation_store = apply_activation_checkpointing(model, cfg, self.tp_comm)
         self._update_state_bytes()
-        logger.info(self.ledger.report(self.comm.rank))
 
     # ---- training ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -302,6 +301,8 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         self.ledger.close_step()
         self._update_state_bytes()
+        if self.global_steps == 1:  # the first step is when gradients, optimizer states and traffic exist
+            logger.info(self.ledger.report(self.comm.rank))
 
     def finish_pending_update(self) -> None:
         """With delayed_param_update: waits for the update still running on the host and gives its

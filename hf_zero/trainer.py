@@ -133,8 +133,14 @@ class ZeroTrainerMixin:
             # prepare_model (run by evaluate) would otherwise call model.to(device), which copies
             # parameters out of the engine's buffers when the device is spelled differently (cpu:0).
             self.model._is_accelerate_prepared = True
-            logger.info(self.engine.ledger.report(self.engine.comm.rank))
         return self.optimizer
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """With --log_level info, every logging step also says what this rank holds and sent in the last step
+        (--log_level_replica info for the other ranks)."""
+        super().log(logs, start_time)
+        if self.engine is not None and self.engine.global_steps > 0:
+            logger.info(self.engine.ledger.report(self.engine.comm.rank))
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         return self.engine if training else self.model

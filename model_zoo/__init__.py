@@ -117,8 +117,13 @@ def build(name: str, **overrides: Any) -> PreTrainedModel:
         from transformers import BertModel
 
         return BertModel.from_pretrained(_minilm_path(), **overrides)
-    model_class = GPT2LMHeadModel if entry(name).family == "gpt2" else BertForMaskedLM
-    return model_class(config(name, **overrides))
+    if entry(name).family == "bert":
+        return BertForMaskedLM(config(name, **overrides))
+    model = GPT2LMHeadModel(config(name, **overrides))
+    # transformers finds the loss from the class name, which for GPT2LMHeadModel names none, and then warns on
+    # every rank that it falls back to the causal-LM loss: the loss this model computes, named here.
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def parameter_count(name: str, **overrides: Any) -> int:

@@ -181,3 +181,19 @@ def test_non_finite_gradients_skip_the_step_in_plain_words_and_training_stops_af
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 5
     assert all("the gradients are not finite" in w and "loss scale" not in w for w in warnings)
+
+
+def test_what_each_rank_holds_is_logged_after_the_first_step_not_before_it(caplog):
+    """Before the first step no gradient or optimizer state exists yet: a report then would read zeros."""
+    import logging
+
+    model = tiny_model("gpt2")
+    with caplog.at_level(logging.INFO, logger="hf_zero"):
+        engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2})
+        assert not [r for r in caplog.records if " holds " in r.getMessage()]
+        for step in range(2):
+            engine.backward(engine(**batch("gpt2", step, 4)).loss)
+            engine.step()
+    reports = [r.getMessage() for r in caplog.records if " holds " in r.getMessage()]
+    assert len(reports) == 1, "once, after the first step"
+    assert "gradients 0.00 MiB" not in reports[0] and "optimizer_states 0.00 MiB" not in reports[0], reports[0]

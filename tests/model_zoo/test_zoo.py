@@ -49,3 +49,24 @@ def test_minilm_is_the_pretrained_model_from_its_package():
 def test_an_unknown_name_lists_the_known_ones():
     with pytest.raises(KeyError, match="unknown model 'gpt3'; the zoo has: all-minilm-l6-v2, bert-base"):
         model_zoo.config("gpt3")
+
+
+def test_a_zoo_gpt2_computes_its_loss_without_transformers_warning_that_it_guessed_it(caplog):
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    model = model_zoo.build("gpt2-tiny")
+    ids = torch.randint(0, 256, (2, 8))
+    hf_logging.warning_once.cache_clear()  # warned once per process: an earlier test may have used it up
+    verbosity = hf_logging.get_verbosity()  # the test helpers silence transformers' warnings
+    hf_logging.set_verbosity_warning()
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            loss = model(input_ids=ids, labels=ids).loss
+    finally:
+        hf_logging.disable_propagation()
+        hf_logging.set_verbosity(verbosity)
+    assert torch.isfinite(loss)
+    assert not [r for r in caplog.records if "loss_type" in r.getMessage()]
