@@ -24,6 +24,9 @@ from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, fla
 # The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
 # may not repeat them.
 TRAINER_OWNED = {s.name: s.metadata["trainer_flag"] for s in described_settings() if s.metadata["trainer_flag"]}
+# Every other engine setting is a --zero_* flag: the flag's field name -> the setting.
+ENGINE_FLAGS = {trainer_flag(s.name).removeprefix("--"): s.name for s in described_settings()
+                if s.name not in TRAINER_OWNED}
 # Flags of the Trainer integration that are not engine settings: default, help, metavar, what it replaces.
 EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
     "zero_config": (None, "JSON file of engine settings (hf_zero.ZeroConfig keys); flags win over it", "FILE.json",
@@ -34,21 +37,21 @@ EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
 }
 
 
-def _flag_field(setting: Any, hint: Any) -> tuple[str, Any, Any]:
+def _flag_field(name: str, setting: Any, hint: Any) -> tuple[str, Any, Any]:
     """The --zero_* dataclass field for an engine setting: optional, None when not given."""
     metadata: dict[str, Any] = {"help": help_of(setting)}
     if setting.metadata["choices"]:
         metadata["choices"] = list(setting.metadata["choices"])
     if hint is bool:  # given bare (--zero_cpu_checkpointing) or with a value, as the Trainer's switches are
         metadata.update(nargs="?", const=True)
-    name = setting.name if setting.name.startswith("zero_") else f"zero_{setting.name}"
     optional = hint if type(None) in typing.get_args(hint) else hint | None
     return name, optional, field(default=None, metadata=metadata)
 
 
 def _engine_flag_fields() -> list[tuple[str, Any, Any]]:
     hints = typing.get_type_hints(ZeroConfig)
-    return [_flag_field(s, hints[s.name]) for s in described_settings() if s.name not in TRAINER_OWNED]
+    settings = {s.name: s for s in described_settings()}
+    return [_flag_field(flag, settings[key], hints[key]) for flag, key in ENGINE_FLAGS.items()]
 
 
 def _post_init(self: Any) -> None:
@@ -80,10 +83,9 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
     settings: dict[str, Any] = {}
     if args.zero_config:
         settings = _read_config_file(args.zero_config)
-    for f in fields(ZeroArgumentsMixin):
-        value = getattr(args, f.name)
-        if f.name not in EXTRA_FLAGS and value is not None:
-            settings[f.name if f.name == "zero_stage" else f.name.removeprefix("zero_")] = value
+    for flag, key in ENGINE_FLAGS.items():
+        if getattr(args, flag) is not None:
+            settings[key] = getattr(args, flag)
     # The Trainer scales each micro-batch's loss for accumulation and decides where each window
     # ends (the last one of an epoch may be short), so the engine reduces when told and does not
     # divide the loss again.

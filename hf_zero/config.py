@@ -89,6 +89,7 @@ class ZeroConfig:
                                           "parallel group", "activation_checkpointing.partition_activations")
     cpu_checkpointing: bool = setting(False, "ZeRO-R P_a+cpu: keep activation checkpoints in host memory",
                                       "activation_checkpointing.cpu_checkpointing")
+
     @classmethod
     def from_any(cls, config: "ZeroConfig | dict[str, Any] | str | Path | None") -> "ZeroConfig":
         """Builds a validated config from a ZeroConfig, a dict, or a JSON file path."""
@@ -244,7 +245,6 @@ def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str
     return None
 
 
-
 def described_settings() -> list[dataclasses.Field]:
     """Every ZeroConfig field, in declaration order, with its metadata (help, deepspeed, choices, trainer_flag)."""
     return list(dataclasses.fields(ZeroConfig))
@@ -270,9 +270,9 @@ def _show(value: Any) -> str:
 def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None = None) -> None:
     """Adds `--NAME` options for these engine settings to an argparse parser, with their declared help,
     choices and defaults (`defaults` overrides some, for a front end whose workload needs other values)."""
-    hints = {s.name: s for s in described_settings()}
+    by_name = {s.name: s for s in described_settings()}
     for name in names:
-        s = hints[name]
+        s = by_name[name]
         default = (defaults or {}).get(name, s.default)
         if s.type == "bool":
             parser.add_argument(f"--{name}", action="store_true", default=default, help=help_of(s, default))

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hf_zero import checkpoint, export
 from hf_zero.comm import Communicator, Ledger
+from hf_zero.comm import rank as global_rank
 from hf_zero.config import ZeroConfig
 from hf_zero.launch import destroy_process_group_at_exit
 from hf_zero.offload.delayed import DelayedUpdate
@@ -155,9 +156,8 @@ def apply_partitioning(model: nn.Module, groups: list[list[tuple[str, nn.Paramet
 @torch.no_grad()
 def apply_precision(model: nn.Module, params: ParamHolder, dtype: torch.dtype) -> None:
     """4. Frozen parameters and floating buffers follow the compute dtype, as model.to(dtype) would."""
-    managed = {id(s.param) for s in params.slices()}
     for p in model.parameters():
-        if id(p) not in managed and p.is_floating_point():
+        if id(p) not in params.managed and p.is_floating_point():
             p.data = p.data.to(dtype)
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
@@ -171,7 +171,7 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, params: ParamHolder, confi
     states live; stage 3 with parameters on NVMe reads its shards from that backend from now on."""
     grad_chunks = params.grad_chunks()
     backend = update_backend(optimizer, params.param_chunks, grad_chunks, params.take_fp32_init(), config,
-                             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+                             global_rank())
     params.attach(backend)
     delayed = DelayedUpdate(config.delayed_param_update_warmup) if config.delayed_param_update else None
     tp_replicated = tp_replicated_ranges(params) if tp_comm is not None else None
@@ -351,7 +351,7 @@ class ZeroEngine(nn.Module):
         than its shard and one unit. Every rank calls it; the one with `write` writes."""
         self.finish_pending_update()
         weights = export.weights_to_save(self.module)
-        managed = {id(s.param): s for s in self.params.slices()}
+        managed = self.params.managed
         save_name = {id(t): name for name, t in weights.items()}
         planned = {name: export.meta_like(managed[id(t)].shape if id(t) in managed else t.shape, t.dtype)
                    for name, t in weights.items()}
@@ -402,8 +402,8 @@ class ZeroEngine(nn.Module):
 
     # ---- accounting --------------------------------------------------------------------------
     def _update_state_bytes(self) -> None:
-        managed = {id(s.param) for s in self.params.slices()}
-        unmanaged = sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in managed)
+        unmanaged = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                        if id(p) not in self.params.managed)
         self.ledger.state_bytes = {
             "parameters": self.params.held_bytes() + unmanaged,
             "gradients": self.params.grads.held_bytes(),

@@ -10,7 +10,6 @@ on the host masters.
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -76,10 +75,7 @@ class HostUpdate(UpdateBackend):
         super().__init__(optimizer, param_chunks)
         adamw_mode = adamw_mode_of(optimizer)
         self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
-        self.master_shards = [to_host_memory(torch.cat([t.reshape(-1) for t in chunks]).float())
-                              for chunks in (fp32_init or param_chunks)]
-        self.masters = [list(torch.split(shard, [c.numel() for c in chunks]))
-                        for shard, chunks in zip(self.master_shards, param_chunks)]
+        self.masters = self._own_masters(fp32_init or param_chunks, to_host_memory)
         self.outs = staged_outputs(param_chunks, staged)
         self._retarget()
 
@@ -99,10 +95,3 @@ class HostUpdate(UpdateBackend):
 
     def publish(self) -> None:
         publish_outputs(self.outs, self.param_chunks)
-
-    def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
-        self.masters[g][k].copy_(master)
-        self.param_chunks[g][k].copy_(master)
-
-    def held_bytes(self) -> int:
-        return super().held_bytes() + sum(s.numel() * s.element_size() for s in self.master_shards)

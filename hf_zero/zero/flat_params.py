@@ -25,7 +25,7 @@ from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST
 from hf_zero.zero.holder import ParamHolder
-from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
+from hf_zero.zero.partition import Bucket, FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
 from hf_zero.zero.reducer import BucketKey, GradientReducer
 from hf_zero.zero.stage2 import PartitionedGradients
 
@@ -57,7 +57,7 @@ class FlatParams(ParamHolder):
     def shard(self) -> int:
         return 0 if self.replicated else self.comm.rank
 
-    def _read_fp32(self, flat: FlatParamBuffer, bucket: Any) -> torch.Tensor:
+    def _read_fp32(self, flat: FlatParamBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's chunk of a bucket, in fp32, read from the parameters before they are cast."""
         lo, hi = bucket.owned_range(self.shard)
         values = torch.empty(hi - lo, device=flat.data.device)

@@ -8,6 +8,7 @@ stage's gather beside its reduce, as FSDP2's FSDPParamGroup keeps them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from typing import Any, Iterator
 
@@ -57,7 +58,13 @@ class ParamHolder(ABC):
         return fp32_init
 
     def slices(self) -> Iterator[ParamSlice]:
-        return (s for flats in self.flats_by_group() for flat in flats for s in flat.slices)
+        return (s for flat in self.flats for s in flat.slices)
+
+    @functools.cached_property
+    def managed(self) -> dict[int, ParamSlice]:
+        """The slice of every parameter the holder owns, by the parameter's id (the rest of the model, frozen
+        parameters and buffers, stays as it is on every rank)."""
+        return {id(s.param): s for s in self.slices()}
 
     def begin_backward(self, last_micro_batch: bool) -> None:
         self.grads.begin(reduce=self.reduces_every_backward or last_micro_batch)

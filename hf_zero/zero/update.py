@@ -6,7 +6,7 @@ gradient norm, clipping, the overflow check and the delayed update.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +22,15 @@ class UpdateBackend(ABC):
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]]) -> None:
         self.optimizer, self.param_chunks = optimizer, param_chunks
+        self.master_shards: list[torch.Tensor] = []  # fp32 masters kept apart from the parameters, if any
+
+    def _own_masters(self, values: list[list[torch.Tensor]],
+                     place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list[list[torch.Tensor]]:
+        """One contiguous fp32 master shard per param group (M_D), filled from `values` and put where `place`
+        puts it; returns its chunks, cut as the parameter chunks are."""
+        self.master_shards = [place(torch.cat([t.reshape(-1) for t in chunks]).float()) for chunks in values]
+        return [list(torch.split(shard, [c.numel() for c in chunks]))
+                for shard, chunks in zip(self.master_shards, self.param_chunks)]
 
     def _retarget(self) -> None:
         """The user's param groups step this rank's masters from now on (their hyper-parameters stay)."""
@@ -40,15 +49,17 @@ class UpdateBackend(ABC):
         master = self.masters[g][k]
         return master, self.optimizer.state.get(master, {})
 
-    @abstractmethod
     def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
-        """Sets chunk k of group g's fp32 master and its compute-dtype copy (the state, where it lives
-        outside the optimizer)."""
+        """Sets chunk k of group g's fp32 master and its compute-dtype copy; the state goes through the
+        optimizer's own load_state_dict (a backend keeping it elsewhere takes it here)."""
+        self.masters[g][k].copy_(master)
+        self.param_chunks[g][k].copy_(master)
 
     def held_bytes(self) -> int:
         """Masters kept besides the parameters, and every tensor of the optimizer's state, in memory."""
-        return sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
-                   for v in state.values() if torch.is_tensor(v))
+        return sum(s.numel() * s.element_size() for s in self.master_shards) + sum(
+            v.numel() * v.element_size() for state in self.optimizer.state.values()
+            for v in state.values() if torch.is_tensor(v))
 
     def param_reader(self) -> Any:
         """Where stage-3 units read their parameter chunks from instead of memory, when not from memory."""
@@ -65,10 +76,8 @@ class DeviceUpdate(UpdateBackend):
                  grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None) -> None:
         super().__init__(optimizer, param_chunks)
         self.mixed = fp32_init is not None
-        self.master_shards = [torch.cat([t.reshape(-1) for t in chunks]).float() for chunks in fp32_init or []]
         if self.mixed:
-            self.masters = [list(torch.split(shard, [c.numel() for c in chunks]))
-                            for shard, chunks in zip(self.master_shards, param_chunks)]
+            self.masters = self._own_masters(fp32_init)
         else:
             self.masters = param_chunks
             for masters, grads in zip(param_chunks, grad_chunks):
@@ -89,10 +98,3 @@ class DeviceUpdate(UpdateBackend):
                 for master, chunk in zip(masters, chunks):
                     chunk.copy_(master)
                     master.grad = None
-
-    def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
-        self.masters[g][k].copy_(master)
-        self.param_chunks[g][k].copy_(master)
-
-    def held_bytes(self) -> int:
-        return super().held_bytes() + sum(s.numel() * s.element_size() for s in self.master_shards)
