@@ -144,7 +144,19 @@ def is_elementwise(value: Any, master: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel()
 
 
-def _sha256(path: Path) -> str:
+def _umask() -> int:
+    """The process's umask, which new files get their permissions from. Linux shows it in /proc; elsewhere
+    setting it is the only way to read it (and sets it back)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -153,26 +165,81 @@ def _sha256(path: Path) -> str:
 
 
 # ---- save ------------------------------------------------------------------------------------
+# A checkpoint folder is complete when its manifest is there: the manifest is written last, through a
+# temporary file and a rename. A save writes `<dir>.partial`, then moves `<dir>` to `<dir>.old`, the
+# partial folder to `<dir>`, and removes `<dir>.old`. A crash between any two of these leaves at least
+# one complete folder; `settle` finishes the interrupted save (it was complete) or drops its partial
+# folder (it was not), and loading reads the same folder settling would keep.
+def save_folders(final: Path) -> tuple[Path, Path]:
+    """Where a save of `final` writes its files, and where it moves the previous checkpoint meanwhile."""
+    return final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
+
+
+def newest_complete(final: Path) -> Path | None:
+    """The folder holding the newest complete checkpoint saved as `final`, whatever point an interrupted
+    save stopped at: a complete `.partial` is newer than `final`, which is newer than `.old`."""
+    partial, old = save_folders(final)
+    return next((f for f in (partial, final, old) if is_complete(f)), None)
+
+
+def settle(final: Path) -> None:
+    """Leaves `final` the newest complete checkpoint and nothing beside it, finishing or undoing an
+    interrupted save. Each move is one a save makes, in the same order, so a crash in here is one too."""
+    partial, old = save_folders(final)
+    if not is_complete(partial):
+        _remove(partial)  # an interrupted save's files, never a checkpoint
+        if not final.exists() and is_complete(old):
+            _rename(old, final)
+    if is_complete(partial):
+        _swap_in(partial, final)
+    _remove(old)
+
+
+def _swap_in(partial: Path, final: Path) -> None:
+    _, old = save_folders(final)
+    if final.exists():
+        if old.exists():  # a copy as old as `final` or older: `final` stays in place meanwhile
+            _remove(old)
+        _rename(final, old)
+    _rename(partial, final)
+    _remove(old)
+
+
+# Every change a save makes to the folders goes through these two, so the tests can stop it at each.
+def _rename(source: Path, target: Path) -> None:
+    source.rename(target)  # atomic, and replaces a file in the way
+
+
+def _remove(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
          module: nn.Module, training_state: dict[str, Any], client_state: Any = None) -> Path:
     """Every rank of `comm` (all ranks holding part of the model's state) writes its partition, rank 0 the
     manifest; `training_state` (step counters, loss scale) goes into the manifest as it is."""
     final = Path(directory)
-    partial = final.with_name(final.name + ".partial")
+    partial, _ = save_folders(final)
     _check_module_state_is_whole(layout)
 
     def fresh_partial() -> None:
-        # Rank 0 alone clears and creates it, and the others wait for that (agree gathers): a rank
+        # Rank 0 alone settles and creates it, and the others wait for that (agree gathers): a rank
         # creating it while rank 0 removes an interrupted save's folder would lose its files or fail.
         if comm.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save: never a checkpoint
+            settle(final)
             partial.mkdir(parents=True)
 
     def commit(shards: list[dict[str, Any] | None]) -> None:
         if comm.rank == 0:
             write_model_files(module, partial)
-            (partial / MANIFEST).write_text(json.dumps(_manifest(layout, backend, comm, training_state, shards,
-                                                                 client_state), indent=1))
+            manifest = _manifest(layout, backend, comm, training_state, shards, client_state)
+            written = partial / (MANIFEST + ".tmp")
+            written.write_text(json.dumps(manifest, indent=1))
+            _rename(written, partial / MANIFEST)  # from here on the new checkpoint is complete
             _swap_in(partial, final)
 
     try:
@@ -181,8 +248,8 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
                             CheckpointError)
         comm.agree(lambda: commit(shards), f"committing {final}", CheckpointError)
     except CheckpointError:
-        if comm.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+        if comm.rank == 0 and not is_complete(partial):
+            _remove(partial)
         raise
     return final
 
@@ -225,7 +292,8 @@ def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicat
             tensors[f"module/{name}"] = local(tensor.detach()).clone()
     file = folder / f"rank{comm.rank:05d}-of-{comm.world_size:05d}.safetensors"
     save_file(tensors, str(file))
-    return {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file), "pieces": listed,
+    file.chmod(0o666 & ~_umask())  # safetensors creates it 0600; other accounts read it like the manifest
+    return {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256(file), "pieces": listed,
             "optimizer_state": {"scalars": scalars, "elementwise": sorted(elementwise)}}
 
 
@@ -247,23 +315,13 @@ def _manifest(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
     }
 
 
-def _swap_in(partial: Path, final: Path) -> None:
-    """Puts the new folder in place; the old one is removed only once the new one is in place."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    partial.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 # ---- load ------------------------------------------------------------------------------------
 def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend",
          comm: Communicator) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Sets the backend's masters and optimizer state from a checkpoint saved at any data-parallel size and
     stage; returns the manifest (training state, client_state) and the module state for the caller to restore.
     Nothing changes unless every rank's checks passed."""
-    folder = Path(directory)
+    folder = readable_folder(Path(directory), comm.rank == 0)
     manifest = read_manifest(folder)
     _check_tensor_parallel_size(layout, manifest, folder)
     _check_model(layout, backend, manifest, folder)
@@ -299,13 +357,22 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     return manifest, module_state
 
 
+def readable_folder(final: Path, report: bool = True) -> Path:
+    """The folder to load for a checkpoint saved as `final`: `final`, or where an interrupted save left the
+    newest complete one (the one the next save puts in place)."""
+    found = newest_complete(final)
+    if found is None or found == final:
+        return final
+    if report:
+        logger.warning(f"{final}: a save was interrupted; loading the newest complete checkpoint, {found} (the next "
+                       f"save to {final} puts it in place first)")
+    return found
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
-        hint = ""
-        if folder.with_name(folder.name + ".old").is_dir():
-            hint = f"; an interrupted save left the previous checkpoint at {folder.name}.old"
-        raise CheckpointError(f"{path}: no checkpoint manifest here{hint}")
+        raise CheckpointError(f"{path}: no checkpoint manifest here")
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -348,7 +415,7 @@ def check_files(shards: list[dict[str, Any]], folder: Path) -> None:
         if path.stat().st_size != shard["bytes"]:
             raise CheckpointError(f"{path} is {path.stat().st_size} bytes, the manifest says {shard['bytes']}: "
                                   f"the file is truncated or was replaced")
-        if _sha256(path) != shard["sha256"]:
+        if sha256(path) != shard["sha256"]:
             raise CheckpointError(f"{path} does not match its SHA-256 in the manifest: the file is corrupted")
 
 

@@ -74,10 +74,14 @@ def _consolidate(argv: list[str]) -> int:
                         help="dtype of the written weights, cast from the fp32 masters (default fp32)")
     parser.add_argument("--max-shard-size", type=_typed(_shard_size), default="5GB",
                         help="largest weight file (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace whatever output_dir holds (by default it must be empty, absent or an earlier "
+                             "consolidation of the same checkpoint)")
     parser.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
     args = parser.parse_args(argv)
-    report = consolidate.consolidate(args.checkpoint_dir, args.output_dir, args.dtype, args.max_shard_size)
+    report = consolidate.consolidate(args.checkpoint_dir, args.output_dir, args.dtype, args.max_shard_size,
+                                     overwrite=args.overwrite)
     print(f"{args.output_dir}: {report.summary()}")
     if args.push_to_hub:
         print(f"pushed: {consolidate.push_to_hub(args.output_dir, args.push_to_hub, private=args.private or None)}")

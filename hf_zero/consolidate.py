@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,9 @@ def find_engine_checkpoint(folder: str | os.PathLike) -> Path:
     """The folder holding manifest.json: `folder` itself, or the engine part of a Trainer checkpoint."""
     folder = Path(folder)
     for candidate in (folder, folder / checkpoint.TRAINER_SUBFOLDER):
-        if (candidate / checkpoint.MANIFEST).is_file():
-            return candidate
+        found = checkpoint.readable_folder(candidate)
+        if checkpoint.is_complete(found):
+            return found
     raise checkpoint.CheckpointError(
         f"{folder} is not an hf_zero checkpoint: neither it nor {folder / checkpoint.TRAINER_SUBFOLDER} holds a "
         f"{checkpoint.MANIFEST} (engine.save_checkpoint or a ZeroTrainer checkpoint-N folder)")
@@ -56,13 +58,20 @@ class ConsolidationReport:
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: str = "fp32",
-                max_shard_size: int | str = "5GB", progress: bool = True) -> ConsolidationReport:
+                max_shard_size: int | str = "5GB", progress: bool = True, overwrite: bool = False
+                ) -> ConsolidationReport:
     """Writes the checkpoint's weights (fp32 masters, cast to `dtype`), config, generation config and
-    tokenizer as a transformers folder."""
+    tokenizer as a transformers folder. `output_dir` must be empty, absent or an earlier consolidation of
+    the same checkpoint; with `overwrite`, whatever it holds is replaced. Nothing in it changes until
+    every file is written."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     source = find_engine_checkpoint(checkpoint_dir)
     manifest = checkpoint.read_manifest(source)
+    output = Path(output_dir)
+    provenance = {"checkpoint": str(source.resolve()), "manifest_sha256": checkpoint.sha256(source / checkpoint.MANIFEST),
+                  "step": manifest.get("global_steps"), "dtype": dtype}
+    _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
     index = checkpoint.index_pieces(manifest)
     out_dtype = DTYPES[dtype]
@@ -77,19 +86,83 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
             shape, stored_dtype = module_meta[key]
             stored = TORCH_DTYPES[stored_dtype]
             planned[name] = meta_like(shape, out_dtype if stored.is_floating_point else stored)
-    output = Path(output_dir)
     rss_before = psutil.Process().memory_info().rss
     reset_peak_rss()
-    writer = ShardedWeightsWriter(output, planned, max_shard_size)
+    staging = _staging_folder(output)
     try:
-        for name, key in tqdm(manifest["weights"], desc="Consolidating", unit="tensor", disable=not progress):
-            writer.write(name, _read_tensor(source, manifest, index, key))
-        written = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
+        writer = ShardedWeightsWriter(staging, planned, max_shard_size)
+        try:
+            for name, key in tqdm(manifest["weights"], desc="Consolidating", unit="tensor", disable=not progress):
+                writer.write(name, _read_tensor(source, manifest, index, key))
+            written = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        written += _copy_model_files(source, staging, dtype)
+        (staging / PROVENANCE).write_text(json.dumps({**provenance, "files": written}, indent=1) + "\n")
+        _move_into_place(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     weight_bytes = sum(t.numel() * t.element_size() for t in planned.values())
-    return ConsolidationReport(written + _copy_model_files(source, output, dtype), weight_bytes, rss_before, peak_rss())
+    return ConsolidationReport(written, weight_bytes, rss_before, peak_rss())
+
+
+# Written last into a consolidated folder: which checkpoint it came from and the files it wrote, so that
+# consolidating the same checkpoint again may replace them and nothing else is ever replaced unasked.
+PROVENANCE = "hf_zero_consolidation.json"
+# Inside the output folder while consolidating: the new files, then the replaced ones until they are removed.
+STAGING_PREFIX = ".hf_zero_consolidating-"
+
+
+def _check_output_folder(given: Path, source: Path, output: Path, provenance: dict, overwrite: bool) -> None:
+    out = output.resolve()
+    for folder in {given.resolve(), source.resolve()}:
+        if out == folder or folder in out.parents or out in folder.parents:
+            raise checkpoint.CheckpointError(
+                f"output folder {output} is the checkpoint {given}, inside it, or holds it: writing there would "
+                f"replace checkpoint files; choose another output folder")
+    if output.exists() and not output.is_dir():
+        raise checkpoint.CheckpointError(f"output folder {output} exists and is not a folder")
+    present = sorted(p.name for p in output.iterdir() if not p.name.startswith(STAGING_PREFIX)) \
+        if output.is_dir() else []
+    if not present or overwrite:
+        return
+    earlier = _read_provenance(output)
+    if earlier is not None and earlier.get("manifest_sha256") == provenance["manifest_sha256"] \
+            and set(present) <= {*earlier.get("files", []), PROVENANCE}:
+        return  # an earlier consolidation of this same checkpoint, and nothing added to it
+    what = "a consolidation of another checkpoint" if earlier is not None else "files of its own"
+    listed = ", ".join(present[:5]) + (f" and {len(present) - 5} more" if len(present) > 5 else "")
+    raise checkpoint.CheckpointError(
+        f"output folder {output} is not empty and holds {what} ({listed}); choose an empty folder, or pass "
+        f"--overwrite to replace everything in it")
+
+
+def _read_provenance(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / PROVENANCE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _staging_folder(output: Path) -> Path:
+    """A new folder inside `output` (created if needed), so the final moves stay on its file system."""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=output, prefix=STAGING_PREFIX))
+    except OSError as e:
+        raise checkpoint.CheckpointError(f"cannot write to output folder {output}: {e.strerror}") from None
+
+
+def _move_into_place(staging: Path, output: Path) -> None:
+    """Moves every file `output` held aside, the staged ones in, then removes the ones moved aside."""
+    replaced = Path(tempfile.mkdtemp(dir=output, prefix=STAGING_PREFIX))
+    for entry in output.iterdir():
+        if not entry.name.startswith(STAGING_PREFIX):
+            entry.rename(replaced / entry.name)
+    for entry in staging.iterdir():
+        entry.rename(output / entry.name)
+    shutil.rmtree(replaced)
 
 
 def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.Tensor:
@@ -122,7 +195,8 @@ def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str
 def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
     """config.json (with the output dtype), generation_config.json and the tokenizer, found in the
     checkpoint folder or, for a Trainer checkpoint, the checkpoint-N folder around it."""
-    folders = [source, source.parent] if source.name == checkpoint.TRAINER_SUBFOLDER else [source]
+    # (as `zero_checkpoint.partial` too, where an interrupted save left the newest complete one)
+    folders = [source, source.parent] if source.name.split(".")[0] == checkpoint.TRAINER_SUBFOLDER else [source]
     config_from = next((f for f in folders if (f / "config.json").is_file()), None)
     if config_from is None:
         raise checkpoint.CheckpointError(

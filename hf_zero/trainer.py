@@ -25,6 +25,8 @@ tensors) and takes every weight from the engine checkpoint.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -34,9 +36,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import Seq2SeqTrainer, Trainer
-from transformers.trainer import SCHEDULER_NAME, logger
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, logger
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_zero.checkpoint import TRAINER_SUBFOLDER
+from hf_zero.checkpoint import TRAINER_SUBFOLDER, newest_complete
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
@@ -65,6 +68,22 @@ class ZeroOptimizer(AcceleratedOptimizer):
     def step_was_skipped(self) -> bool:
         """True after an fp16 overflow; the Trainer then leaves the lr schedule where it is."""
         return self.engine.last_step_skipped
+
+
+def last_complete_checkpoint(output_dir: str, save_only_model: bool = False) -> str:
+    """The newest checkpoint-N the Trainer finished writing. transformers takes the highest N, which after a
+    crash in the middle of a save is a folder that cannot be resumed while the one before it can. The
+    trainer state is written last; without --save_only_model the engine checkpoint must be complete too."""
+    candidates = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
+                        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name))
+                        and os.path.isdir(os.path.join(output_dir, name)))
+    for _, name in reversed(candidates):
+        folder = Path(output_dir, name)
+        if (folder / TRAINER_STATE_NAME).is_file() and (
+                save_only_model or newest_complete(folder / TRAINER_SUBFOLDER) is not None):
+            return str(folder)
+        logger.warning(f"{folder} is incomplete (a save was interrupted); resuming from an earlier checkpoint")
+    raise ValueError(f"no complete checkpoint in {output_dir} to resume from")
 
 
 class ZeroTrainerMixin:
@@ -114,6 +133,11 @@ class ZeroTrainerMixin:
                 self.accelerator.gather = gather_every_copy
 
         return gather_once
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, self.args.save_only_model)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

