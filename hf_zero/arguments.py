@@ -16,9 +16,9 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
-from transformers import Seq2SeqTrainingArguments, TrainingArguments
+from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 
-from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, flag_rows, help_of,
+from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
                             read_settings_file, trainer_flag)
 
 # The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
@@ -61,11 +61,15 @@ def _post_init(self: Any) -> None:
                 f"--{other} and hf_zero's ZeRO engine cannot both run the training: drop --{other} and use "
                 f"--zero_stage (see the README's flag table for the DeepSpeed key each --zero_* flag replaces)")
     super(ZeroArgumentsMixin, self).__post_init__()
-    self.zero_engine_config = zero_config_from_flags(self)
-    check_tensor_parallel_flags(self)
+    _check_engine_flags(self)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"
+
+
+def _check_engine_flags(self: Any) -> None:
+    self.zero_engine_config = zero_config_from_flags(self)
+    check_tensor_parallel_flags(self)
 
 
 ZeroArgumentsMixin = make_dataclass(
@@ -76,6 +80,34 @@ ZeroArgumentsMixin = make_dataclass(
         for name, (default, text, _, _) in EXTRA_FLAGS.items()],
     namespace={"__post_init__": _post_init, "__module__": __name__,
                "__doc__": "The engine's settings as Trainer flags (DeepSpeed config key in brackets)."})
+
+
+# The Trainer's own flags the engine settings depend on, read by check_script_flags with the --zero_* flags.
+_TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object")
+
+
+class _FlagParser(HfArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ZeroConfigError(message)
+
+
+def check_script_flags(script_args: list[str], world_size: int) -> None:
+    """Resolves the --zero_* flags (and --zero_config, --tensor_parallel_size) among a script's arguments as the
+    script's TrainingArguments will, so a launcher can refuse a bad one before any process starts; the
+    script's other flags are its own. Raises ZeroConfigError in one line, naming the flag."""
+    ours = {f"--{f.name}" for f in fields(ZeroArgumentsMixin)}
+    for arg in script_args:
+        flag = "--" + arg.split("=", 1)[0].removeprefix("--").replace("-", "_")
+        if arg.startswith("--zero") and flag not in ours:
+            raise ZeroConfigError(f"unknown flag {arg.split('=', 1)[0]}{did_you_mean(flag, ours)} (the README's "
+                                  f"flag table lists every --zero_* flag)")
+    trainer_hints = typing.get_type_hints(TrainingArguments)
+    trainer_fields = make_dataclass("TrainerFlags", [
+        (f.name, trainer_hints[f.name], field(default=f.default)) for f in fields(TrainingArguments)
+        if f.name in _TRAINER_FLAGS_READ])
+    args, _ = _FlagParser([ZeroArgumentsMixin, trainer_fields]).parse_known_args(script_args)
+    args.world_size = world_size
+    _check_engine_flags(args)
 
 
 def zero_config_from_flags(args: Any) -> ZeroConfig:

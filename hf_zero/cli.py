@@ -3,11 +3,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import NoReturn
 
 from hf_zero import ZeroConfigError
-from hf_zero.config import DTYPES, offload_conflict
+from hf_zero.config import DTYPES, did_you_mean, offload_conflict
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import free_port
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad argument is one line naming it, with the nearest known flag for a misspelt one, rather than the
+    usage (which --help prints)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.split(": ", 1)[1].split()[0]
+            message += did_you_mean(unknown.split("=")[0], [o for o in self._option_string_actions if o[:2] == "--"])
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
 
 
 def _nproc(value: str) -> int:
@@ -21,7 +34,7 @@ def _nproc(value: str) -> int:
 def _train(argv: list[str]) -> int:
     from hf_zero import train_lm
 
-    parser = argparse.ArgumentParser(prog="hf-zero train", description=train_lm.__doc__)
+    parser = Parser(prog="hf-zero train", description=train_lm.__doc__)
     parser.add_argument("--nproc_per_node", type=_nproc, default=2, help="processes to start (gloo on CPU, NCCL on GPU)")
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -39,7 +52,7 @@ def _train(argv: list[str]) -> int:
 def _run(argv: list[str]) -> int:
     from hf_zero import run
 
-    parser = argparse.ArgumentParser(prog="hf-zero run", description=run.__doc__,
+    parser = Parser(prog="hf-zero run", description=run.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc_per_node", type=_nproc, default=1, help="processes to start (default 1)")
     parser.add_argument("script", help="a script that builds TrainingArguments and Trainer from transformers")
@@ -47,6 +60,9 @@ def _run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.nproc_per_node == 1:
         return run.main([args.script, *args.script_args])
+    if not Path(args.script).is_file():
+        parser.error(f"no such script: {args.script}")
+    run.check_script_flags(args.script_args, args.nproc_per_node)  # once, before any process starts
     return _torchrun(args.nproc_per_node, "hf_zero.run", [args.script, *args.script_args])
 
 
@@ -66,7 +82,7 @@ def _shard_size(value: str) -> int:
 def _consolidate(argv: list[str]) -> int:
     from hf_zero import consolidate
 
-    parser = argparse.ArgumentParser(prog="hf-zero consolidate", description=consolidate.__doc__,
+    parser = Parser(prog="hf-zero consolidate", description=consolidate.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint_dir", help="an engine checkpoint, or a ZeroTrainer checkpoint-N folder")
     parser.add_argument("output_dir", help="where to write the transformers folder")
@@ -91,7 +107,7 @@ def _consolidate(argv: list[str]) -> int:
 def _estimate(argv: list[str]) -> int:
     from hf_zero import estimate
 
-    parser = argparse.ArgumentParser(prog="hf-zero estimate", description=estimate.__doc__,
+    parser = Parser(prog="hf-zero estimate", description=estimate.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="a model_zoo name (python -c 'import model_zoo; print(model_zoo.list())')")
@@ -131,7 +147,7 @@ def _estimate(argv: list[str]) -> int:
 def _build_ops(argv: list[str]) -> int:
     from hf_zero.ops import build
 
-    parser = argparse.ArgumentParser(prog="hf-zero build-ops", description=build.__doc__)
+    parser = Parser(prog="hf-zero build-ops", description=build.__doc__)
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
     try:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -280,6 +281,12 @@ def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None
         kind = {"int": int, "float": float}.get(s.type, str)
         choices = list(s.metadata["choices"]) if s.metadata["choices"] else None
         parser.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help_of(s, default))
+
+
+def did_you_mean(unknown: str, known: Iterable[str]) -> str:
+    """"; did you mean --x?" for the known flag nearest a misspelt one, or "" when none is near."""
+    near = difflib.get_close_matches(unknown, list(known), n=1, cutoff=0.75)
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 def trainer_flag(name: str) -> str:

@@ -15,10 +15,12 @@ sys.modules, which resolves names from those defining modules again.
 from __future__ import annotations
 
 import importlib
+import os
 import runpy
 import sys
 from pathlib import Path
 
+from hf_zero.arguments import check_script_flags
 from hf_zero.config import ZeroConfigError
 
 # (defining module, class name) -> hf_zero's replacement, as "module:attribute".
@@ -56,13 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     if not script.is_file():
         print(f"hf-zero run: no such script: {script}", file=sys.stderr)
         return 2
-    patch_transformers()
-    sys.argv = [str(script), *argv[1:]]
-    sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT.py` would
     try:
+        # Before the script runs: its parser would print its whole usage on every rank.
+        check_script_flags(argv[1:], int(os.environ.get("WORLD_SIZE", "1")))
+        patch_transformers()
+        sys.argv = [str(script), *argv[1:]]
+        sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT.py` would
         runpy.run_path(str(script), run_name="__main__")
     except ZeroConfigError as error:  # a bad --zero_* flag: the message says what to change
-        print(f"{script.name}: {error}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same error: say it once
+            print(f"{script.name}: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -64,3 +64,28 @@ def test_bad_flags_stop_the_script_before_training_with_the_flag_named(tmp_path,
 def test_a_missing_script_is_named():
     run = hf_zero("run", "no_such_script.py")
     assert run.returncode == 2 and "no such script: no_such_script.py" in run.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--zero_stage", "5"], "hf-zero run: argument --zero_stage/--zero-stage: invalid choice: 5 (choose from 0, 1, 2, 3)"),
+    (["--zero_stgae", "2"], "hf-zero run: unknown flag --zero_stgae; did you mean --zero_stage?"),
+    (["--tensor_parallel_size", "3"], "hf-zero run: --tensor_parallel_size must be a positive integer dividing the "
+                                      "number of processes (2); got 3"),
+    (["--bf16", "--zero_loss_scale", "nan"], "hf-zero run: --zero_loss_scale must be a finite number; got nan"),
+])
+def test_bad_zero_flags_are_one_line_before_any_process_starts(tmp_path, flags, message):
+    run = hf_zero("run", "--nproc_per_node", "2", str(SCRIPT), "--output_dir", str(tmp_path), "--do_train", *flags,
+                  *COMMON, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr.startswith(message) and run.stderr.count("\n") == 1, run.stderr  # no rank ever started
+
+
+def test_under_torchrun_every_rank_stops_and_the_error_is_said_once(tmp_path):
+    from hf_zero.launch import free_port
+
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), "-m", "hf_zero.run", str(SCRIPT), "--output_dir", str(tmp_path),
+                          "--zero_stage", "2", "--zero_offload_param", "cpu", *COMMON],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.count("--zero_offload_param needs --zero_stage 3") == 1, run.stderr[-3000:]

@@ -40,3 +40,11 @@ def test_a_tensor_parallel_size_not_dividing_the_processes_stops_before_they_sta
                            "--tensor_parallel_size", "3"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--tensor_parallel_size must divide the number of processes (2); got 3" in done.stderr
+
+
+def test_a_misspelt_flag_is_one_line_naming_the_nearest_one():
+    done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--zero_stgae", "2"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == ("hf-zero train: unrecognized arguments: --zero_stgae 2; did you mean --zero_stage? "
+                           "(--help lists the flags)\n")
