@@ -122,7 +122,11 @@ def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.
           stream: Iterator[torch.Tensor], rank: int) -> tuple[list[float], float]:
     """Steps until --max_steps or --max_minutes; returns each step's loss and the seconds spent."""
     start, losses = time.monotonic(), []
-    bar = tqdm(total=args.max_steps, desc="train", disable=rank != 0)
+    budget = 60 * args.max_minutes
+    # Counts steps towards whichever limit comes first: the total is the steps the time budget allows at the
+    # speed so far, so the bar and its ETA end when training does.
+    bar = tqdm(total=args.max_steps, desc=f"train ({args.max_minutes:g} min budget)", unit="step",
+               disable=rank != 0)
     for step in range(args.max_steps):
         for _ in range(args.gradient_accumulation_steps):
             x = next(stream)
@@ -131,14 +135,27 @@ def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.
             engine.step()
         schedule.step()
         losses.append(loss.item())
+        elapsed = time.monotonic() - start
+        bar.total = min(args.max_steps, max(step + 1, math.ceil((step + 1) * budget / elapsed)))
         bar.update(1)
         if (step + 1) % args.log_every == 0 and rank == 0:
             bar.write(f"step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
                       f"grad_norm {engine.global_grad_norm:.3f} lr {schedule.get_last_lr()[0]:.2e}")
-        if time.monotonic() - start > 60 * args.max_minutes:
+        if _out_of_time(elapsed > budget):
+            bar.total = step + 1
             break
     bar.close()
     return losses, time.monotonic() - start
+
+
+def _out_of_time(on_this_rank: bool) -> bool:
+    """Rank 0's clock decides for every rank: clocks that disagree at the limit would stop some ranks a step
+    before the others, which then wait in a collective forever."""
+    if not dist.is_initialized():
+        return on_this_rank
+    decision = torch.tensor([on_this_rank], dtype=torch.uint8)
+    dist.broadcast(decision, src=0)
+    return bool(decision.item())
 
 
 @torch.no_grad()

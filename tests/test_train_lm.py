@@ -3,6 +3,7 @@ CPU checkpoints and CPU optimizer offload on 2 ranks it trains as the plain job 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -48,3 +49,15 @@ def test_a_misspelt_flag_is_one_line_naming_the_nearest_one():
     assert done.returncode == 2
     assert done.stderr == ("hf-zero train: unrecognized arguments: --zero_stgae 2; did you mean --zero_stage? "
                            "(--help lists the flags)\n")
+
+
+def test_the_progress_bar_ends_with_the_time_budget_not_the_step_limit():
+    done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "1", "--max_steps", "100000",
+                           "--max_minutes", "0.05", "--seq_len", "32", "--batch_size", "2", "--log_every", "1000"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bars = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.startswith("train (0.05 min budget)")]
+    steps, total = map(int, re.search(r"\| (\d+)/(\d+) \[", bars[-1]).groups())
+    assert steps == total < 100000, bars[-1]
+    summary = next(line for line in done.stderr.splitlines() if " steps in " in line)
+    assert summary.startswith(f"{steps} steps in ")

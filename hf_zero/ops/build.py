@@ -63,6 +63,9 @@ def load_extension(name: str, sources: list[str], verbose: bool = False) -> Modu
         directory = build_directory(name)
         directory.mkdir(parents=True, exist_ok=True)
         with _only_builder(directory):
+            if not (directory / f"{name}.so").exists():  # this process builds it; the others wait above
+                logger.warning(f"building hf_zero's C++ {name} kernel on first use (about a minute); it is cached "
+                               f"in {directory} for later runs (`hf-zero build-ops` builds it ahead of time)")
             # No -march=native: the binary must run on any x86-64; the kernels pick AVX-512/AVX2 at run time.
             # No contraction of a*b+c into FMAs behind our back: the kernels fuse exactly where ATen does.
             # -fopenmp: at::parallel_for is a header template; without it the loop runs on one thread.
