@@ -72,5 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a rank torchrun started (`-m hf_zero.run`)
+    from hf_zero.launch import exit_skipping_teardown
+
+    try:
+        exit_code = main()
+    except SystemExit as stop:  # the script's own sys.exit
+        exit_code = stop.code
+    exit_skipping_teardown(exit_code)

@@ -49,3 +49,29 @@ def test_spawned_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, sta
 def test_an_unknown_start_method_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="'forkserver' or 'spawn', not 'fork'"):
         spawn_gloo(environment_variable, 1, "HOME", start_method="fork")
+
+
+ABORTS_AT_TEARDOWN = """
+import atexit, os, sys
+class AbortsAtTeardown:
+    def __del__(self):
+        os.abort()  # as a C++ thread that outlives its owner does when modules and statics are torn down
+keeper = AbortsAtTeardown()
+atexit.register(lambda: print("atexit ran", flush=True))
+print("trained", end="")  # neither a newline nor a flush: the exit must still flush it
+if len(sys.argv) > 1:
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("script_exit", [None, 3])
+def test_a_rank_that_finished_its_script_cannot_abort_in_interpreter_teardown(tmp_path, script_exit):
+    script = tmp_path / "script.py"
+    script.write_text(ABORTS_AT_TEARDOWN)
+    extra = [] if script_exit is None else [str(script_exit)]
+    plain = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == -6  # the abort this guards against
+    rank = subprocess.run([sys.executable, "-m", "hf_zero.run", str(script), *extra], capture_output=True,
+                          text=True, timeout=120)
+    assert rank.returncode == (script_exit or 0), rank.stderr[-2000:]
+    assert rank.stdout == "trainedatexit ran\n"
