@@ -7,8 +7,9 @@ elements it now owns by name and reads only those slices (safetensors reads slic
 the file). No rank ever holds more than its own partition.
 
 Saving is all-or-nothing: files go to `<dir>.partial`, every rank reports success or its error, and
-only then does rank 0 rename the folder into place. A failure on any rank becomes the same error on
-every rank (no rank is left waiting in a collective) and the previous checkpoint stays loadable.
+only then does rank 0 write the manifest and rename the folder into place. A failure on any rank becomes
+the same error on every rank (no rank is left waiting in a collective), and a crash at any point leaves
+the newest complete checkpoint loadable (see `settle`).
 Loading checks the manifest against the model and every file's size and SHA-256 before it changes
 any state.
 
@@ -190,12 +191,12 @@ def settle(final: Path) -> None:
     """Leaves `final` the newest complete checkpoint and nothing beside it, finishing or undoing an
     interrupted save. Each move is one a save makes, in the same order, so a crash in here is one too."""
     partial, old = save_folders(final)
-    if not is_complete(partial):
-        _remove(partial)  # an interrupted save's files, never a checkpoint
-        if not final.exists() and is_complete(old):
-            _rename(old, final)
     if is_complete(partial):
         _swap_in(partial, final)
+        return
+    _remove(partial)  # an interrupted save's files, never a checkpoint
+    if not final.exists() and is_complete(old):
+        _rename(old, final)
     _remove(old)
 
 
