@@ -196,3 +196,27 @@ def test_resuming_a_tensor_parallel_run_from_its_checkpoint_equals_the_uninterru
         for name, param in rank_result["straight"].items():
             assert torch.equal(param, rank_result["resumed"][name]), f"{name} differs after resuming"
     assert (tmp_path / "straight" / "checkpoint-3" / "zero_checkpoint" / "manifest.json").is_file()
+
+
+def test_with_log_level_info_each_logging_step_says_what_the_rank_holds_after_the_first_step(tmp_path):
+    import logging
+
+    from transformers.trainer import logger as trainer_logger
+
+    from training_args import ZeroTrainingArguments
+
+    args = ZeroTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4, logging_steps=2,
+                                 per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True,
+                                 log_level="info", zero_stage=2)
+    trainer = ZeroTrainer(model=gpt2_model(), args=args, train_dataset=lm_examples(16, seed=1))
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    trainer_logger.addHandler(handler)
+    try:
+        trainer.train()
+    finally:
+        trainer_logger.removeHandler(handler)
+    reports = [r for r in records if r.startswith("rank 0 holds")]
+    assert len(reports) == 3, records  # logging steps 2 and 4, and the end-of-training log
+    assert all("gradients 0.00 MiB" not in r for r in reports), reports  # after steps: gradients exist
