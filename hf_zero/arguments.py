@@ -98,9 +98,10 @@ def check_script_flags(script_args: list[str], world_size: int) -> None:
     ours = {f"--{f.name}" for f in fields(ZeroArgumentsMixin)}
     for arg in script_args:
         flag = "--" + arg.split("=", 1)[0].removeprefix("--").replace("-", "_")
-        if arg.startswith("--zero") and flag not in ours:
-            raise ZeroConfigError(f"unknown flag {arg.split('=', 1)[0]}{did_you_mean(flag, ours)} (the README's "
-                                  f"flag table lists every --zero_* flag)")
+        # A flag near one of ours is a misspelling; one that is not may be the script's own (--zero_shot).
+        if arg.startswith("--zero") and flag not in ours and (near := did_you_mean(flag, ours)):
+            raise ZeroConfigError(f"unknown flag {arg.split('=', 1)[0]}{near} (the README's flag table lists every "
+                                  f"--zero_* flag)")
     trainer_hints = typing.get_type_hints(TrainingArguments)
     trainer_fields = make_dataclass("TrainerFlags", [
         (f.name, trainer_hints[f.name], field(default=f.default)) for f in fields(TrainingArguments)

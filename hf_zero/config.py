@@ -285,7 +285,7 @@ def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None
 
 def did_you_mean(unknown: str, known: Iterable[str]) -> str:
     """"; did you mean --x?" for the known flag nearest a misspelt one, or "" when none is near."""
-    near = difflib.get_close_matches(unknown, list(known), n=1, cutoff=0.75)
+    near = difflib.get_close_matches(unknown, list(known), n=1, cutoff=0.8)
     return f"; did you mean {near[0]}?" if near else ""
 
 

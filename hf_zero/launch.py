@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import socket
@@ -59,6 +60,24 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code or 0)
+
+
+def say_once(message: str) -> None:
+    """Prints `message` (the same error on every rank) from rank 0 alone, before any rank exits. Under torchrun
+    the other ranks wait for rank 0 to have printed it: torchrun stops every process as soon as one exits
+    with an error, and would stop rank 0 before it said anything."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))
+    if rank == 0:
+        store.set("hf_zero/said", "1")
+    else:
+        with contextlib.suppress(Exception):  # rank 0 died otherwise: exit anyway
+            store.wait(["hf_zero/said"])
 
 
 def free_port() -> int:

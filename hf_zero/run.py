@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hf_zero.arguments import check_script_flags
 from hf_zero.config import ZeroConfigError
+from hf_zero.launch import say_once
 
 # (defining module, class name) -> hf_zero's replacement, as "module:attribute".
 REPLACEMENTS = {
@@ -66,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT.py` would
         runpy.run_path(str(script), run_name="__main__")
     except ZeroConfigError as error:  # a bad --zero_* flag: the message says what to change
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same error: say it once
-            print(f"{script.name}: {error}", file=sys.stderr)
+        say_once(f"{script.name}: {error}")  # every rank has the same error
         return 2
     return 0
 

@@ -89,3 +89,13 @@ def test_under_torchrun_every_rank_stops_and_the_error_is_said_once(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     assert run.stderr.count("--zero_offload_param needs --zero_stage 3") == 1, run.stderr[-3000:]
+
+
+def test_a_zero_flag_far_from_every_engine_flag_is_left_to_the_script():
+    from hf_zero.arguments import check_script_flags
+    from hf_zero.config import ZeroConfigError
+
+    check_script_flags(["--zero_shot", "--zero_stage", "3"], 2)  # the script's own flag, say
+    with pytest.raises(ZeroConfigError, match="unknown flag --zero_offload_optimiser; did you mean "
+                                              "--zero_offload_optimizer?"):
+        check_script_flags(["--zero_offload_optimiser", "cpu"], 2)
