@@ -155,14 +155,17 @@ def _staging_folder(output: Path) -> Path:
 
 
 def _move_into_place(staging: Path, output: Path) -> None:
-    """Moves every file `output` held aside, the staged ones in, then removes the ones moved aside."""
+    """Moves every file `output` held aside, the staged ones in, then removes the ones moved aside and any
+    staging folder an interrupted consolidation left."""
     replaced = Path(tempfile.mkdtemp(dir=output, prefix=STAGING_PREFIX))
     for entry in output.iterdir():
         if not entry.name.startswith(STAGING_PREFIX):
             entry.rename(replaced / entry.name)
     for entry in staging.iterdir():
         entry.rename(output / entry.name)
-    shutil.rmtree(replaced)
+    for entry in output.iterdir():
+        if entry.name.startswith(STAGING_PREFIX) and entry != staging:
+            shutil.rmtree(entry)
 
 
 def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.Tensor:

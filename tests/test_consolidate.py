@@ -195,8 +195,11 @@ def logits_from_checkpoint_engine(folder) -> torch.Tensor:
 def test_consolidating_the_same_checkpoint_again_replaces_its_earlier_output(small_checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_consolidate(capsys, small_checkpoint, out)[0] == 0
+    (out / ".hf_zero_consolidating-killed").mkdir()  # what a consolidation killed halfway leaves
+    (out / ".hf_zero_consolidating-killed" / "model.safetensors").write_bytes(b"half")
     assert run_consolidate(capsys, small_checkpoint, out, "--dtype", "bf16")[0] == 0
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
     (out / "README.md").write_text("mine")  # something the consolidation did not write: refused again
     code, err = run_consolidate(capsys, small_checkpoint, out)
     assert code == 2 and "README.md" in err
