@@ -106,7 +106,8 @@ def check_script_flags(script_args: list[str], world_size: int) -> None:
     trainer_fields = make_dataclass("TrainerFlags", [
         (f.name, trainer_hints[f.name], field(default=f.default)) for f in fields(TrainingArguments)
         if f.name in _TRAINER_FLAGS_READ])
-    args, _ = _FlagParser([ZeroArgumentsMixin, trainer_fields]).parse_known_args(script_args)
+    # No --help of its own: the script's parser answers that.
+    args, _ = _FlagParser([ZeroArgumentsMixin, trainer_fields], add_help=False).parse_known_args(script_args)
     args.world_size = world_size
     _check_engine_flags(args)
 

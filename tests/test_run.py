@@ -96,6 +96,7 @@ def test_a_zero_flag_far_from_every_engine_flag_is_left_to_the_script():
     from hf_zero.config import ZeroConfigError
 
     check_script_flags(["--zero_shot", "--zero_stage", "3"], 2)  # the script's own flag, say
+    check_script_flags(["--help"], 2)  # the script's parser answers it
     with pytest.raises(ZeroConfigError, match="unknown flag --zero_offload_optimiser; did you mean "
                                               "--zero_offload_optimizer?"):
         check_script_flags(["--zero_offload_optimiser", "cpu"], 2)
