@@ -67,9 +67,10 @@ def _post_init(self: Any) -> None:
     self.mixed_precision = "no"
 
 
-def _check_engine_flags(self: Any) -> None:
-    self.zero_engine_config = zero_config_from_flags(self)
-    check_tensor_parallel_flags(self)
+def _check_engine_flags(args: Any) -> None:
+    """The validation of the engine flags, for the arguments dataclass and for a launcher's parse alike."""
+    args.zero_engine_config = zero_config_from_flags(args)
+    check_tensor_parallel_flags(args)
 
 
 ZeroArgumentsMixin = make_dataclass(
@@ -87,6 +88,8 @@ _TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object"
 
 
 class _FlagParser(HfArgumentParser):
+    """A parse error is a ZeroConfigError (one line) rather than the usage and an exit."""
+
     def error(self, message: str) -> typing.NoReturn:
         raise ZeroConfigError(message)
 

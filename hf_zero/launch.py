@@ -47,9 +47,9 @@ def destroy_process_group_at_exit() -> None:
 def exit_skipping_teardown(code: int | str | None) -> NoReturn:
     """Ends a rank the way `sys.exit(code)` would, without the interpreter's teardown. Non-daemon threads are
     joined, the atexit handlers run (the process group is destroyed, logs flushed) and the standard streams
-    are flushed; what is skipped is the destruction of modules and C++ statics, where a library's thread that outlives its owner makes
-    the process abort ("terminate called without an active exception", seen rarely at the exit of Trainer
-    scripts). A rank that finished its work cannot fail after it."""
+    are flushed; what is skipped is the destruction of modules and C++ statics, where a library's thread
+    that outlives its owner makes the process abort ("terminate called without an active exception", seen
+    rarely at the exit of Trainer scripts). A rank that finished its work cannot fail after it."""
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
@@ -71,12 +71,12 @@ def say_once(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))
-    if rank == 0:
-        store.set("hf_zero/said", "1")
-    else:
-        with contextlib.suppress(Exception):  # rank 0 died otherwise: exit anyway
+    with contextlib.suppress(Exception):  # the store gone, or rank 0 died otherwise: exit anyway
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=60))
+        if rank == 0:
+            store.set("hf_zero/said", "1")
+        else:
             store.wait(["hf_zero/said"])
 
 

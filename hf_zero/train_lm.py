@@ -141,19 +141,19 @@ def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.
         if (step + 1) % args.log_every == 0 and rank == 0:
             bar.write(f"step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
                       f"grad_norm {engine.global_grad_norm:.3f} lr {schedule.get_last_lr()[0]:.2e}")
-        if _out_of_time(elapsed > budget):
+        if _out_of_time(elapsed > budget, engine.comm.device):
             bar.total = step + 1
             break
     bar.close()
     return losses, time.monotonic() - start
 
 
-def _out_of_time(on_this_rank: bool) -> bool:
+def _out_of_time(on_this_rank: bool, device: torch.device) -> bool:
     """Rank 0's clock decides for every rank: clocks that disagree at the limit would stop some ranks a step
-    before the others, which then wait in a collective forever."""
+    before the others, which then wait in a collective forever. `device`: where the backend's collectives run."""
     if not dist.is_initialized():
         return on_this_rank
-    decision = torch.tensor([on_this_rank], dtype=torch.uint8)
+    decision = torch.tensor([on_this_rank], dtype=torch.uint8, device=device)
     dist.broadcast(decision, src=0)
     return bool(decision.item())
 
