@@ -53,7 +53,7 @@ def _run(argv: list[str]) -> int:
     from hf_zero import run
 
     parser = Parser(prog="hf-zero run", description=run.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc_per_node", type=_nproc, default=1, help="processes to start (default 1)")
     parser.add_argument("script", help="a script that builds TrainingArguments and Trainer from transformers")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -83,7 +83,7 @@ def _consolidate(argv: list[str]) -> int:
     from hf_zero import consolidate
 
     parser = Parser(prog="hf-zero consolidate", description=consolidate.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint_dir", help="an engine checkpoint, or a ZeroTrainer checkpoint-N folder")
     parser.add_argument("output_dir", help="where to write the transformers folder")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
@@ -108,7 +108,7 @@ def _estimate(argv: list[str]) -> int:
     from hf_zero import estimate
 
     parser = Parser(prog="hf-zero estimate", description=estimate.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="a model_zoo name (python -c 'import model_zoo; print(model_zoo.list())')")
     what.add_argument("--params", type=_typed(estimate.parse_count), help="a parameter count: 7.5e9, 7.5B, 350M")

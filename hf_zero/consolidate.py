@@ -69,7 +69,8 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     source = find_engine_checkpoint(checkpoint_dir)
     manifest = checkpoint.read_manifest(source)
     output = Path(output_dir)
-    provenance = {"checkpoint": str(source.resolve()), "manifest_sha256": checkpoint.sha256(source / checkpoint.MANIFEST),
+    provenance = {"checkpoint": str(source.resolve()),
+                  "manifest_sha256": checkpoint.sha256(source / checkpoint.MANIFEST),
                   "step": manifest.get("global_steps"), "dtype": dtype}
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
@@ -104,7 +105,7 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     weight_bytes = sum(t.numel() * t.element_size() for t in planned.values())
-    return ConsolidationReport(written, weight_bytes, rss_before, peak_rss())
+    return ConsolidationReport([*written, PROVENANCE], weight_bytes, rss_before, peak_rss())
 
 
 # Written last into a consolidated folder: which checkpoint it came from and the files it wrote, so that
