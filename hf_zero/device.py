@@ -1,30 +1,257 @@
-"""Where tensors live: host memory and the compute device, and the bytes of host tensors for file I/O.
+"""The one door to asynchronous device work: pinned host buffers, non-blocking copies in both
+directions and the events that say when they have landed. No other module calls
+`copy_(non_blocking=True)`, `pin_memory` or `torch.cuda` events.
 
-Host buffers that a device copies to and from are pinned when there is an accelerator. File I/O reads
-and writes the memory of host tensors only: a device address handed to the operating system is a crash
-or silent garbage, so `bytes_of` refuses anything else.
+On a GPU a non-blocking copy is only queued: a host-to-device copy reads its pinned source some time
+later, and a device-to-host copy fills its destination some time later. The host may touch those
+buffers again only after waiting on the copy (`Copy.wait`). Device work queued after the copy on the
+same stream (compute, NCCL collectives) is ordered after it and needs no wait.
+
+On CPU every copy is immediate, so a missing wait can never show. `HF_ZERO_SIMULATE_ASYNC=1` makes the
+CPU behave as a GPU would at its most unlucky, which is how the tests check the GPU path:
+- host to device: the destination receives the values at once (later device work is stream-ordered),
+  but the source stays lent to the copy until it is waited on. Writing into it meanwhile (through file
+  I/O, the C++ kernel, or torch) is caught, naming the buffer.
+- device to host: the destination holds poison (NaN) until the copy is waited on, and receives the
+  values the source had when the copy was queued. Reading or writing it meanwhile is caught.
+A wait lands every copy queued before it (one stream, in order), as a CUDA event does.
+
+File I/O reads and writes the memory of host tensors only: a device address handed to the operating
+system is a crash or silent garbage, so `bytes_of` refuses anything else.
 """
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
+from dataclasses import dataclass
 
 import torch
 
 HOST = torch.device("cpu")
+SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
+
+
+class PendingCopyError(RuntimeError):
+    """The host touched a buffer that a queued device copy still reads or writes."""
+
+
+def has_accelerator() -> bool:
+    return torch.cuda.is_available()
+
+
+def simulating() -> bool:
+    """Whether copies behave as on a GPU (tests: HF_ZERO_SIMULATE_ASYNC=1), though they run on CPU."""
+    return os.environ.get(SIMULATE_ENV) == "1"
+
+
+def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer that a device copies to and from: pinned when there is an accelerator."""
+    return torch.empty(numel, dtype=dtype, pin_memory=has_accelerator())
 
 
 def to_host_memory(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in host memory, pinned when there is an accelerator to copy to and from."""
     tensor = tensor.to(HOST)
-    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+    return tensor.pin_memory() if has_accelerator() else tensor
 
 
-def bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A host tensor's memory as bytes, without a copy. Not through numpy: a storage handed to numpy can no
-    longer be resized, and stage 3 frees gathered buffers by resizing their storage to zero."""
+# ---- copies and their events --------------------------------------------------------------------
+@dataclass(eq=False)
+class Copy:
+    """A queued copy. `wait()` blocks the host until it (and every copy queued before it) has landed."""
+    name: str
+    host: torch.Tensor  # the host side: the source of a copy to the device, the destination of one to the host
+    to_device: bool
+    event: "torch.cuda.Event | None" = None
+    snapshot: torch.Tensor | None = None  # simulation: the values the copy moves, as they were when queued
+    poison: torch.Tensor | None = None  # simulation, to the host: what the destination holds until it lands
+    landed: bool = False
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        if not self.landed:
+            _simulator.land_through(self)
+
+    def done(self) -> bool:
+        """Whether waiting would not block (always True for a copy that has landed)."""
+        return self.landed or (self.event is not None and self.event.query())
+
+
+DONE = Copy("done", torch.empty(0), to_device=True, landed=True)
+
+
+class LatestCopy:
+    """The last of a series of copies queued on one stream: waiting on it waits on every one before it.
+    Whoever lends a buffer to copies keeps one, and whoever writes the buffer waits on it first."""
+
+    def __init__(self) -> None:
+        self.copy = DONE
+
+    def add(self, copy: Copy) -> None:
+        self.copy = copy
+
+    def wait(self) -> None:
+        self.copy.wait()
+        self.copy = DONE
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor, name: str) -> Copy:
+    """Queues `dst` (device) <- `src` (host, pinned on a GPU). `src` stays lent until the copy is waited on."""
+    return _copy(dst, src, name, to_device=True)
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, name: str) -> Copy:
+    """Queues `dst` (host, pinned on a GPU) <- `src` (device). `dst` holds the values once waited on."""
+    return _copy(dst, src, name, to_device=False)
+
+
+def to_device(src: torch.Tensor, device: torch.device, name: str) -> tuple[torch.Tensor, Copy]:
+    """`src` (host) on `device`, and the copy that puts it there: `src` stays lent until that is waited on.
+    Without a copy to make (already there, not simulating) it is `src` itself."""
+    if src.device == device and not simulating():
+        return src, DONE
+    dst = torch.empty_like(src, device=device)
+    return dst, copy_to_device(dst, src, name)
+
+
+def to_host(src: torch.Tensor, name: str) -> tuple[torch.Tensor, Copy]:
+    """`src` (device) in a new host buffer, and the copy that fills it (wait before reading). A tensor
+    already in host memory is returned as it is, unless simulating."""
+    if src.device == HOST and not simulating():
+        return src, DONE
+    dst = host_empty(src.numel(), src.dtype).view(src.shape)
+    return dst, copy_to_host(dst, src, name)
+
+
+def synchronize() -> None:
+    """Blocks the host until every queued copy has landed."""
+    if has_accelerator():
+        torch.cuda.synchronize()
+    _simulator.land_all()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:
+    host = src if to_device else dst
+    if simulating():
+        return _simulator.queue(dst, src, name, to_device)
+    if not has_accelerator() or dst.device == src.device:
+        dst.copy_(src)  # within host memory (or within the device) a copy is ordered like any other work
+        return DONE
+    dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return Copy(name, host, to_device, event)
+
+
+# ---- host access ------------------------------------------------------------------------------
+def check_host_access(tensor: torch.Tensor, writing: bool) -> None:
+    """Raises PendingCopyError when the host may not yet read (or write) `tensor`: a queued copy still reads
+    it (writing only) or will still write it. Checked by file I/O and the C++ kernels; simulation only."""
+    if simulating():
+        _simulator.check_access(tensor, writing)
+
+
+def bytes_of(tensor: torch.Tensor, writing: bool) -> memoryview:
+    """A host tensor's memory as bytes, without a copy, for file I/O that reads it or (`writing`) fills it.
+    Not through numpy: a storage handed to numpy can no longer be resized, and stage 3 frees gathered
+    buffers by resizing their storage to zero."""
     if tensor.device.type != "cpu":
         raise ValueError(f"bytes_of reads host memory; got a tensor on {tensor.device} (copy it to the host first)")
     if not tensor.is_contiguous():
         raise ValueError("bytes_of needs a contiguous tensor")
+    check_host_access(tensor, writing)
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+# ---- the CPU simulation of a GPU's copy engine -------------------------------------------------
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    start = tensor.data_ptr()
+    return start, start + tensor.numel() * tensor.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point():
+        tensor.fill_(float("nan"))
+    else:
+        tensor.view(torch.uint8).fill_(0xA5)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+class _Simulator:
+    """Copies queued in order on one simulated stream (hf_zero.device's CPU test mode)."""
+
+    def __init__(self) -> None:
+        self.queued: list[Copy] = []
+        self.lock = threading.Lock()
+
+    def queue(self, dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:
+        host = src if to_device else dst
+        with self.lock:
+            # Device work is stream-ordered: an earlier copy touching the same host buffer lands first.
+            earlier = [c for c in self.queued if _overlap(c.host, host)]
+            if earlier:
+                self._land_through(earlier[-1])
+            copy = Copy(name, host, to_device, snapshot=src.detach().clone())
+            if to_device:
+                dst.copy_(src)
+            else:
+                _poison(dst)
+                copy.poison = dst.detach().clone()
+            self.queued.append(copy)
+        return copy
+
+    def check_access(self, tensor: torch.Tensor, writing: bool) -> None:
+        with self.lock:
+            self._check(tensor, writing)
+
+    def land_through(self, copy: Copy) -> None:
+        with self.lock:
+            self._land_through(copy)
+
+    def _land_through(self, copy: Copy) -> None:
+        if copy in self.queued:
+            index = self.queued.index(copy)
+            for earlier in self.queued[:index + 1]:
+                self._land(earlier)
+            del self.queued[:index + 1]
+        copy.landed = True
+
+    def land_all(self) -> None:
+        with self.lock:
+            for copy in self.queued:
+                self._land(copy)
+            self.queued.clear()
+
+    def _check(self, tensor: torch.Tensor, writing: bool) -> None:
+        for copy in self.queued:
+            if _overlap(tensor, copy.host) and (writing or not copy.to_device):
+                what = ("reads it, to the device" if copy.to_device else "will fill it, from the device")
+                raise PendingCopyError(f"the host {'writes' if writing else 'reads'} {copy.name} while a queued "
+                                       f"copy still {what}: wait on the copy first")
+
+    def _land(self, copy: Copy) -> None:
+        """Checks that the host kept its hands off the copy's host buffer, then lands it."""
+        if copy.to_device:
+            if not _same_bytes(copy.host, copy.snapshot):
+                raise PendingCopyError(f"{copy.name} was written by the host while a queued copy still read it, "
+                                       f"to the device: wait on the copy first")
+        else:
+            if not _same_bytes(copy.host, copy.poison):
+                raise PendingCopyError(f"{copy.name} was written by the host while a queued copy from the device "
+                                       f"still had to fill it: wait on the copy first")
+            copy.host.copy_(copy.snapshot)
+        copy.landed = True
+
+
+_simulator = _Simulator()

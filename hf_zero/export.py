@@ -100,7 +100,7 @@ class ShardedWeightsWriter:
         f, start = self.place[name]
         data = tensor.detach().to(device="cpu", dtype=want.dtype).contiguous()
         f.seek(start)
-        f.write(bytes_of(data))
+        f.write(bytes_of(data, writing=False))
         self.written.add(name)
 
     def close(self) -> list[str]:

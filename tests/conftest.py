@@ -5,12 +5,26 @@ import os
 
 import pytest
 
+from hf_zero.device import SIMULATE_ENV
 from hf_zero.launch import spawn_gloo
 from tests.helpers import Scenario, run_scenarios
 
 # Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies
 # on a signal, so a rare abort in CI says where it happened.
 os.environ["PYTHONFAULTHANDLER"] = "1"
+
+@pytest.fixture(scope="module", params=["immediate", "simulated_async"])
+def copies(request) -> str:
+    """Runs a module's tests twice: with copies as the CPU makes them (immediate), and under hf_zero.device's
+    simulation of a GPU's asynchronous copies, where a copy lands only when waited on and the host touching
+    a buffer that a queued copy still uses raises. The second is how a missing wait on the GPU path shows."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "simulated_async":
+            patch.setenv(SIMULATE_ENV, "1")
+        else:
+            patch.delenv(SIMULATE_ENV, raising=False)
+        yield request.param
+
 
 SMALL_BUCKETS = {"reduce_bucket_size": 3000, "allgather_bucket_size": 6000}  # several buckets, straddling params
 

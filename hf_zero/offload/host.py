@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.device import HOST, to_host_memory
+from hf_zero.device import HOST, LatestCopy, copy_to_device, host_empty, to_host_memory
 from hf_zero.ops import CPUAdam, adam_step_with_state, cpu_adam_kernel
 from hf_zero.zero.update import UpdateBackend
 
@@ -48,19 +48,28 @@ class HostAdam:
                              grad_scale, self.kernel)
 
 
-def staged_outputs(param_chunks: list[list[torch.Tensor]], staged: bool) -> list[list[torch.Tensor]]:
+class StagedOutputs:
     """Where a host update writes the new compute-dtype values: the parameter chunks themselves when they are
-    in host memory and nothing reads them meanwhile, else host buffers that `publish_outputs` copies over."""
-    return [[to_host_memory(torch.zeros_like(c, device=HOST)) if staged else c for c in chunks]
-            for chunks in param_chunks]
+    in host memory and nothing reads them meanwhile, else (`staged`) host buffers that `publish` copies over.
+    A staged buffer stays lent to its copy until `writable` waits on it."""
 
+    def __init__(self, param_chunks: list[list[torch.Tensor]], staged: bool) -> None:
+        self.param_chunks = param_chunks
+        self.outs = [[host_empty(c.numel(), c.dtype).view(c.shape).zero_() if staged else c for c in chunks]
+                     for chunks in param_chunks]
+        self.published = LatestCopy()
 
-def publish_outputs(outs: list[list[torch.Tensor]], param_chunks: list[list[torch.Tensor]]) -> None:
-    """Copies staged host values into the parameter chunks (non-blocking to a device)."""
-    for staged, chunks in zip(outs, param_chunks):
-        for out, chunk in zip(staged, chunks):
-            if out is not chunk:
-                chunk.copy_(out, non_blocking=True)
+    def writable(self) -> list[list[torch.Tensor]]:
+        self.published.wait()
+        return self.outs
+
+    def publish(self) -> None:
+        """Queues the copies of the staged values into the parameter chunks."""
+        for g, (outs, chunks) in enumerate(zip(self.outs, self.param_chunks)):
+            for k, (out, chunk) in enumerate(zip(outs, chunks)):
+                if out is not chunk:
+                    self.published.add(copy_to_device(chunk, out, f"the staged new values of chunk {k} of "
+                                                                  f"param group {g}"))
 
 
 class HostUpdate(UpdateBackend):
@@ -71,27 +80,31 @@ class HostUpdate(UpdateBackend):
     writes while the model reads), copied over by publish()."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
-                 fp32_init: list[list[torch.Tensor]] | None, staged: bool) -> None:
-        super().__init__(optimizer, param_chunks)
+                 fp32_init: list[list[torch.Tensor]] | None, staged: bool, chunks_lent: LatestCopy | None) -> None:
+        super().__init__(optimizer, param_chunks, chunks_lent)
         adamw_mode = adamw_mode_of(optimizer)
         self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
         self.masters = self._own_masters(fp32_init or param_chunks, to_host_memory)
-        self.outs = staged_outputs(param_chunks, staged)
+        self.staged = staged
+        self.outputs = StagedOutputs(param_chunks, staged)
         self._retarget()
 
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+        outs = self.outputs.writable() if self.staged else self._writable_chunks()
         for g, (masters, grads) in enumerate(zip(self.masters, grad_chunks)):
             for k, (master, grad) in enumerate(zip(masters, grads)):
                 if self.host_adam is not None:
-                    self.host_adam.step_chunk(g, master, grad.to(HOST), self.outs[g][k], coef)
+                    self.host_adam.step_chunk(g, master, grad.to(HOST), outs[g][k], coef)
                 else:
                     master.grad = grad.to(HOST, torch.float32).mul_(coef)
         if self.host_adam is None:
             self.optimizer.step()
-            for masters, outs in zip(self.masters, self.outs):
-                for master, out in zip(masters, outs):
+            for masters, outs_of_group in zip(self.masters, outs):
+                for master, out in zip(masters, outs_of_group):
                     out.copy_(master)
                     master.grad = None
 
     def publish(self) -> None:
-        publish_outputs(self.outs, self.param_chunks)
+        if self.staged:
+            self._writable_chunks()
+            self.outputs.publish()

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from hf_zero.config import nvme_path_problem
-from hf_zero.device import HOST, bytes_of, to_host_memory
-from hf_zero.offload.host import HostAdam, adamw_mode_of, publish_outputs, staged_outputs
+from hf_zero.device import DONE, HOST, Copy, LatestCopy, bytes_of, host_empty
+from hf_zero.offload.host import HostAdam, StagedOutputs, adamw_mode_of
 from hf_zero.zero.update import UpdateBackend
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # fp32, read and written by every step
@@ -86,7 +86,7 @@ class NvmeAdamStates:
                     self.fds[(g, kind, side)] = self._allocate(self._path(g, kind, side),
                                                                sum(numels) * dtype.itemsize)
         tile = min(tile_numel, max((n for numels in chunk_numels for n in numels), default=1))
-        self.slots = [{kind: to_host_memory(torch.empty(tile, dtype=dtype)) for kind, dtype in self.dtypes.items()}
+        self.slots = [{kind: host_empty(tile, dtype) for kind, dtype in self.dtypes.items()}
                       for _ in range(SLOTS)]
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-nvme")
         for g, chunks in enumerate(fp32_init):
@@ -121,7 +121,7 @@ class NvmeAdamStates:
     # ---- file I/O --------------------------------------------------------------------------------
     def _io(self, read: bool, g: int, kind: str, side: int, start: int, tensor: torch.Tensor) -> None:
         """Reads or writes `tensor` at element `start` of a state's file."""
-        fd, view, offset = self.fds[(g, kind, side)], bytes_of(tensor), start * self.dtypes[kind].itemsize
+        fd, view, offset = self.fds[(g, kind, side)], bytes_of(tensor, writing=read), start * self.dtypes[kind].itemsize
         try:
             done = os.preadv(fd, [view], offset) if read else os.pwritev(fd, [view], offset)
             if done != len(view):
@@ -216,8 +216,8 @@ class NvmeUpdate(UpdateBackend):
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  fp32_init: list[list[torch.Tensor]] | None, nvme_path: str, rank: int, tile_numel: int,
-                 params_on_nvme: bool) -> None:
-        super().__init__(optimizer, param_chunks)
+                 params_on_nvme: bool, chunks_lent: LatestCopy | None) -> None:
+        super().__init__(optimizer, param_chunks, chunks_lent)
         param_dtype = param_chunks[0][0].dtype if params_on_nvme else None
         self.states = NvmeAdamStates(nvme_path, rank, [[c.numel() for c in cs] for cs in param_chunks],
                                      fp32_init or param_chunks, HostAdam(optimizer, adamw_mode_of(optimizer)),
@@ -226,18 +226,19 @@ class NvmeUpdate(UpdateBackend):
             for g, chunks in enumerate(param_chunks):
                 for k, chunk in enumerate(chunks):
                     self.states.write_chunk(g, k, {"param": chunk})
-        self.outs = None if params_on_nvme else staged_outputs(param_chunks, staged=True)
+        self.outputs = None if params_on_nvme else StagedOutputs(param_chunks, staged=True)
         self.masters = param_chunks
         self._retarget()
 
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
-        self.states.step(grad_chunks, self.outs, coef)
+        self.states.step(grad_chunks, None if self.outputs is None else self.outputs.writable(), coef)
 
     def publish(self) -> None:
-        if self.outs is None:
+        if self.outputs is None:
             self.states.publish()
         else:
-            publish_outputs(self.outs, self.param_chunks)
+            self._writable_chunks()
+            self.outputs.publish()
 
     def chunk_state(self, g: int, k: int) -> tuple[torch.Tensor, dict[str, Any]]:
         values = self.states.read_chunk(g, k)
@@ -245,48 +246,51 @@ class NvmeUpdate(UpdateBackend):
         return master, ({"step": self.states.steps[g], **values} if self.states.steps[g] > 0 else {})
 
     def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
-        params = {"param": master} if self.outs is None else {}
+        params = {"param": master} if self.outputs is None else {}
         self.states.write_chunk(g, k, {"master": master, **params,
                                        **{kind: state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state}})
         if "step" in state:
             self.states.steps[g] = torch.tensor(float(state["step"]))
-        if self.outs is not None:
-            self.param_chunks[g][k].copy_(master)
+        if self.outputs is not None:
+            self._writable_chunks()[g][k].copy_(master)
 
     def held_bytes(self) -> int:
         """The pool; the files are reported by states.file_bytes()."""
         return self.states.pool_bytes()
 
     def param_reader(self) -> "ParamReader | None":
-        return ParamReader(self.states) if self.outs is None else None
+        return ParamReader(self.states) if self.outputs is None else None
 
 
 class ParamReader:
     """Host buffers for the parameter chunks of stage-3 units being gathered (offload_param nvme).
 
-    A chunk is read into a buffer that stays lent until its unit's all-gather has finished (`release`).
+    A chunk is read into a buffer that stays lent until its unit's all-gather has finished and is given back
+    with the copy that still reads it to the device (`release`); it is refilled only once that copy has landed.
     Buffers are reused, so the pool grows to the number of chunks in flight at once (the unit in use and
     those prefetched, bounded by prefetch_bucket_size), not to the shard."""
 
     def __init__(self, states: NvmeAdamStates) -> None:
         self.states = states
         self.buffer_numel = max((n for numels in states.chunk_numels for n in numels), default=0)
-        self.free: list[torch.Tensor] = []
+        self.free: list[tuple[torch.Tensor, Copy]] = []
         self.created = 0
 
     def read(self, g: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(chunk k of group g, the pool buffer it lies in: give it back with `release`)."""
         if self.free:
-            buffer = self.free.pop()
+            buffer, copy = self.free.pop(0)  # the longest released: its copy is the likeliest to have landed
+            copy.wait()
         else:
-            buffer = to_host_memory(torch.empty(self.buffer_numel, dtype=self.states.dtypes["param"]))
+            buffer = host_empty(self.buffer_numel, self.states.dtypes["param"])
             self.created += 1
         chunk = buffer[:self.states.chunk_numels[g][k]]
         self.states.read_param(g, k, chunk)
         return chunk, buffer
 
-    def release(self, buffer: torch.Tensor) -> None:
-        self.free.append(buffer)
+    def release(self, buffer: torch.Tensor, copy: Copy = DONE) -> None:
+        """Gives `buffer` back; `copy` (to the device) may still be reading it."""
+        self.free.append((buffer, copy))
 
     def pool_bytes(self) -> int:
         return self.created * self.buffer_numel * self.states.dtypes["param"].itemsize

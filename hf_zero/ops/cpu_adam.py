@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.adam import adam as torch_adam
 
+from hf_zero.device import check_host_access
 from hf_zero.ops.build import load_extension
 
 logger = logging.getLogger("hf_zero")
@@ -110,6 +111,10 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     """One Adam step on flat fp32 tensors in place; `out` gets the new values in its dtype. The kernel
     when built, else torch's fused AdamW."""
     grad, out = grad.reshape(-1), None if out is None else out.reshape(-1)
+    for written in (param, exp_avg, exp_avg_sq, out):  # the host writes these; no queued copy may still read them
+        if written is not None:
+            check_host_access(written, writing=True)
+    check_host_access(grad, writing=False)
     if kernel is not None:
         kernel.adam_step(param.reshape(-1), grad.contiguous(), exp_avg.reshape(-1), exp_avg_sq.reshape(-1), out,
                          step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale)

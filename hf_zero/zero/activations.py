@@ -27,7 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_zero.comm import Communicator
-from hf_zero.offload.host import HOST, to_host_memory
+from hf_zero.device import copy_to_host, host_empty, to_device, to_host
 
 logger = logging.getLogger("hf_zero")
 
@@ -100,8 +100,8 @@ class CheckpointStore:
     # ---- internals -----------------------------------------------------------------------------
     def _start_step(self) -> None:
         if self.contiguous and self.step_numel and (self.buffer is None or self.buffer.numel() < self.step_numel):
-            buffer = torch.empty(self.step_numel, dtype=self.kept_dtype, device=HOST if self.cpu else self.compute_device)
-            self.buffer = to_host_memory(buffer) if self.cpu else buffer
+            self.buffer = host_empty(self.step_numel, self.kept_dtype) if self.cpu else \
+                torch.empty(self.step_numel, dtype=self.kept_dtype, device=self.compute_device)
         self.buffer_used = self.step_numel = 0
 
     def _place(self, flat: torch.Tensor) -> torch.Tensor:
@@ -114,16 +114,20 @@ class CheckpointStore:
         if fits:
             kept = self.buffer[self.buffer_used:self.buffer_used + flat.numel()]
             self.buffer_used += flat.numel()
-            return kept.copy_(flat, non_blocking=True)
+            if self.cpu:
+                copy_to_host(kept, flat, "an offloaded activation checkpoint")
+                return kept
+            return kept.copy_(flat)
         if self.cpu:
-            return to_host_memory(flat.to(HOST, copy=True))
+            return to_host(flat, "an offloaded activation checkpoint")[0]
         return flat.clone()
 
     def _start_fetch(self, saved: SavedCheckpoint) -> None:
         """Starts bringing a checkpoint back: host to device, then the all-gather of its slices."""
         if saved.prefetched is not None:
             return
-        kept = saved.kept.to(saved.device, non_blocking=True)
+        kept = to_device(saved.kept, saved.device, "an offloaded activation checkpoint")[0] if saved.offloaded \
+            else saved.kept
         if not saved.partitioned:
             saved.prefetched = (None, kept)
             return

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
+from hf_zero.device import LatestCopy
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice
 from hf_zero.zero.reducer import GradientReducer
 
@@ -29,6 +30,8 @@ class ParamHolder(ABC):
     # Stages 0-1 keep whole gradients and reduce once per optimizer step; stages 2-3 reduce every backward.
     reduces_every_backward: bool
     fp32_init: list[list[torch.Tensor]] | None
+    # Copies to the device that still read param_chunks (stage 3, shards in host memory); None where none do.
+    chunks_lent: LatestCopy | None = None
 
     def grad_chunks(self) -> list[list[torch.Tensor]]:
         """The reduced gradient of each param chunk, same layout."""

@@ -15,7 +15,7 @@ import torch
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST
+from hf_zero.device import HOST, LatestCopy
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HostUpdate, adamw_mode_of
 from hf_zero.offload.nvme import NvmeUpdate
@@ -25,20 +25,21 @@ from hf_zero.zero.update import DeviceUpdate, UpdateBackend
 
 def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                    grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
-                   config: ZeroConfig, rank: int) -> UpdateBackend:
+                   config: ZeroConfig, rank: int, chunks_lent: LatestCopy | None = None) -> UpdateBackend:
     """The backend for where `offload_optimizer` puts the states.
     param_chunks[g][k]: compute-dtype tensor this rank updates (chunk k of param group g).
     grad_chunks[g][k]: the reduced gradient of the same elements.
-    fp32_init[g][k]: their fp32 starting values (mixed precision only: the masters' initial values)."""
+    fp32_init[g][k]: their fp32 starting values (mixed precision only: the masters' initial values).
+    chunks_lent: what the backend waits on before writing param_chunks that queued copies still read."""
     if config.offload_optimizer == "nvme":
         return NvmeUpdate(optimizer, param_chunks, fp32_init, config.nvme_path, rank, config.nvme_tile_numel,
-                          params_on_nvme=config.offload_param == "nvme")
+                          params_on_nvme=config.offload_param == "nvme", chunks_lent=chunks_lent)
     if config.offload_optimizer == "cpu":
         # The update writes straight into the parameter chunks when they are in host memory and nothing reads
         # them meanwhile; a delayed update runs while the next forward reads them.
         staged = config.delayed_param_update or any(c.device != HOST for cs in param_chunks for c in cs)
-        return HostUpdate(optimizer, param_chunks, fp32_init, staged)
-    return DeviceUpdate(optimizer, param_chunks, grad_chunks, fp32_init)
+        return HostUpdate(optimizer, param_chunks, fp32_init, staged, chunks_lent)
+    return DeviceUpdate(optimizer, param_chunks, grad_chunks, fp32_init, chunks_lent)
 
 
 class ShardedOptimizer:

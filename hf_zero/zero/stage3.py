@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST, to_host_memory
+from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, release_storage, set_data
 from hf_zero.zero.stage2 import PartitionedGradients
@@ -49,6 +49,10 @@ class Unit:
         self.shard_ids: list[tuple[int, int]] = []  # (param group, chunk) of each, in the optimizer's order
         self.reader: ParamReader | None = None  # offload_param nvme: the chunks are read from files
         self.reading: list[torch.Tensor] = []  # the reader's buffers lent until the all-gathers finish
+        # offload_param: each gather copies the shards from host memory to the device first, and the latest
+        # copy is kept here until the update writes the shards; None when the shards are on the device.
+        self.shards_lent: LatestCopy | None = None
+        self.copies: list[Copy] = []  # this gather's copies to the device, one per flat buffer
         # Storage is released at once: holding every unit's buffer while sharding would hold a second
         # whole copy of the model; `adopt_params` fills and frees them one unit at a time.
         for flat in flats:
@@ -64,8 +68,9 @@ class Unit:
         for i, flat in enumerate(self.flats):
             flat.allocate_storage()
             shard = self.shards[i] if self.reader is None else self._read(i)
-            # offload_param: the shard comes from host memory first (a prefetched unit's copy overlaps compute).
-            shard = shard.to(flat.data.device, non_blocking=True)
+            if self.shards_lent is not None:  # a prefetched unit's copy to the device overlaps compute
+                shard, copy = to_device(shard, flat.data.device, f"the host shard of unit {self.name!r}")
+                self.copies.append(copy)
             # Writing into the buffer must not bump the version autograd checks on saved views of it.
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
                 self.works.append(self.comm.all_gather_(flat.data, shard, async_op=True))
@@ -99,9 +104,13 @@ class Unit:
         for work in self.works:
             work.wait()
         self.works.clear()
-        for buffer in self.reading:
-            self.reader.release(buffer)
+        if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
+            for buffer, copy in zip(self.reading, self.copies):
+                self.reader.release(buffer, copy)
+        elif self.copies:
+            self.shards_lent.add(self.copies[-1])
         self.reading.clear()
+        self.copies.clear()
 
     def free(self) -> None:
         if self.persistent or not self.gathered:
@@ -151,6 +160,9 @@ class Stage3Params(ParamHolder):
         self.reshard_root_after_forward = config.reshard_root_after_forward
         self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.flats]
+        self.chunks_lent = LatestCopy() if self.param_shard_device is not None else None
+        for unit in self.units:
+            unit.shards_lent = self.chunks_lent
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]

@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from hf_zero.device import LatestCopy
+
 
 class UpdateBackend(ABC):
     """param_chunks[g][k]: the compute-dtype tensor of chunk k of param group g that this rank updates.
@@ -20,9 +22,17 @@ class UpdateBackend(ABC):
     # or the backend took it in load_chunk (NVMe).
     states_in_optimizer = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
+                 chunks_lent: LatestCopy | None) -> None:
         self.optimizer, self.param_chunks = optimizer, param_chunks
+        self.chunks_lent = chunks_lent
         self.master_shards: list[torch.Tensor] = []  # fp32 masters kept apart from the parameters, if any
+
+    def _writable_chunks(self) -> list[list[torch.Tensor]]:
+        """param_chunks, once no queued copy reads them any more (stage 3 with shards in host memory)."""
+        if self.chunks_lent is not None:
+            self.chunks_lent.wait()
+        return self.param_chunks
 
     def _own_masters(self, values: list[list[torch.Tensor]],
                      place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list[list[torch.Tensor]]:
@@ -53,7 +63,7 @@ class UpdateBackend(ABC):
         """Sets chunk k of group g's fp32 master and its compute-dtype copy; the state goes through the
         optimizer's own load_state_dict (a backend keeping it elsewhere takes it here)."""
         self.masters[g][k].copy_(master)
-        self.param_chunks[g][k].copy_(master)
+        self._writable_chunks()[g][k].copy_(master)
 
     def held_bytes(self) -> int:
         """Masters kept besides the parameters, and every tensor of the optimizer's state, in memory."""
@@ -73,8 +83,9 @@ class DeviceUpdate(UpdateBackend):
     12Ψ/Nd optimizer-state budget assumes."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
-                 grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None) -> None:
-        super().__init__(optimizer, param_chunks)
+                 grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
+                 chunks_lent: LatestCopy | None) -> None:
+        super().__init__(optimizer, param_chunks, chunks_lent)
         self.mixed = fp32_init is not None
         if self.mixed:
             self.masters = self._own_masters(fp32_init)
@@ -86,6 +97,7 @@ class DeviceUpdate(UpdateBackend):
         self._retarget()
 
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+        self._writable_chunks()
         for masters, grads in zip(self.masters, grad_chunks):
             for master, grad in zip(masters, grads):
                 if self.mixed:

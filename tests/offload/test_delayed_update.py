@@ -11,6 +11,9 @@ from hf_zero.ops import CPUAdam
 from hf_zero.train_lm import batches, load_text
 from tests.helpers import batch, named_copy, tiny_model
 
+# Under both immediate and simulated asynchronous copies (tests/conftest.py: copies).
+pytestmark = pytest.mark.usefixtures("copies")
+
 WARMUP, STEPS = 2, 7
 
 

@@ -17,6 +17,9 @@ from tests.conftest import SMALL_BUCKETS
 from tests.helpers import Scenario, assert_weights_round_the_masters, max_diff, run_scenarios
 from tests.test_engine import FP32_TOL
 
+# Under both immediate and simulated asynchronous copies (tests/conftest.py: copies).
+pytestmark = pytest.mark.usefixtures("copies")
+
 STEPS = 4
 
 
@@ -37,7 +40,7 @@ def offload_scenarios() -> list[Scenario]:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
-def runs(request) -> list[dict]:
+def runs(request, copies) -> list[dict]:
     return spawn_gloo(run_scenarios, request.param, offload_scenarios())
 
 

@@ -14,6 +14,9 @@ from hf_zero.zero.activations import CheckpointStore, apply_activation_checkpoin
 from tests.helpers import SEQ, batch, make_optimizer, tiny_model
 from tests.test_tensor_parallel import tp_model
 
+# Under both immediate and simulated asynchronous copies (tests/conftest.py: copies).
+pytestmark = pytest.mark.usefixtures("copies")
+
 STEPS, GLOBAL_BATCH = 3, 8
 MODES = {"whole": None, "pa": {"partition_activations": True},
          "pa_cpu": {"partition_activations": True, "cpu_checkpointing": True}}

@@ -1,0 +1,86 @@
+"""hf_zero.device: the simulation of a GPU's asynchronous copies behaves as CUDA's copy engine would at its
+most unlucky, and catches the host touching a buffer that a queued copy still uses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zero import device
+from hf_zero.device import LatestCopy, PendingCopyError, bytes_of, copy_to_device, copy_to_host, to_device, to_host
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    monkeypatch.setenv(device.SIMULATE_ENV, "1")
+    yield
+    device._simulator.queued.clear()
+
+
+def test_a_copy_to_the_device_keeps_its_source_lent_until_waited_on(simulated):
+    host = torch.arange(4.0)
+    on_device, copy = to_device(host, torch.device("cpu"), "the test buffer")
+    assert on_device.data_ptr() != host.data_ptr() and torch.equal(on_device, host)  # device work sees it
+    with pytest.raises(PendingCopyError, match="the host writes the test buffer while a queued copy still reads"):
+        bytes_of(host, writing=True)  # file I/O refilling the buffer: defect 2's shape
+    bytes_of(host, writing=False)  # reading a copy's source is fine
+    copy.wait()
+    bytes_of(host, writing=True)
+
+
+def test_a_torch_write_into_a_lent_source_is_caught_when_the_copy_is_waited_on(simulated):
+    host = torch.zeros(3)
+    _, copy = to_device(host, torch.device("cpu"), "the staged outputs")
+    host.add_(1)
+    with pytest.raises(PendingCopyError, match="the staged outputs was written by the host while a queued copy"):
+        copy.wait()
+
+
+def test_a_copy_to_the_host_lands_the_values_the_source_had_when_it_was_queued(simulated):
+    src = torch.arange(5.0)
+    dst, copy = to_host(src, "the checkpoint piece")
+    assert dst.isnan().all()  # not landed: what a read would see on a GPU is unspecified
+    with pytest.raises(PendingCopyError, match="the host reads the checkpoint piece while a queued copy still will"):
+        bytes_of(dst, writing=False)
+    src.fill_(-1)  # later device work on the source is ordered after the copy
+    copy.wait()
+    assert torch.equal(dst, torch.arange(5.0))
+
+
+def test_waiting_on_a_copy_lands_every_copy_queued_before_it_and_not_after(simulated):
+    a, b, c = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+    first = copy_to_host(a, torch.ones(2), "a")
+    second = copy_to_host(b, torch.full((2,), 2.0), "b")
+    third = copy_to_host(c, torch.full((2,), 3.0), "c")
+    latest = LatestCopy()
+    latest.add(first)
+    latest.add(second)
+    latest.wait()
+    assert a.tolist() == [1, 1] and b.tolist() == [2, 2] and c.isnan().all()
+    assert first.done() and second.done() and not third.done()
+    device.synchronize()
+    assert c.tolist() == [3, 3]
+
+
+def test_a_later_copy_over_the_same_host_buffer_is_ordered_after_the_earlier_one(simulated):
+    """Device work is stream-ordered: a copy to the device out of a buffer a copy to the host is still filling
+    reads the filled values, as an offloaded activation checkpoint is brought back."""
+    kept = torch.zeros(3)
+    copy_to_host(kept, torch.tensor([1.0, 2.0, 3.0]), "kept activations")
+    back, copy = to_device(kept, torch.device("cpu"), "kept activations")
+    assert back.tolist() == [1, 2, 3]
+    copy.wait()
+
+
+def test_without_the_simulation_copies_on_cpu_are_immediate_and_make_no_copy_of_host_tensors(monkeypatch):
+    monkeypatch.delenv(device.SIMULATE_ENV, raising=False)
+    host = torch.arange(3.0)
+    same, copy = to_device(host, torch.device("cpu"), "x")
+    assert same is host and copy.done()
+    dst = torch.zeros(3)
+    assert copy_to_device(dst, host, "x").done() and torch.equal(dst, host)
+
+
+def test_file_io_refuses_device_memory():
+    meta = torch.empty(2, device="meta")
+    with pytest.raises(ValueError, match="bytes_of reads host memory"):
+        bytes_of(meta, writing=False)
