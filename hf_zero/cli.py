@@ -31,22 +31,55 @@ def _nproc(value: str) -> int:
     return count
 
 
+LAUNCH_FLAGS = ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port")
+
+
+def _add_launch_arguments(parser: argparse.ArgumentParser, default_nproc: int) -> None:
+    """torchrun's options; on several machines, the same command runs on each with its own --node_rank."""
+    launch = parser.add_argument_group("launch (torchrun's; for several nodes run the same command on each)")
+    launch.add_argument("--nproc_per_node", type=_nproc, default=default_nproc,
+                        help=f"processes to start on this node, one per GPU (default {default_nproc})")
+    launch.add_argument("--nnodes", type=_nproc, default=1, help="machines taking part (default 1)")
+    launch.add_argument("--node_rank", type=int, default=0, help="this machine's index, 0 to nnodes - 1")
+    launch.add_argument("--master_addr", default="127.0.0.1", help="address of node 0, reachable from every node")
+    launch.add_argument("--master_port", type=int,
+                        help="a free port on node 0 (default: any free port; needed with --nnodes above 1)")
+
+
+def _check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Refuses a launch the nodes could not agree on; returns the number of processes in all."""
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node_rank must be between 0 and --nnodes - 1 ({args.nnodes - 1}); got {args.node_rank}")
+    if args.nnodes > 1 and args.master_port is None:
+        parser.error("--nnodes above 1 needs --master_port: every node must name the same port of --master_addr")
+    return args.nproc_per_node * args.nnodes
+
+
+def _without_launch_flags(argv: list[str]) -> list[str]:
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in LAUNCH_FLAGS:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in LAUNCH_FLAGS)):
+            kept.append(arg)
+    return kept
+
+
 def _train(argv: list[str]) -> int:
     from hf_zero import train_lm
 
     parser = Parser(prog="hf-zero train", description=train_lm.__doc__)
-    parser.add_argument("--nproc_per_node", type=_nproc, default=2, help="processes to start (gloo on CPU, NCCL on GPU)")
+    _add_launch_arguments(parser, default_nproc=2)
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
-    train_lm.check_args(args, args.nproc_per_node)  # bad settings stop here, before any process starts
-    if args.nproc_per_node == 1:
+    processes = _check_launch(parser, args)
+    train_lm.check_args(args, processes)  # bad settings stop here, before any process starts
+    if processes == 1:
         train_lm.main(args)
         return 0
-    job_args = [a for a in argv if not a.startswith("--nproc_per_node")]
-    if "--nproc_per_node" in argv:  # drop the flag's separate value too
-        i = argv.index("--nproc_per_node")
-        job_args = argv[:i] + argv[i + 2:]
-    return _torchrun(args.nproc_per_node, "hf_zero.train_lm", job_args)
+    return _torchrun(args, "hf_zero.train_lm", _without_launch_flags(argv))
 
 
 def _run(argv: list[str]) -> int:
@@ -54,16 +87,17 @@ def _run(argv: list[str]) -> int:
 
     parser = Parser(prog="hf-zero run", description=run.__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc_per_node", type=_nproc, default=1, help="processes to start (default 1)")
+    _add_launch_arguments(parser, default_nproc=1)
     parser.add_argument("script", help="a script that builds TrainingArguments and Trainer from transformers")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args(argv)
-    if args.nproc_per_node == 1:
+    processes = _check_launch(parser, args)
+    if processes == 1:
         return run.main([args.script, *args.script_args])
     if not Path(args.script).is_file():
         parser.error(f"no such script: {args.script}")
-    run.check_script_flags(args.script_args, args.nproc_per_node)  # once, before any process starts
-    return _torchrun(args.nproc_per_node, "hf_zero.run", [args.script, *args.script_args])
+    run.check_script_flags(args.script_args, processes)  # once, before any process starts
+    return _torchrun(args, "hf_zero.run", [args.script, *args.script_args])
 
 
 def _shard_size(value: str) -> int:
@@ -170,14 +204,15 @@ def _typed(parse):
     return convert
 
 
-def _torchrun(nproc: int, module: str, module_args: list[str]) -> int:
-    """Starts `nproc` local processes of `python -m module module_args` through torchrun."""
+def _torchrun(launch: argparse.Namespace, module: str, module_args: list[str]) -> int:
+    """Starts this node's processes of `python -m module module_args` through torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     try:
-        torchrun(["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                  "-m", module, *module_args])
+        torchrun(["--nnodes", str(launch.nnodes), "--node_rank", str(launch.node_rank),
+                  "--nproc_per_node", str(launch.nproc_per_node), "--master_addr", launch.master_addr,
+                  "--master_port", str(launch.master_port or free_port()), "-m", module, *module_args])
     except ChildFailedError:  # torchrun has already printed which rank failed and why
         return 1
     return 0

@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hf_zero.device import HOST, compute_device
+
 MODEL_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
 
 
@@ -87,7 +89,7 @@ class Communicator:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         # Where tensors must be for this group's collectives: NCCL reduces on the GPU, gloo on the host.
         nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = compute_device() if nccl else HOST
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:

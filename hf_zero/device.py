@@ -40,6 +40,16 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available()
 
 
+def compute_device() -> torch.device:
+    """Where this process computes: its accelerator (chosen by `use_local_accelerator`), else the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if has_accelerator() else HOST
+
+
+def use_local_accelerator(local_rank: int) -> None:
+    """Makes accelerator `local_rank` (torchrun's LOCAL_RANK: one per process on a node) this process's own."""
+    torch.cuda.set_device(local_rank)
+
+
 def simulating() -> bool:
     """Whether copies behave as on a GPU (tests: HF_ZERO_SIMULATE_ASYNC=1), though they run on CPU."""
     return os.environ.get(SIMULATE_ENV) == "1"

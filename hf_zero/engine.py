@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_zero import checkpoint, export
 from hf_zero.comm import Communicator, Ledger
 from hf_zero.comm import rank as global_rank
+from hf_zero.device import compute_device
 from hf_zero.config import ZeroConfig
 from hf_zero.launch import destroy_process_group_at_exit
 from hf_zero.offload.delayed import DelayedUpdate
@@ -138,8 +139,7 @@ def sync_module_states(model: nn.Module, comm: Communicator, init_from: Any) -> 
     identically on every rank. Returns the device such a model is built on."""
     build_device = None
     if init_from is not None:
-        build_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        build_device = compute_device()
         init_from.fill_rest(model, build_device)
     for t in list(model.parameters()) + list(model.buffers()):
         if not t.is_meta:
@@ -155,13 +155,16 @@ def apply_partitioning(model: nn.Module, groups: list[list[tuple[str, nn.Paramet
 
 @torch.no_grad()
 def apply_precision(model: nn.Module, params: ParamHolder, dtype: torch.dtype) -> None:
-    """4. Frozen parameters and floating buffers follow the compute dtype, as model.to(dtype) would."""
+    """4. Frozen parameters and the floating buffers of the state dict follow the compute dtype, as a model
+    transformers builds in that dtype has them. Buffers a module computes for itself (non-persistent: RoPE's
+    inv_freq) keep theirs: the module casts them where it uses them, and rounding inv_freq to bf16 would
+    move every rotary angle."""
     for p in model.parameters():
         if id(p) not in params.managed and p.is_floating_point():
             p.data = p.data.to(dtype)
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
-            if b.is_floating_point():
+            if b.is_floating_point() and name not in m._non_persistent_buffers_set:
                 setattr(m, name, b.to(dtype))
 
 

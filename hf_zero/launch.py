@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hf_zero.device import has_accelerator, use_local_accelerator
+
 
 def init_distributed(backend: str | None = None) -> None:
     """Initialises torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
@@ -24,9 +26,9 @@ def init_distributed(backend: str | None = None) -> None:
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if has_accelerator() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        use_local_accelerator(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
 
 

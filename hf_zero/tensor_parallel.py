@@ -31,6 +31,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from transformers.pytorch_utils import Conv1D
 
+from hf_zero.device import compute_device
+
 
 def init_mesh(tensor_parallel_size: int) -> DeviceMesh:
     """The ("dp", "tp") mesh over the whole world: consecutive ranks form a tp group (inside a node, as
@@ -38,8 +40,7 @@ def init_mesh(tensor_parallel_size: int) -> DeviceMesh:
     world = dist.get_world_size()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size must divide the world size {world}; got {tensor_parallel_size}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(compute_device().type, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
 
 
 def _distribute_weight_and_bias(name: str, module: nn.Module, mesh: DeviceMesh,

@@ -21,6 +21,7 @@ import hf_zero
 import model_zoo
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.config import add_arguments as add_engine_arguments
+from hf_zero.device import compute_device
 from hf_zero.launch import init_distributed
 from hf_zero.memory import model_state_bytes
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
@@ -95,7 +96,7 @@ def build_engine(args: argparse.Namespace, rank: int, world: int
     cosine schedule, in the engine; returns the engine, the schedule and this rank's data-parallel rank."""
     torch.manual_seed(args.seed)
     dropout = {} if args.dropout is None else {f"{part}_pdrop": args.dropout for part in ("resid", "embd", "attn")}
-    model = model_zoo.build(args.model, n_positions=max(args.seq_len, 128), **dropout)
+    model = model_zoo.build(args.model, n_positions=max(args.seq_len, 128), **dropout).to(compute_device())
     psi = sum(p.numel() for p in model.parameters())
     mesh, dp_rank, dp = None, rank, world
     if args.tensor_parallel_size > 1:
@@ -129,7 +130,7 @@ def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.
                disable=rank != 0)
     for step in range(args.max_steps):
         for _ in range(args.gradient_accumulation_steps):
-            x = next(stream)
+            x = next(stream).to(compute_device())
             loss = engine(input_ids=x[:, :-1], labels=x[:, :-1]).loss
             engine.backward(loss)
             engine.step()
@@ -162,7 +163,7 @@ def _out_of_time(on_this_rank: bool, device: torch.device) -> bool:
 def validation_loss(args: argparse.Namespace, engine: hf_zero.ZeroEngine, val: torch.Tensor) -> float:
     engine.eval()
     val_stream = batches(val, args.batch_size, args.seq_len + 1, seed=12345)
-    return sum(engine(input_ids=(x := next(val_stream))[:, :-1], labels=x[:, :-1]).loss.item()
+    return sum(engine(input_ids=(x := next(val_stream).to(compute_device()))[:, :-1], labels=x[:, :-1]).loss.item()
                for _ in range(10)) / 10
 
 

@@ -277,3 +277,55 @@ def test_shard_files_get_the_permissions_of_the_other_files(tmp_path):
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "ckpt").iterdir()}
     assert modes["manifest.json"] == 0o644
     assert modes["rank00000-of-00001.safetensors"] == modes["manifest.json"], modes
+
+
+class NewTensorBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every tensor an op creates (not a view of one already there), but for those in `exempt`."""
+
+    def __init__(self, exempt: set[int]) -> None:
+        super().__init__()
+        self.exempt, self.bytes = exempt, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if torch.is_tensor(t)}
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs | self.exempt:
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def test_a_save_copies_the_states_to_host_buffers_and_allocates_nothing_state_sized_on_the_device(
+        tmp_path, monkeypatch):
+    """Under the simulated GPU every engine tensor counts as device memory. A save must move the masters and
+    Adam moments to host buffers made by hf_zero.device, not clone them where they are (about 12 bytes per
+    parameter / Nd of device memory for the duration of the save)."""
+    monkeypatch.setenv("HF_ZERO_SIMULATE_ASYNC", "1")
+    engine = new_engine({"zero_stage": 2})
+    train(engine, 0, 1)
+    host_buffers: set[int] = set()
+    made_on_host = hf_zero.device.host_empty
+
+    def host_empty(numel, dtype):  # host memory: not counted
+        with torch.utils._python_dispatch._disable_current_modes():
+            buffer = made_on_host(numel, dtype)
+        host_buffers.add(buffer.untyped_storage().data_ptr())
+        return buffer
+
+    monkeypatch.setattr(hf_zero.device, "host_empty", host_empty)
+    queue = hf_zero.device._Simulator.queue
+
+    def queue_unseen(*args):  # the simulation's own copies of the values are not the engine's allocations
+        with torch.utils._python_dispatch._disable_current_modes():
+            return queue(*args)
+
+    monkeypatch.setattr(hf_zero.device._Simulator, "queue", queue_unseen)
+    counter = NewTensorBytes(host_buffers)
+    with counter:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    states = 3 * sum(p.numel() for p in engine.module.parameters()) * 4
+    assert counter.bytes < 0.05 * states, f"{counter.bytes} bytes made outside host buffers; states {states}"
+    continued = new_engine({"zero_stage": 2})
+    continued.load_checkpoint(str(tmp_path / "ckpt"))
+    assert max_diff(continued.gathered_masters(), engine.gathered_masters()) == 0

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import transformers
 
 import hf_zero
 from hf_zero.zero.reducer import MAX_IN_FLIGHT
@@ -197,3 +198,19 @@ def test_what_each_rank_holds_is_logged_after_the_first_step_not_before_it(caplo
     reports = [r.getMessage() for r in caplog.records if " holds " in r.getMessage()]
     assert len(reports) == 1, "once, after the first step"
     assert "gradients 0.00 MiB" not in reports[0] and "optimizer_states 0.00 MiB" not in reports[0], reports[0]
+
+
+def test_in_bf16_buffers_have_the_dtypes_transformers_builds_them_with():
+    """RoPE's inv_freq is a non-persistent buffer the module computes in fp32 and casts where it uses it;
+    rounded to bf16 it would move every rotary angle. The reference is the model transformers builds in bf16."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2, "dtype": "bf16"})
+    assert {n: b.dtype for n, b in model.named_buffers()} == {n: b.dtype for n, b in reference.named_buffers()}
+    assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()

@@ -67,17 +67,17 @@ class ShardedOptimizer:
     @torch.no_grad()
     def compute_grad_norm(self) -> float:
         """The unscaled global gradient norm (one all-reduce), kept for the step that follows.
-        inf or NaN when any rank's shard overflowed."""
-        local_sq = torch.zeros(1, dtype=torch.float32, device=self.comm.device)
-        for grads in self.grad_chunks:
-            for grad in grads:  # offloaded gradients are in host memory, the collective runs on the device
-                local_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(local_sq.device)
+        inf or NaN when any rank's shard overflowed. Squares are summed in fp64 on the gradients' own device
+        (fp32 sums over millions of elements drift by 1e-4 relative, which moves clipping), and reach the
+        collective's device once."""
+        local_sq = sum((_square_sum(grad) for grads in self.grad_chunks for grad in grads),
+                       torch.zeros((), dtype=torch.float64))
         if self.tp_comm is not None:  # summed over tp below: count each replicated element once, not tp times
             for ranges, grads in zip(self.tp_replicated, self.grad_chunks):
                 for chunk_ranges, grad in zip(ranges, grads):
                     for lo, hi in chunk_ranges:
-                        local_sq -= (1 - 1 / self.tp_comm.world_size) * torch.linalg.vector_norm(
-                            grad[lo:hi], dtype=torch.float32).square().to(local_sq.device)
+                        local_sq = local_sq - (1 - 1 / self.tp_comm.world_size) * _square_sum(grad[lo:hi])
+        local_sq = local_sq.reshape(1).to(self.comm.device)
         if not self.grads_replicated:
             self.comm.all_reduce_(local_sq)
         if self.tp_comm is not None:
@@ -121,6 +121,16 @@ class ShardedOptimizer:
 
     def held_bytes(self) -> int:
         return self.backend.held_bytes()
+
+
+NORM_PIECE = 1 << 22  # elements converted to fp64 at a time: 32 MiB, whatever the shard's size
+
+
+def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of `grad`, in fp64, on its device."""
+    flat = grad.reshape(-1)
+    return sum((torch.linalg.vector_norm(flat[i:i + NORM_PIECE], dtype=torch.float64).square()
+                for i in range(0, flat.numel(), NORM_PIECE)), torch.zeros((), dtype=torch.float64, device=grad.device))
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
