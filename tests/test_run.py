@@ -100,3 +100,36 @@ def test_a_zero_flag_far_from_every_engine_flag_is_left_to_the_script():
     with pytest.raises(ZeroConfigError, match="unknown flag --zero_offload_optimiser; did you mean "
                                               "--zero_offload_optimizer?"):
         check_script_flags(["--zero_offload_optimiser", "cpu"], 2)
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_train_as_one_node_of_four(tmp_path):
+    """Two "nodes" on 127.0.0.1, each started with the same command and its own --node_rank, as on two machines.
+    The reference is one node of 4 processes: the stock Trainer's sampler gives 4 ranks other samples per step
+    than one process (the weights differ by 1.5e-2 after 4 steps either way), so world size 4 it is."""
+    from hf_zero.launch import free_port
+
+    train = [str(SCRIPT), "--zero_stage", "2", "--do_train", "--max_steps", "4", "--learning_rate", "3e-3",
+             "--per_device_train_batch_size", "2", *COMMON]
+    one_node = hf_zero("run", "--nproc_per_node", "4", *train, "--output_dir", str(tmp_path / "one_node"))
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    port = str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "hf_zero", "run", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", "2", "--master_port", port, *train,
+                               "--output_dir", str(tmp_path / "two_nodes")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    for node in nodes:
+        _, err = node.communicate(timeout=600)
+        assert node.returncode == 0, err[-3000:]
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "one_node").state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "two_nodes").state_dict()
+    assert max((trained[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
+
+
+@pytest.mark.parametrize("launch, message", [
+    (["--nnodes", "2"], "--nnodes above 1 needs --master_port"),
+    (["--nnodes", "2", "--node_rank", "2", "--master_port", "29500"], "--node_rank must be between 0 and"),
+])
+def test_a_launch_the_nodes_could_not_agree_on_is_refused_in_one_line(launch, message):
+    run = hf_zero("run", *launch, str(SCRIPT), timeout=120)
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1
