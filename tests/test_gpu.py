@@ -37,30 +37,28 @@ def plain_cuda_run(steps: int) -> dict[str, torch.Tensor]:
     return named_copy(model)
 
 
-@pytest.mark.parametrize("config", OFFLOADS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_every_stage_and_offload_trains_on_cuda_as_plain_torch_does(config, tmp_path):
-    expected = plain_cuda_run(4)
+def engine_cuda_run(config: dict, steps: int) -> dict[str, torch.Tensor]:
     model = tiny_model("gpt2").to(CUDA)
     engine = hf_zero.initialize(model, make_optimizer(model), {"reduce_bucket_size": 3000, **config})
-    for step in range(4):
+    for step in range(steps):
         engine.backward(engine(**on_cuda(batch("gpt2", step, 8))).loss)
         engine.step()
     with engine.gathered_parameters():
-        got = named_copy(model)
+        return named_copy(model)
+
+
+def assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert max((got[k].cpu() - expected[k].cpu()).abs().max().item() for k in expected) < 1e-5
+
+
+@pytest.mark.parametrize("config", OFFLOADS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_every_stage_and_offload_trains_on_cuda_as_plain_torch_does(config):
+    assert_close(engine_cuda_run(config, 4), plain_cuda_run(4))
 
 
 def test_nvme_offload_trains_on_cuda_as_plain_torch_does(tmp_path):
-    expected = plain_cuda_run(4)
-    model = tiny_model("gpt2").to(CUDA)
-    engine = hf_zero.initialize(model, make_optimizer(model), {
-        "zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": str(tmp_path)})
-    for step in range(4):
-        engine.backward(engine(**on_cuda(batch("gpt2", step, 8))).loss)
-        engine.step()
-    with engine.gathered_parameters():
-        got = named_copy(model)
-    assert max((got[k].cpu() - expected[k].cpu()).abs().max().item() for k in expected) < 1e-5
+    config = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": str(tmp_path)}
+    assert_close(engine_cuda_run(config, 4), plain_cuda_run(4))
 
 
 def test_a_save_holds_no_state_sized_device_memory(tmp_path):
