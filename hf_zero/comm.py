@@ -117,6 +117,12 @@ class Communicator:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
                            group=self.group)
 
+    def any_rank_(self, flags: torch.Tensor) -> None:
+        """Sets each flag (uint8) to 1 where any rank has it set. A control message (which parameters got a
+        gradient somewhere), not recorded: the ledger counts model-state traffic."""
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (small, picklable): control messages such as "this rank's save failed".
         Not recorded: the ledger counts model-state traffic, the quantity the paper accounts for."""

@@ -282,7 +282,9 @@ class ZeroEngine(nn.Module):
     def optimizer_step(self) -> None:
         """Updates this rank's shard from the reduced gradients and re-shares the parameters."""
         self.params.grads.allocate()
-        stepped = self.sharded_optimizer.step(self.global_steps)
+        unused = self._unused_on_every_rank()
+        stepped = self.sharded_optimizer.step(self.global_steps, self.params.chunk_ranges_of(unused) if unused
+                                              else None)
         self.global_grad_norm = self.sharded_optimizer.global_grad_norm
         self.last_step_skipped = not stepped
         if stepped:
@@ -306,6 +308,26 @@ class ZeroEngine(nn.Module):
         self._update_state_bytes()
         if self.global_steps == 1:  # the first step is when gradients, optimizer states and traffic exist
             logger.info(self.ledger.report(self.comm.rank))
+
+    def _unused_on_every_rank(self) -> set[nn.Parameter]:
+        """The parameters no rank computed a gradient for since the last step. torch's optimizers leave a
+        parameter without a gradient as it is (no weight decay, no moment update), and DDP leaves its gradient
+        None, so the step leaves them as they are too. One used on some ranks only is stepped with the
+        average of its gradients and the others' zeros, as under DDP."""
+        params = list(self.params.grads.param_pieces)
+        unused_here = set(self.params.grads.take_unused())
+        used = torch.tensor([p not in unused_here for p in params], dtype=torch.uint8, device=self.comm.device)
+        self.comm.any_rank_(used)
+        unused = {p for p, was_used in zip(params, used.tolist()) if not was_used}
+        if unused and (self.config.delayed_param_update or self.config.offload_optimizer == "nvme"):
+            names = sorted(self.params.managed[id(p)].name for p in unused)
+            raise ValueError(f"no rank computed a gradient for {', '.join(names[:5])}"
+                             f"{f' and {len(names) - 5} more' if len(names) > 5 else ''} in this step; torch's "
+                             f"optimizers leave such parameters untouched, which "
+                             f"{'delayed_param_update' if self.config.delayed_param_update else 'offload_optimizer nvme'}"
+                             f" cannot do yet. Set requires_grad=False on parameters the model does not use, or "
+                             f"turn that setting off")
+        return unused
 
     def finish_pending_update(self) -> None:
         """With delayed_param_update: waits for the update still running on the host and gives its

@@ -214,3 +214,15 @@ def test_in_bf16_buffers_have_the_dtypes_transformers_builds_them_with():
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
+
+
+def test_a_parameter_no_rank_used_is_refused_where_the_step_cannot_leave_it_untouched(tmp_path):
+    """torch's optimizers skip a parameter without a gradient; NVMe states are stepped tile by tile over the
+    whole shard and cannot skip its elements yet, so the engine says which parameter and what to do."""
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()),
+                                {"zero_stage": 2, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)})
+    engine.backward(model["used"](torch.randn(2, 4)).sum())
+    with pytest.raises(ValueError, match=r"no rank computed a gradient for unused.bias, unused.weight .*"
+                                         r"offload_optimizer nvme cannot do yet. Set requires_grad=False"):
+        engine.step()

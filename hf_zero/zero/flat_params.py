@@ -35,7 +35,7 @@ class FlatParams(ParamHolder):
     produces the last layers' gradients first, so buckets fill in turn)."""
 
     def __init__(self, groups: list[list[tuple[str, nn.Parameter]]], stage: int, dtype: torch.dtype,
-                 comm: Communicator, config: ZeroConfig) -> None:
+                 comm: Communicator, config: ZeroConfig, position: dict[nn.Parameter, int]) -> None:
         self.comm, self.replicated = comm, stage == 0
         self.reduces_every_backward = stage == 2
         self.allgather_bucket_size = config.allgather_bucket_size
@@ -47,10 +47,10 @@ class FlatParams(ParamHolder):
             flat.pack_and_bind()
         if stage == 2:
             # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
-            self.grads = PartitionedGradients(self.flats, comm, config.overlap_comm,
+            self.grads = PartitionedGradients(self.flats, comm, config.overlap_comm, position,
                                               shard_device=HOST if config.offload_optimizer != "none" else None)
         else:
-            self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, partitioned=stage == 1)
+            self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, position, partitioned=stage == 1)
         self.param_chunks = [[flat.owned_chunk(b, self.shard) for b in flat.buckets] for flat in self.flats]
 
     @property
@@ -108,8 +108,8 @@ class ReplicatedGradients(GradientReducer):
     """Stages 0-1: the whole gradient in one flat buffer per param group, reduced at the step's last backward."""
 
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
-                 partitioned: bool) -> None:
-        super().__init__(flat_params, comm, overlap_comm)
+                 position: dict[nn.Parameter, int], partitioned: bool) -> None:
+        super().__init__(flat_params, comm, overlap_comm, position)
         self.partitioned = partitioned
         self.shard = comm.rank if partitioned else 0
         self.flat_grads = [torch.zeros_like(flat.data) for flat in flat_params]

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Iterator
 
 import torch
+from torch import nn
 
 from hf_zero.device import LatestCopy
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice
@@ -49,6 +50,11 @@ class ParamHolder(ABC):
         """For each param chunk, its flat buffer and the element range [lo, hi) of it, same layout."""
         return [[(self.flats[fi], *self.flats[fi].buckets[bi].owned_range(self.shard)) for fi, bi in keys]
                 for keys in self.chunk_keys()]
+
+    def chunk_ranges_of(self, params: set[nn.Parameter]) -> list[list[list[tuple[int, int]]]]:
+        """For each param chunk, the element ranges [lo, hi) of it that hold `params`, same layout."""
+        return [[[(p.range_lo, p.range_lo + p.param_hi - p.param_lo) for p in flat.pieces_between(lo, hi)
+                  if p.slice.param in params] for flat, lo, hi in chunks] for chunks in self.owned_ranges()]
 
     @property
     @abstractmethod

@@ -87,9 +87,11 @@ class ShardedOptimizer:
         return self.global_grad_norm
 
     @torch.no_grad()
-    def step(self, step_number: int = 0) -> bool:
+    def step(self, step_number: int = 0, untouched: list[list[list[tuple[int, int]]]] | None = None) -> bool:
         """Unscales, clips and applies the update; returns False when the step was skipped (overflow).
-        `step_number` (from 0) tells a delayed update whether its warm-up is over."""
+        `step_number` (from 0) tells a delayed update whether its warm-up is over. `untouched[g][k]`: element
+        ranges of chunk k of group g that keep their values and states (parameters no rank used, which
+        torch's optimizers skip); not with a delayed update or NVMe states (the engine refuses those)."""
         norm = self.global_grad_norm if self.norm_is_current else self.compute_grad_norm()
         self.norm_is_current = False
         scale = self.scaler.scale
@@ -106,10 +108,26 @@ class ShardedOptimizer:
             self.delayed.launch(lambda: self.backend.step(coef, grads))
         else:
             self.finish_pending()
+            kept = self._copy_ranges(untouched or [])
             self.backend.step(coef, self.grad_chunks)
             self.backend.publish()
+            for tensor, lo, hi, values in kept:
+                tensor[lo:hi].copy_(values)
         self.scaler.update(overflow=False)
         return True
+
+    def _copy_ranges(self, ranges: list[list[list[tuple[int, int]]]]) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
+        """Copies of the masters, elementwise optimizer states and parameters over `ranges`."""
+        kept = []
+        for g, chunks in enumerate(ranges):
+            for k, chunk_ranges in enumerate(chunks):
+                if not chunk_ranges:
+                    continue
+                master, state = self.backend.chunk_state(g, k)
+                tensors = [master, self.backend.param_chunks[g][k],
+                           *(v for v in state.values() if torch.is_tensor(v) and v.numel() == master.numel())]
+                kept += [(t, lo, hi, t[lo:hi].clone()) for t in tensors for lo, hi in chunk_ranges]
+        return kept
 
     def finish_pending(self) -> bool:
         """Waits for a delayed update still running and gives its parameters to the chunks; True when
@@ -123,7 +141,7 @@ class ShardedOptimizer:
         return self.backend.held_bytes()
 
 
-NORM_PIECE = 1 << 22  # elements converted to fp64 at a time: 32 MiB, whatever the shard's size
+NORM_PIECE = 1 << 18  # elements converted to fp64 at a time: 2 MiB, whatever the shard's size
 
 
 def _square_sum(grad: torch.Tensor) -> torch.Tensor:

@@ -194,3 +194,8 @@ def allocate_storage(tensor: torch.Tensor) -> bool:
         return False
     tensor.untyped_storage().resize_(nbytes)
     return True
+
+
+def model_order(model: nn.Module) -> dict[nn.Parameter, int]:
+    """Each parameter's place in the order the model registers them (a tied one counts once, first)."""
+    return {p: i for i, p in enumerate(model.parameters())}

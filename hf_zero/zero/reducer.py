@@ -1,9 +1,17 @@
 """Bucket readiness during backward: the part of gradient reduction every stage shares.
 
 Each parameter gets a post-accumulate-grad hook. When the last gradient of a bucket has arrived the
-bucket is reduced at once, asynchronously when `overlap_comm` is on, so the collective overlaps the
-rest of the backward pass. Buckets that some parameter never reached (unused parameters) are
-reduced in `finish`, in bucket order, which is the same on every rank.
+bucket is ready, and ready buckets are reduced in one launch order that every rank shares, asynchronously
+when `overlap_comm` is on, so the collectives overlap the rest of the backward pass. Launching in the
+order buckets happen to become ready would not do: a parameter used on some ranks only (a mixture of
+experts, a conditional branch) completes its bucket during backward there and only in `finish` elsewhere,
+and the ranks' collectives would then pair up different buckets (a mismatch abort, a hang, or silently
+wrong sums when sizes agree). A ready bucket waits for those before it in the order; whatever is left at
+the end of backward is launched in `finish`, in the same order.
+
+The order is the expected order of readiness: backward produces gradients roughly in the reverse of the
+order the model registers its parameters, so a bucket is ready about when its earliest-registered parameter's
+gradient arrives, and buckets launch latest-registered first, whatever param group they belong to.
 
 At most MAX_IN_FLIGHT reductions are outstanding: each holds a bucket buffer (stages 2-3), and
 letting them pile up until the end of backward would hold a whole gradient's worth of buffers,
@@ -28,7 +36,9 @@ class GradientReducer:
     """For each gradient: `accumulate(param)`, then per bucket piece `write_piece` (launching
     `reduce_bucket(key)` as soon as a bucket is complete), then `release(param)`."""
 
-    def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool) -> None:
+    def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
+                 position: dict[nn.Parameter, int]) -> None:
+        """`position`: each parameter's place in the model's registration order (the launch order's basis)."""
         self.flat_params = flat_params
         self.comm = comm
         self.overlap_comm = overlap_comm
@@ -42,7 +52,16 @@ class GradientReducer:
                 self.expected[(fi, b.index)] = len(flat.pieces[b.index])
                 for piece in flat.pieces[b.index]:
                     self.param_pieces[piece.slice.param].append(((fi, b.index), piece))
+        self.got_grad: set[nn.Parameter] = set()  # since the last take_unused(): unused ones are not stepped
+        first = {key: min((position[piece.slice.param] for piece in flat_params[key[0]].pieces[key[1]]), default=-1)
+                 for key in self.expected}
+        self.launch_order = sorted(self.expected, key=lambda key: (-first[key], key))
+        rank_of = {key: i for i, key in enumerate(self.launch_order)}
+        for pieces in self.param_pieces.values():
+            pieces.sort(key=lambda key_piece: rank_of[key_piece[0]])
         self.pending: dict[BucketKey, int] = {}
+        self.ready: set[BucketKey] = set()
+        self.launched = 0  # buckets of launch_order launched in this backward
         self.in_flight: deque[tuple[object, Callable[[], None]]] = deque()
         self.active = False
         self.reducing = False
@@ -73,24 +92,37 @@ class GradientReducer:
         """Called before each backward; `reduce` says whether this backward's buckets are reduced."""
         self.active, self.reducing = True, reduce
         self.pending = dict(self.expected)
+        self.ready.clear()
+        self.launched = 0
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.active:
             raise RuntimeError("a gradient arrived outside engine.backward(); call engine.backward(loss) "
                                "instead of loss.backward() so that ZeRO can reduce it")
+        self.got_grad.add(param)
         self.accumulate(param)
         if self.reducing:
-            # Piece by piece, so that a parameter spanning many buckets never opens them all at once.
+            # Piece by piece in launch order, so that a parameter spanning many buckets never opens them all
+            # at once.
             for key, piece in self.param_pieces[param]:
                 self.write_piece(key, piece, param)
                 self.pending[key] -= 1
                 if self.pending[key] == 0:
-                    self._launch(key)
+                    self.ready.add(key)
+                    while self.launched < len(self.launch_order) and self.launch_order[self.launched] in self.ready:
+                        self._launch_next()
         self.release(param)
 
-    def _launch(self, key: BucketKey) -> None:
-        del self.pending[key]
+    def take_unused(self) -> list[nn.Parameter]:
+        """The parameters no gradient reached on this rank since the last call (one optimizer step's window)."""
+        unused = [p for p in self.param_pieces if p not in self.got_grad]
+        self.got_grad.clear()
+        return unused
+
+    def _launch_next(self) -> None:
+        key = self.launch_order[self.launched]
+        self.launched += 1
         work, on_done = self.reduce_bucket(key)
         self.in_flight.append((work, on_done))
         limit = MAX_IN_FLIGHT if self.overlap_comm else 0
@@ -106,8 +138,8 @@ class GradientReducer:
     def finish(self) -> None:
         """Reduces buckets left incomplete by unused parameters and waits for every reduction."""
         if self.reducing:
-            for key in sorted(self.pending):
-                self._launch(key)
+            while self.launched < len(self.launch_order):
+                self._launch_next()
         while self.in_flight:
             self._retire_oldest()
         self.active = False

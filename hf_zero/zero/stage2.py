@@ -22,8 +22,9 @@ from hf_zero.zero.reducer import BucketKey, GradientReducer
 
 class PartitionedGradients(GradientReducer):
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
-                 reuse_buffers: bool = True, shard_device: torch.device | None = None) -> None:
-        super().__init__(flat_params, comm, overlap_comm)
+                 position: dict[nn.Parameter, int], reuse_buffers: bool = True,
+                 shard_device: torch.device | None = None) -> None:
+        super().__init__(flat_params, comm, overlap_comm, position)
         # Stage 2's buckets share one size, so reduced buffers are kept for the next bucket (M_D).
         # Stage 3's buckets are units of many sizes: keeping one of each (the root's is vocabulary
         # sized) would hold memory for good, so there the allocator gets them back.

@@ -27,7 +27,7 @@ from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
 from hf_zero.zero.holder import ParamHolder
-from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, release_storage, set_data
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data
 from hf_zero.zero.stage2 import PartitionedGradients
 
 if TYPE_CHECKING:
@@ -166,6 +166,7 @@ class Stage3Params(ParamHolder):
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
+        self.position = model_order(model)
         self.grads = Stage3Gradients(self, comm, config.overlap_comm,
                                      HOST if config.offload_optimizer != "none" else None)
         chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype)
@@ -177,6 +178,7 @@ class Stage3Params(ParamHolder):
         # Execution orders, recorded as units first run; prefetch follows them.
         self.forward_order: list[Unit] = []
         self.backward_order: list[Unit] = []
+        self.in_backward = False  # between engine.backward's start and end: forwards then are recomputations
         self._install_hooks(model)
 
     def _cut_into_units(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
@@ -347,9 +349,13 @@ class Stage3Params(ParamHolder):
         setattr(model, method, with_root_gathered)
 
     def _pre_forward(self, unit: Unit) -> None:
-        self._fetch(unit, self.forward_order)
+        # A forward inside backward is activation checkpointing recomputing the unit: its gradients come next,
+        # so the units to prefetch are those that follow it in backward.
+        self._fetch(unit, self.backward_order if self.in_backward else self.forward_order)
 
     def _post_forward(self, unit: Unit, output) -> None:
+        if self.in_backward:  # recomputed: its backward runs at once, and its reduction frees it (Stage3Gradients)
+            return
         tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         backward_follows = torch.is_grad_enabled() and bool(tensors)
         if not (unit.is_root and backward_follows and not self.reshard_root_after_forward):
@@ -403,7 +409,12 @@ class Stage3Params(ParamHolder):
                 unit.gather()
                 unit.wait()
 
+    def begin_backward(self, last_micro_batch: bool) -> None:
+        super().begin_backward(last_micro_batch)
+        self.in_backward = True
+
     def end_backward(self) -> None:
+        self.in_backward = False
         super().end_backward()
         self.free_all()
 
@@ -432,7 +443,8 @@ class Stage3Gradients(PartitionedGradients):
 
     def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool,
                  shard_device: torch.device | None) -> None:
-        super().__init__(params.flats, comm, overlap_comm, reuse_buffers=False, shard_device=shard_device)
+        super().__init__(params.flats, comm, overlap_comm, params.position, reuse_buffers=False,
+                         shard_device=shard_device)
         self.params = params
         self.unit_pending: dict[int, int] = {}
 

@@ -9,6 +9,7 @@ from torch import nn
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.zero.flat_params import FlatParams
+from hf_zero.zero.partition import model_order
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.stage3 import Stage3Params
 
@@ -26,4 +27,4 @@ def param_holder(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
     gathered on use (Stage3Params), which alone can build a model from `init_from` on `device`."""
     if config.zero_stage == 3:
         return Stage3Params(model, groups, config.torch_dtype, comm, config, init_from, device)
-    return FlatParams(groups, config.zero_stage, config.torch_dtype, comm, config)
+    return FlatParams(groups, config.zero_stage, config.torch_dtype, comm, config, model_order(model))

@@ -1,0 +1,82 @@
+"""GradientReducer (hf_zero/zero/reducer.py): buckets are reduced in one order on every rank, whatever order
+their gradients arrive in."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hf_zero
+from hf_zero.launch import spawn_gloo
+
+STEPS, WIDTH = 3, 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.expert = nn.Linear(WIDTH, WIDTH)  # used only by the batches that ask for it
+
+    def forward(self, x: torch.Tensor, expert: bool) -> torch.Tensor:
+        x = torch.tanh(self.linear(x))
+        return x + self.expert(x) if expert else x
+
+
+class Branchy(nn.Module):
+    """Three blocks (stage-3 units); the middle one's expert runs only on rank 1's batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, expert: bool) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, expert and i == 1)
+        return self.head(x).pow(2).mean()
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def halves(step: int) -> list[torch.Tensor]:
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))
+    return [x[:4], x[4:]]  # rank 0's (no expert), rank 1's (expert)
+
+
+def one_process() -> dict[str, torch.Tensor]:
+    """The reference: both halves in one process, their losses averaged as DDP averages the ranks'."""
+    model = Branchy()
+    opt = optimizer(model)
+    for step in range(STEPS):
+        first, second = halves(step)
+        ((model(first, False) + model(second, True)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def engine_run(config: dict) -> dict[str, torch.Tensor]:
+    model = Branchy()
+    engine = hf_zero.initialize(model, optimizer(model), config)
+    rank = engine.comm.rank
+    for step in range(STEPS):
+        engine.backward(engine(halves(step)[rank], expert=rank == 1))
+        engine.step()
+    with engine.gathered_parameters():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+SMALL = {"reduce_bucket_size": 300, "allgather_bucket_size": 300}  # a bucket per layer or so
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("buckets", ["small", "default"])
+def test_a_parameter_used_by_one_rank_only_trains_as_in_one_process(stage, buckets):
+    config = {"zero_stage": stage, **(SMALL if buckets == "small" else {})}
+    expected = one_process()
+    for params in spawn_gloo(engine_run, 2, config):
+        assert max((params[n] - expected[n]).abs().max().item() for n in expected) < 1e-6
