@@ -84,10 +84,12 @@ def train_tiny_lm(delayed: bool, steps: int) -> list[float]:
 
 
 @pytest.mark.slow
-def test_delayed_update_converges_within_5_percent_of_the_normal_schedule():
+def test_delayed_update_converges_within_5_percent_of_the_normal_schedule(copies):
     """Byte-level GPT-2 (gpt2-tiny) on Python's docs, 40 warm-up steps. Measured: 3.1% above the normal
     schedule's mean loss over steps 580-600 (2.2% with 10 warm-up steps; 7-9% at steps 100-200, where the
     loss falls fastest and a one-step lag costs most)."""
+    if copies == "simulated_async":
+        pytest.skip("a convergence measurement: the copies' ordering is checked by the one-step-delay test above")
     steps = 600
     normal, delayed = train_tiny_lm(False, steps), train_tiny_lm(True, steps)
     tail = lambda losses: sum(losses[-20:]) / 20  # noqa: E731

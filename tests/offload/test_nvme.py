@@ -72,8 +72,10 @@ def test_nvme_offload_trains_exactly_as_cpu_offload(tmp_path, world):
         assert len(gaps) == 10 and all(gap == 0.0 for gap in gaps.values()), gaps
 
 
-def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_path):
+def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_path, copies):
     """4.2M parameters: 50 MB of states on NVMe (twice: A and B), a 2.4 MB pool."""
+    if copies == "simulated_async":
+        pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
     layer = torch.nn.Linear(2048, 2048)
     model = torch.nn.Sequential(layer, torch.nn.Linear(2048, 8))
     tile = 65_536
