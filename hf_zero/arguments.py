@@ -12,6 +12,7 @@ importing the packages built on it.
 """
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArg
 
 from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
                             read_settings_file, trainer_flag)
+from hf_zero.device import has_accelerator
+from hf_zero.tensor_parallel import tp_spans_nodes
 
 # The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
 # may not repeat them.
@@ -34,6 +37,9 @@ EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
     "tensor_parallel_size": (1, "ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
                              "is split over them and ZeRO runs over the remaining data-parallel dimension", "N",
                              "Megatron's model parallel size (`mpu`)"),
+    "tensor_parallel_across_nodes": (False, "let a tensor-parallel group span nodes (its all-reduces in every layer "
+                                     "then cross the network); refused otherwise", "[BOOL]",
+                                     "Megatron's model parallel size larger than a node"),
 }
 
 
@@ -61,16 +67,25 @@ def _post_init(self: Any) -> None:
                 f"--{other} and hf_zero's ZeRO engine cannot both run the training: drop --{other} and use "
                 f"--zero_stage (see the README's flag table for the DeepSpeed key each --zero_* flag replaces)")
     super(ZeroArgumentsMixin, self).__post_init__()
-    _check_engine_flags(self)
+    processes = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's: self.world_size is 1 when not distributed
+    _check_engine_flags(self, processes, int(os.environ.get("LOCAL_WORLD_SIZE", processes)))
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"
 
 
-def _check_engine_flags(args: Any) -> None:
-    """The validation of the engine flags, for the arguments dataclass and for a launcher's parse alike."""
+def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:
+    """The validation of the engine flags, for the arguments dataclass and for a launcher's parse alike;
+    `processes` in all and `per_node` on each node."""
     args.zero_engine_config = zero_config_from_flags(args)
     check_tensor_parallel_flags(args)
+    spans = tp_spans_nodes(args.tensor_parallel_size, per_node)
+    if spans and not args.tensor_parallel_across_nodes:
+        raise ZeroConfigError(spans)
+    if processes > 1 and not args.use_cpu and not has_accelerator():
+        raise ZeroConfigError(f"{processes} processes without a GPU need --use_cpu: without it transformers does "
+                              f"not start distributed training on CPU, and each process would train alone on the same "
+                              f"data into the same output folder")
 
 
 ZeroArgumentsMixin = make_dataclass(
@@ -84,7 +99,7 @@ ZeroArgumentsMixin = make_dataclass(
 
 
 # The Trainer's own flags the engine settings depend on, read by check_script_flags with the --zero_* flags.
-_TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object")
+_TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object", "use_cpu")
 
 
 class _FlagParser(HfArgumentParser):
@@ -94,7 +109,7 @@ class _FlagParser(HfArgumentParser):
         raise ZeroConfigError(message)
 
 
-def check_script_flags(script_args: list[str], world_size: int) -> None:
+def check_script_flags(script_args: list[str], world_size: int, per_node: int | None = None) -> None:
     """Resolves the --zero_* flags (and --zero_config, --tensor_parallel_size) among a script's arguments as the
     script's TrainingArguments will, so a launcher can refuse a bad one before any process starts; the
     script's other flags are its own. Raises ZeroConfigError in one line, naming the flag."""
@@ -112,7 +127,7 @@ def check_script_flags(script_args: list[str], world_size: int) -> None:
     # No --help of its own: the script's parser answers that.
     args, _ = _FlagParser([ZeroArgumentsMixin, trainer_fields], add_help=False).parse_known_args(script_args)
     args.world_size = world_size
-    _check_engine_flags(args)
+    _check_engine_flags(args, world_size, per_node or world_size)
 
 
 def zero_config_from_flags(args: Any) -> ZeroConfig:

@@ -75,7 +75,7 @@ def _train(argv: list[str]) -> int:
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
-    train_lm.check_args(args, processes)  # bad settings stop here, before any process starts
+    train_lm.check_args(args, processes, args.nproc_per_node)  # bad settings stop here, before any process starts
     if processes == 1:
         train_lm.main(args)
         return 0
@@ -96,7 +96,7 @@ def _run(argv: list[str]) -> int:
         return run.main([args.script, *args.script_args])
     if not Path(args.script).is_file():
         parser.error(f"no such script: {args.script}")
-    run.check_script_flags(args.script_args, processes)  # once, before any process starts
+    run.check_script_flags(args.script_args, processes, args.nproc_per_node)  # once, before any process starts
     return _torchrun(args, "hf_zero.run", [args.script, *args.script_args])
 
 

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         # Before the script runs: its parser would print its whole usage on every rank.
-        check_script_flags(argv[1:], int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_script_flags(argv[1:], world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         patch_transformers()
         sys.argv = [str(script), *argv[1:]]
         sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT.py` would

@@ -19,6 +19,8 @@ group: DTensor's own redistribution needs every tp rank alive.
 """
 from __future__ import annotations
 
+import os
+
 from functools import partial
 from typing import Any
 
@@ -34,12 +36,26 @@ from transformers.pytorch_utils import Conv1D
 from hf_zero.device import compute_device
 
 
-def init_mesh(tensor_parallel_size: int) -> DeviceMesh:
+def tp_spans_nodes(tensor_parallel_size: int, processes_per_node: int) -> str | None:
+    """Why a tp group may not be this large, or None: consecutive ranks form a group, so one larger than a
+    node's processes spans nodes, and its all-reduces in every layer cross the network."""
+    if tensor_parallel_size <= processes_per_node:
+        return None
+    return (f"--tensor_parallel_size {tensor_parallel_size} is larger than the {processes_per_node} processes per "
+            f"node: a tensor-parallel group would span nodes and its all-reduces in every layer would cross the "
+            f"network. Use at most {processes_per_node}, or pass --tensor_parallel_across_nodes if that is meant")
+
+
+def init_mesh(tensor_parallel_size: int, across_nodes: bool = False) -> DeviceMesh:
     """The ("dp", "tp") mesh over the whole world: consecutive ranks form a tp group (inside a node, as
-    Megatron and the ZeRO paper place model parallelism), ZeRO data parallelism runs across them."""
+    Megatron and the ZeRO paper place model parallelism), ZeRO data parallelism runs across them. A group
+    larger than a node (torchrun's LOCAL_WORLD_SIZE) is refused unless `across_nodes`."""
     world = dist.get_world_size()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size must divide the world size {world}; got {tensor_parallel_size}")
+    spans = tp_spans_nodes(tensor_parallel_size, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if spans and not across_nodes:
+        raise ValueError(spans)
     return init_device_mesh(compute_device().type, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -24,7 +25,7 @@ from hf_zero.config import add_arguments as add_engine_arguments
 from hf_zero.device import compute_device
 from hf_zero.launch import init_distributed
 from hf_zero.memory import model_state_bytes
-from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
+from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh, tp_spans_nodes
 
 logger = logging.getLogger("hf_zero.train_lm")
 # The engine settings the job takes as options, declared (help, choices, defaults) in hf_zero.config.
@@ -57,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--tensor_parallel_size", type=int, default=1,
                    help="split each block over this many consecutive ranks (must divide the process count)")
+    p.add_argument("--tensor_parallel_across_nodes", action="store_true",
+                   help="let a tensor-parallel group span nodes (refused otherwise: its all-reduces cross the network)")
     p.add_argument("--dropout", type=float, default=None,
                    help="GPT-2's residual, embedding and attention dropout (default: the zoo config's)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -70,12 +73,15 @@ def engine_config(args: argparse.Namespace) -> dict[str, object]:
     return {"gradient_clipping": 1.0, **{name: getattr(args, name) for name in ENGINE_SETTINGS}}
 
 
-def check_args(args: argparse.Namespace, processes: int) -> None:
+def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     """Refuses bad settings before any work (`hf-zero train` calls it before starting the processes)."""
     ZeroConfig.from_any(engine_config(args))
     if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
         raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
                               f"got {args.tensor_parallel_size}")
+    spans = tp_spans_nodes(args.tensor_parallel_size, per_node)
+    if spans and not args.tensor_parallel_across_nodes:
+        raise ZeroConfigError(spans)
     if args.dropout is not None and model_zoo.entry(args.model).family != "gpt2":
         raise ZeroConfigError(f"--dropout sets GPT-2's dropout; {args.model} is not a GPT-2 model")
 
@@ -100,7 +106,7 @@ def build_engine(args: argparse.Namespace, rank: int, world: int
     psi = sum(p.numel() for p in model.parameters())
     mesh, dp_rank, dp = None, rank, world
     if args.tensor_parallel_size > 1:
-        mesh = init_mesh(args.tensor_parallel_size)
+        mesh = init_mesh(args.tensor_parallel_size, args.tensor_parallel_across_nodes)
         apply_tensor_parallel(model, mesh["tp"])
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -173,7 +179,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_args(args, world)
+    check_args(args, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     train_text, val_text = split_text(args)
     engine, schedule, dp_rank = build_engine(args, rank, world)
     # The ranks of a tp group compute one batch together, so they draw the same windows.

@@ -101,7 +101,7 @@ class ZeroTrainerMixin:
                              f"hf-zero run --nproc_per_node {self.args.n_gpu} SCRIPT.py ..., or torchrun")
         self.mesh = None
         if self.args.tensor_parallel_size > 1:
-            self.mesh = init_mesh(self.args.tensor_parallel_size)
+            self.mesh = init_mesh(self.args.tensor_parallel_size, self.args.tensor_parallel_across_nodes)
             apply_tensor_parallel(self.model, self.mesh["tp"])
             # accelerate feeds ranks of one tp group the same batches when its mesh has a "tp" dimension
             # and counts data-parallel ranks under "dp_replicate"; this is the same layout named so.

@@ -95,11 +95,35 @@ def test_a_zero_flag_far_from_every_engine_flag_is_left_to_the_script():
     from hf_zero.arguments import check_script_flags
     from hf_zero.config import ZeroConfigError
 
-    check_script_flags(["--zero_shot", "--zero_stage", "3"], 2)  # the script's own flag, say
-    check_script_flags(["--help"], 2)  # the script's parser answers it
+    check_script_flags(["--zero_shot", "--zero_stage", "3", "--use_cpu"], 2)  # the script's own flag, say
+    check_script_flags(["--help", "--use_cpu"], 2)  # the script's parser answers it
     with pytest.raises(ZeroConfigError, match="unknown flag --zero_offload_optimiser; did you mean "
                                               "--zero_offload_optimizer?"):
-        check_script_flags(["--zero_offload_optimiser", "cpu"], 2)
+        check_script_flags(["--zero_offload_optimiser", "cpu", "--use_cpu"], 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CPU only: with a GPU transformers starts distributed")
+def test_several_processes_without_a_gpu_and_without_use_cpu_are_refused_naming_it():
+    """transformers on CPU starts distributed training only with --use_cpu; without it each process would train
+    alone on the same data into the same folder."""
+    run = hf_zero("run", "--nproc_per_node", "2", str(SCRIPT), "--output_dir", "unused", "--zero_stage", "2",
+                  timeout=120)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1
+    assert "2 processes without a GPU need --use_cpu" in run.stderr
+
+
+def test_a_tensor_parallel_group_larger_than_a_node_is_refused_unless_asked():
+    from hf_zero.arguments import check_script_flags
+    from hf_zero.config import ZeroConfigError
+
+    flags = ["--tensor_parallel_size", "4", "--use_cpu"]
+    with pytest.raises(ZeroConfigError, match="--tensor_parallel_size 4 is larger than the 2 processes per node"):
+        check_script_flags(flags, 8, per_node=2)
+    check_script_flags([*flags, "--tensor_parallel_across_nodes"], 8, per_node=2)
+    check_script_flags(flags, 8, per_node=4)
+    run = hf_zero("run", "--nnodes", "2", "--nproc_per_node", "2", "--master_port", "29999", str(SCRIPT), *flags,
+                  timeout=120)
+    assert run.returncode == 2 and "larger than the 2 processes per node" in run.stderr
 
 
 @pytest.mark.slow
