@@ -78,3 +78,19 @@ def test_hf_zero_train_runs_on_the_gpu():
     done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "1", "--max_steps", "30",
                            "--max_minutes", "2"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_seeded_build_on_the_gpu_has_the_values_of_one_on_cpu_and_leaves_the_cuda_generator_alone():
+    import model_zoo
+    from hf_zero.construct import SeededInit, build_seeded
+
+    on_cpu = {n: p.detach().clone() for n, p in build_seeded(lambda: model_zoo.build("gpt2-tiny"), 0)
+              .named_parameters()}
+    cuda_generator = torch.cuda.get_rng_state()
+    with torch.device("meta"):
+        model = model_zoo.build("gpt2-tiny")
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3},
+                                init_from=SeededInit(0))
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_generator)
+    with engine.gathered_parameters():
+        assert all(torch.equal(p.detach().cpu(), on_cpu[n]) for n, p in model.named_parameters())

@@ -310,9 +310,11 @@ class Stage3Params(ParamHolder):
 
     @staticmethod
     def _stage(flat: FlatParamBuffer) -> torch.Tensor:
-        """An fp32 buffer the unit's parameters view while `init_from` fills them (init and checkpoints
-        are fp32; filling a bf16 buffer directly would lose the masters' precision)."""
-        buffer = torch.zeros(flat.padded_numel, dtype=torch.float32, device=flat.data.device)
+        """An fp32 host buffer the unit's parameters view while `init_from` fills them (init and checkpoints
+        are fp32; filling a bf16 buffer directly would lose the masters' precision). In host memory, so that a
+        seeded init draws from the CPU generator: the same values as a build on CPU, and the accelerator's
+        generator left as it was."""
+        buffer = torch.zeros(flat.padded_numel, dtype=torch.float32, device=HOST)
         for s in flat.slices:
             set_data(s.param, flat.view_of(s, buffer))
         return buffer
