@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
+import torch.distributed as dist
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 
 from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
@@ -66,9 +67,12 @@ def _post_init(self: Any) -> None:
             raise ZeroConfigError(
                 f"--{other} and hf_zero's ZeRO engine cannot both run the training: drop --{other} and use "
                 f"--zero_stage (see the README's flag table for the DeepSpeed key each --zero_* flag replaces)")
+    # The launcher's layout, read before transformers sets up its own (accelerate may fill in LOCAL_WORLD_SIZE);
+    # self.world_size is 1 when transformers does not start distributed training.
+    processes = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
     super(ZeroArgumentsMixin, self).__post_init__()
-    processes = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's: self.world_size is 1 when not distributed
-    _check_engine_flags(self, processes, int(os.environ.get("LOCAL_WORLD_SIZE", processes)))
+    _check_engine_flags(self, processes, per_node)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"

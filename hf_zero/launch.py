@@ -93,8 +93,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     torch.set_num_threads(threads)
     os.environ.clear()  # the caller's environment, not the one a forkserver started with
     os.environ.update(environ)
+    # What torchrun sets for ranks on one node (accelerate would otherwise fill in LOCAL_WORLD_SIZE=1).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     # A bounded timeout turns a collective one rank never joins into an error instead of a hung run.
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
     try:
