@@ -23,7 +23,8 @@ from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArg
 from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
                             read_settings_file, trainer_flag)
 from hf_zero.device import has_accelerator
-from hf_zero.tensor_parallel import tp_spans_nodes
+from hf_zero.launch import processes_per_node
+from hf_zero.tensor_parallel import check_tp_within_a_node
 
 # The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
 # may not repeat them.
@@ -70,7 +71,7 @@ def _post_init(self: Any) -> None:
     # The launcher's layout, read before transformers sets up its own (accelerate may fill in LOCAL_WORLD_SIZE);
     # self.world_size is 1 when transformers does not start distributed training.
     processes = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+    per_node = processes_per_node(processes)
     super(ZeroArgumentsMixin, self).__post_init__()
     _check_engine_flags(self, processes, per_node)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
@@ -83,9 +84,7 @@ def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:
     `processes` in all and `per_node` on each node."""
     args.zero_engine_config = zero_config_from_flags(args)
     check_tensor_parallel_flags(args)
-    spans = tp_spans_nodes(args.tensor_parallel_size, per_node)
-    if spans and not args.tensor_parallel_across_nodes:
-        raise ZeroConfigError(spans)
+    check_tp_within_a_node(args.tensor_parallel_size, per_node, args.tensor_parallel_across_nodes)
     if processes > 1 and not args.use_cpu and not has_accelerator():
         raise ZeroConfigError(f"{processes} processes without a GPU need --use_cpu: without it transformers does "
                               f"not start distributed training on CPU, and each process would train alone on the same "

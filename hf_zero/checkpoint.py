@@ -42,6 +42,7 @@ from hf_zero.device import LatestCopy, to_host
 from hf_zero.export import weights_to_save
 from hf_zero.tensor_parallel import split_of
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, is_tp_replicated, local
+from hf_zero.zero.update import is_elementwise
 
 if TYPE_CHECKING:
     from hf_zero.zero.update import UpdateBackend
@@ -139,11 +140,6 @@ def write_model_files(module: torch.nn.Module, folder: Path) -> None:
     config.save_pretrained(folder)
     if getattr(module, "can_generate", lambda: False)() and getattr(module, "generation_config", None) is not None:
         module.generation_config.save_pretrained(folder)
-
-
-def is_elementwise(value: Any, master: torch.Tensor) -> bool:
-    """Optimizer state with one value per element (Adam's moments), as opposed to per-step scalars."""
-    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel()
 
 
 def _umask() -> int:

@@ -84,10 +84,6 @@ class Copy:
         if not self.landed:
             _simulator.land_through(self)
 
-    def done(self) -> bool:
-        """Whether waiting would not block (always True for a copy that has landed)."""
-        return self.landed or (self.event is not None and self.event.query())
-
 
 DONE = Copy("done", torch.empty(0), to_device=True, landed=True)
 
@@ -133,13 +129,6 @@ def to_host(src: torch.Tensor, name: str) -> tuple[torch.Tensor, Copy]:
         return src, DONE
     dst = host_empty(src.numel(), src.dtype).view(src.shape)
     return dst, copy_to_host(dst, src, name)
-
-
-def synchronize() -> None:
-    """Blocks the host until every queued copy has landed."""
-    if has_accelerator():
-        torch.cuda.synchronize()
-    _simulator.land_all()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:
@@ -236,12 +225,6 @@ class _Simulator:
                 self._land(earlier)
             del self.queued[:index + 1]
         copy.landed = True
-
-    def land_all(self) -> None:
-        with self.lock:
-            for copy in self.queued:
-                self._land(copy)
-            self.queued.clear()
 
     def _check(self, tensor: torch.Tensor, writing: bool) -> None:
         for copy in self.queued:

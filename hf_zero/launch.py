@@ -20,6 +20,11 @@ import torch.multiprocessing as mp
 from hf_zero.device import has_accelerator, use_local_accelerator
 
 
+def processes_per_node(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE: the processes on this node (all `world_size` of them when it is not set)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def init_distributed(backend: str | None = None) -> None:
     """Initialises torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
     A single process without that environment runs without a process group."""

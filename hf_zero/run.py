@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hf_zero.arguments import check_script_flags
 from hf_zero.config import ZeroConfigError
-from hf_zero.launch import say_once
+from hf_zero.launch import processes_per_node, say_once
 
 # (defining module, class name) -> hf_zero's replacement, as "module:attribute".
 REPLACEMENTS = {
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Before the script runs: its parser would print its whole usage on every rank.
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_script_flags(argv[1:], world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        check_script_flags(argv[1:], world, processes_per_node(world))
         patch_transformers()
         sys.argv = [str(script), *argv[1:]]
         sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT.py` would

@@ -19,8 +19,6 @@ group: DTensor's own redistribution needs every tp rank alive.
 """
 from __future__ import annotations
 
-import os
-
 from functools import partial
 from typing import Any
 
@@ -33,15 +31,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from transformers.pytorch_utils import Conv1D
 
+from hf_zero.config import ZeroConfigError
 from hf_zero.device import compute_device
+from hf_zero.launch import processes_per_node
 
 
-def tp_spans_nodes(tensor_parallel_size: int, processes_per_node: int) -> str | None:
-    """Why a tp group may not be this large, or None: consecutive ranks form a group, so one larger than a
-    node's processes spans nodes, and its all-reduces in every layer cross the network."""
-    if tensor_parallel_size <= processes_per_node:
-        return None
-    return (f"--tensor_parallel_size {tensor_parallel_size} is larger than the {processes_per_node} processes per "
+def check_tp_within_a_node(tensor_parallel_size: int, processes_per_node: int, across_nodes: bool) -> None:
+    """Refuses a tp group larger than a node's processes unless `across_nodes`: consecutive ranks form a group,
+    so a larger one spans nodes, and its all-reduces in every layer cross the network."""
+    if tensor_parallel_size > processes_per_node and not across_nodes:
+        raise ZeroConfigError(
+            f"--tensor_parallel_size {tensor_parallel_size} is larger than the {processes_per_node} processes per "
             f"node: a tensor-parallel group would span nodes and its all-reduces in every layer would cross the "
             f"network. Use at most {processes_per_node}, or pass --tensor_parallel_across_nodes if that is meant")
 
@@ -53,9 +53,7 @@ def init_mesh(tensor_parallel_size: int, across_nodes: bool = False) -> DeviceMe
     world = dist.get_world_size()
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size must divide the world size {world}; got {tensor_parallel_size}")
-    spans = tp_spans_nodes(tensor_parallel_size, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if spans and not across_nodes:
-        raise ValueError(spans)
+    check_tp_within_a_node(tensor_parallel_size, processes_per_node(world), across_nodes)
     return init_device_mesh(compute_device().type, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -23,9 +22,9 @@ import model_zoo
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.config import add_arguments as add_engine_arguments
 from hf_zero.device import compute_device
-from hf_zero.launch import init_distributed
+from hf_zero.launch import init_distributed, processes_per_node
 from hf_zero.memory import model_state_bytes
-from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh, tp_spans_nodes
+from hf_zero.tensor_parallel import apply_tensor_parallel, check_tp_within_a_node, init_mesh
 
 logger = logging.getLogger("hf_zero.train_lm")
 # The engine settings the job takes as options, declared (help, choices, defaults) in hf_zero.config.
@@ -79,9 +78,7 @@ def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
         raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
                               f"got {args.tensor_parallel_size}")
-    spans = tp_spans_nodes(args.tensor_parallel_size, per_node)
-    if spans and not args.tensor_parallel_across_nodes:
-        raise ZeroConfigError(spans)
+    check_tp_within_a_node(args.tensor_parallel_size, per_node, args.tensor_parallel_across_nodes)
     if args.dropout is not None and model_zoo.entry(args.model).family != "gpt2":
         raise ZeroConfigError(f"--dropout sets GPT-2's dropout; {args.model} is not a GPT-2 model")
 
@@ -179,7 +176,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    check_args(args, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_args(args, world, processes_per_node(world))
     train_text, val_text = split_text(args)
     engine, schedule, dp_rank = build_engine(args, rank, world)
     # The ranks of a tp group compute one batch together, so they draw the same windows.

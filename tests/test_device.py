@@ -56,8 +56,8 @@ def test_waiting_on_a_copy_lands_every_copy_queued_before_it_and_not_after(simul
     latest.add(second)
     latest.wait()
     assert a.tolist() == [1, 1] and b.tolist() == [2, 2] and c.isnan().all()
-    assert first.done() and second.done() and not third.done()
-    device.synchronize()
+    assert first.landed and second.landed and not third.landed
+    third.wait()
     assert c.tolist() == [3, 3]
 
 
@@ -75,9 +75,9 @@ def test_without_the_simulation_copies_on_cpu_are_immediate_and_make_no_copy_of_
     monkeypatch.delenv(device.SIMULATE_ENV, raising=False)
     host = torch.arange(3.0)
     same, copy = to_device(host, torch.device("cpu"), "x")
-    assert same is host and copy.done()
+    assert same is host and copy.landed
     dst = torch.zeros(3)
-    assert copy_to_device(dst, host, "x").done() and torch.equal(dst, host)
+    assert copy_to_device(dst, host, "x").landed and torch.equal(dst, host)
 
 
 def test_file_io_refuses_device_memory():

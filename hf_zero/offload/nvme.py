@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hf_zero.config import nvme_path_problem
-from hf_zero.device import DONE, HOST, Copy, LatestCopy, bytes_of, host_empty
+from hf_zero.device import HOST, Copy, LatestCopy, bytes_of, host_empty
 from hf_zero.offload.host import HostAdam, StagedOutputs, adamw_mode_of
 from hf_zero.zero.update import UpdateBackend
 
@@ -288,7 +288,7 @@ class ParamReader:
         self.states.read_param(g, k, chunk)
         return chunk, buffer
 
-    def release(self, buffer: torch.Tensor, copy: Copy = DONE) -> None:
+    def release(self, buffer: torch.Tensor, copy: Copy) -> None:
         """Gives `buffer` back; `copy` (to the device) may still be reading it."""
         self.free.append((buffer, copy))
 

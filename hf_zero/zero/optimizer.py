@@ -20,12 +20,12 @@ from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HostUpdate, adamw_mode_of
 from hf_zero.offload.nvme import NvmeUpdate
 from hf_zero.precision import LossScaler
-from hf_zero.zero.update import DeviceUpdate, UpdateBackend
+from hf_zero.zero.update import DeviceUpdate, UpdateBackend, is_elementwise
 
 
 def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                    grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
-                   config: ZeroConfig, rank: int, chunks_lent: LatestCopy | None = None) -> UpdateBackend:
+                   config: ZeroConfig, rank: int, chunks_lent: LatestCopy | None) -> UpdateBackend:
     """The backend for where `offload_optimizer` puts the states.
     param_chunks[g][k]: compute-dtype tensor this rank updates (chunk k of param group g).
     grad_chunks[g][k]: the reduced gradient of the same elements.
@@ -125,7 +125,7 @@ class ShardedOptimizer:
                     continue
                 master, state = self.backend.chunk_state(g, k)
                 tensors = [master, self.backend.param_chunks[g][k],
-                           *(v for v in state.values() if torch.is_tensor(v) and v.numel() == master.numel())]
+                           *(v for v in state.values() if is_elementwise(v, master))]
                 kept += [(t, lo, hi, t[lo:hi].clone()) for t in tensors for lo, hi in chunk_ranges]
         return kept
 

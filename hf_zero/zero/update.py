@@ -13,6 +13,11 @@ import torch
 from hf_zero.device import LatestCopy
 
 
+def is_elementwise(value: Any, master: torch.Tensor) -> bool:
+    """Optimizer state with one value per element (Adam's moments), as opposed to per-step scalars."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel()
+
+
 class UpdateBackend(ABC):
     """param_chunks[g][k]: the compute-dtype tensor of chunk k of param group g that this rank updates.
     `masters[g][k]` is what the user optimizer's param group g holds for it."""
