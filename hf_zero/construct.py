@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from hf_zero.device import HOST
+
 if TYPE_CHECKING:
     from hf_zero.zero.stage3 import Unit
 
@@ -87,9 +89,9 @@ class SeededInit:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
 
-    def fill_rest(self, model: nn.Module, device: torch.device) -> None:
-        """Buffers and frozen parameters get memory now; their modules' init fills them in `fill`."""
-        _materialize_rest(model, device)
+    def fill_rest(self, model: nn.Module) -> None:
+        """Buffers and frozen parameters get host memory now; their modules' init fills them in `fill`."""
+        _materialize_rest(model)
 
     def fill(self, model: nn.Module, units: list["Unit"], open_unit: Callable, close_unit: Callable,
              rank: int) -> None:
@@ -159,8 +161,8 @@ class PretrainedWeights:
         self.bytes_read += rows.numel() * rows.element_size()
         out.copy_(rows.reshape(-1)[lo - first * row:hi - first * row])
 
-    def fill_rest(self, model: nn.Module, device: torch.device) -> None:
-        _materialize_rest(model, device)
+    def fill_rest(self, model: nn.Module) -> None:
+        _materialize_rest(model)
         missing_owners = set()
         for name, tensor in _rest(model):
             try:
@@ -190,11 +192,33 @@ def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def _materialize_rest(model: nn.Module, device: torch.device) -> None:
+def _materialize_rest(model: nn.Module) -> None:
+    """In host memory, as the units are staged (Stage3Params._stage): a seeded init of a frozen weight then
+    draws from the CPU generator on any machine. `place_rest` moves them to the device once filled."""
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if p.is_meta and not p.requires_grad:
-                p.data = torch.zeros(p.shape, dtype=p.dtype, device=device)
+                _swap_frozen(p, torch.zeros(p.shape, dtype=p.dtype, device=HOST))
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.is_meta:
-                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=HOST)
+
+
+@torch.no_grad()
+def place_rest(model: nn.Module, device: torch.device) -> None:
+    """Buffers and frozen parameters of a model built from `init_from`, filled on the host, go to `device`."""
+    if device == HOST:
+        return
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad and p.device != device:
+                _swap_frozen(p, p.data.to(device))
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
+
+
+def _swap_frozen(param: nn.Parameter, values: torch.Tensor) -> None:
+    """`param` takes `values`, keeping its Parameter object (tied modules hold it); `.data =` cannot move a
+    tensor from meta (or between device types)."""
+    torch.utils.swap_tensors(param, nn.Parameter(values, requires_grad=False))

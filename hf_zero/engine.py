@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_zero import checkpoint, export
 from hf_zero.comm import Communicator, Ledger
 from hf_zero.comm import rank as global_rank
+from hf_zero.construct import place_rest
 from hf_zero.device import compute_device
 from hf_zero.config import ZeroConfig
 from hf_zero.launch import destroy_process_group_at_exit
@@ -134,23 +135,26 @@ def check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zer
 
 @torch.no_grad()
 def sync_module_states(model: nn.Module, comm: Communicator, init_from: Any) -> torch.device | None:
-    """2. Every rank starts from rank 0's weights and buffers. A model built on meta gets its buffers and
-    frozen weights from `init_from` first; its trainable parameters are filled unit by unit in step 3,
-    identically on every rank. Returns the device such a model is built on."""
-    build_device = None
+    """2. Every rank starts from rank 0's weights and buffers. A model built on meta instead gets its
+    buffers and frozen weights from `init_from`, in host memory, and its trainable parameters unit by unit
+    in step 3: the same seed or files on every rank give the same values, so nothing is broadcast. Returns
+    the device such a model is built on."""
     if init_from is not None:
-        build_device = compute_device()
-        init_from.fill_rest(model, build_device)
+        init_from.fill_rest(model)
+        return compute_device()
     for t in list(model.parameters()) + list(model.buffers()):
-        if not t.is_meta:
-            comm.broadcast_(local(t.data))
-    return build_device
+        comm.broadcast_(local(t.data))
+    return None
 
 
 def apply_partitioning(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], config: ZeroConfig,
                        comm: Communicator, init_from: Any, build_device: torch.device | None) -> ParamHolder:
-    """3. The stage's parameter holder; the parameters become compute-dtype views of its buffers."""
-    return param_holder(model, groups, config, comm, init_from, build_device)
+    """3. The stage's parameter holder; the parameters become compute-dtype views of its buffers. A model
+    built from `init_from` has the rest of its tensors filled now too, and moved to the device."""
+    holder = param_holder(model, groups, config, comm, init_from, build_device)
+    if build_device is not None:
+        place_rest(model, build_device)
+    return holder
 
 
 @torch.no_grad()

@@ -16,10 +16,12 @@ from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
 SEED = 7
 
 
-def build_partitioned(name: str, dtype: str) -> dict:
+def build_partitioned(name: str, dtype: str, frozen: str | None) -> dict:
     with torch.device("meta"):
         model = model_zoo.build(name)
-    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()),
+    if frozen:
+        model.get_parameter(frozen).requires_grad_(False)
+    engine = hf_zero.initialize(model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad),
                                 {"zero_stage": 3, "dtype": dtype, "param_persistence_threshold": 100},
                                 init_from=SeededInit(SEED))
     with engine.gathered_parameters():
@@ -29,10 +31,12 @@ def build_partitioned(name: str, dtype: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, dtype", [("gpt2-tiny", "fp32"), ("bert-tiny", "fp32"), ("gpt2-tiny", "bf16")])
-def test_partitioned_construction_equals_the_single_process_build(name, dtype):
+@pytest.mark.parametrize("name, dtype, frozen", [("gpt2-tiny", "fp32", None), ("bert-tiny", "fp32", None),
+                                                 ("gpt2-tiny", "bf16", "transformer.wpe.weight")])
+def test_partitioned_construction_equals_the_single_process_build(name, dtype, frozen):
+    """Frozen weights and buffers are not partitioned; the build fills them too, from the same seed."""
     reference = build_seeded(lambda: model_zoo.build(name), SEED)
-    built = spawn_gloo(build_partitioned, 2, name, dtype)[0]
+    built = spawn_gloo(build_partitioned, 2, name, dtype, frozen)[0]
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
     for n, p in reference.named_parameters():
         assert torch.equal(built["params"][n], p.detach().to(want)), n

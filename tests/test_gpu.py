@@ -89,8 +89,10 @@ def test_a_seeded_build_on_the_gpu_has_the_values_of_one_on_cpu_and_leaves_the_c
     cuda_generator = torch.cuda.get_rng_state()
     with torch.device("meta"):
         model = model_zoo.build("gpt2-tiny")
-    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3},
-                                init_from=SeededInit(0))
+    model.transformer.wpe.weight.requires_grad_(False)  # frozen: filled whole, beside the units
+    engine = hf_zero.initialize(model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad),
+                                {"zero_stage": 3}, init_from=SeededInit(0))
     assert torch.equal(torch.cuda.get_rng_state(), cuda_generator)
+    assert model.transformer.wpe.weight.device.type == "cuda"
     with engine.gathered_parameters():
         assert all(torch.equal(p.detach().cpu(), on_cpu[n]) for n, p in model.named_parameters())
