@@ -57,6 +57,8 @@ class Ledger:
     last_step_elements: dict[str, int] = field(default_factory=dict)
     last_step_bytes: dict[str, int] = field(default_factory=dict)
     state_bytes: dict[str, int] = field(default_factory=dict)
+    # Stage 3: where each weight that several units use lives (its name -> "root unit (used by ...)").
+    shared_weights: dict[str, str] = field(default_factory=dict)
 
     def record(self, op: str, elements: int, element_size: int) -> None:
         self.comm_elements[op] += elements
@@ -76,7 +78,8 @@ class Ledger:
             f"{op} {self.last_step_bytes[op] / mib:.2f} MiB ({self.last_step_elements[op]:,} el)"
             for op in sorted(self.last_step_bytes)
         ) or "nothing"
-        return f"{who} holds {held}; last step sent {sent}"
+        shared = "".join(f"; {name} is shared: it lives in the {where}" for name, where in self.shared_weights.items())
+        return f"{who} holds {held}; last step sent {sent}{shared}"
 
 
 class Communicator:

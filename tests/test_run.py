@@ -10,7 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_zero.launch import free_port
+
 SCRIPT = Path(__file__).parent / "scripts" / "hf_style_clm.py"
+MLM_SCRIPT = Path(__file__).parent / "scripts" / "hf_style_mlm.py"
 COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
 
 
@@ -34,6 +37,30 @@ def test_unmodified_script_trains_at_stage3_on_two_processes_and_saves_a_loadabl
     with torch.no_grad():
         reloaded_logits = model(input_ids=ids).logits
     torch.testing.assert_close(reloaded_logits, engine_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_unmodified_masked_lm_script_trains_at_stage3_as_the_stock_trainer_does(tmp_path):
+    """BertForMaskedLM's decoder is its word embeddings: at stage 3 that weight must stay gathered for both.
+    The reference is the stock Trainer (DDP) under torchrun, on the same 2 processes and data."""
+    flags = ["--max_steps", "6", "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--logging_steps",
+             "1", *COMMON]
+    runs = {"stage3": hf_zero("run", "--nproc_per_node", "2", str(MLM_SCRIPT), "--zero_stage", "3",
+                              "--output_dir", str(tmp_path / "stage3"), *flags),
+            "ddp": subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                   "--master_port", str(free_port()), str(MLM_SCRIPT),
+                                   "--output_dir", str(tmp_path / "ddp"), *flags],
+                                  capture_output=True, text=True, timeout=600)}
+    losses = {}
+    for name, run in runs.items():
+        assert run.returncode == 0, run.stderr[-3000:]
+        history = json.loads((tmp_path / name / "log_history.json").read_text())
+        losses[name] = [entry["loss"] for entry in history if "loss" in entry]
+    assert len(losses["ddp"]) == 6 and losses["ddp"][-1] < losses["ddp"][0]
+    torch.testing.assert_close(losses["stage3"], losses["ddp"], rtol=1e-5, atol=0)
+    stage3_eval = json.loads((tmp_path / "stage3" / "eval_results.json").read_text())["eval_loss"]
+    assert stage3_eval == pytest.approx(json.loads((tmp_path / "ddp" / "eval_results.json").read_text())["eval_loss"],
+                                        rel=1e-5)
 
 
 def test_patched_classes_survive_the_transformers_module_swap():
@@ -81,8 +108,6 @@ def test_bad_zero_flags_are_one_line_before_any_process_starts(tmp_path, flags, 
 
 
 def test_under_torchrun_every_rank_stops_and_the_error_is_said_once(tmp_path):
-    from hf_zero.launch import free_port
-
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(free_port()), "-m", "hf_zero.run", str(SCRIPT), "--output_dir", str(tmp_path),
                           "--zero_stage", "2", "--zero_offload_param", "cpu", *COMMON],
@@ -131,8 +156,6 @@ def test_two_nodes_of_two_processes_train_as_one_node_of_four(tmp_path):
     """Two "nodes" on 127.0.0.1, each started with the same command and its own --node_rank, as on two machines.
     The reference is one node of 4 processes: the stock Trainer's sampler gives 4 ranks other samples per step
     than one process (the weights differ by 1.5e-2 after 4 steps either way), so world size 4 it is."""
-    from hf_zero.launch import free_port
-
     train = [str(SCRIPT), "--zero_stage", "2", "--do_train", "--max_steps", "4", "--learning_rate", "3e-3",
              "--per_device_train_batch_size", "2", *COMMON]
     one_node = hf_zero("run", "--nproc_per_node", "4", *train, "--output_dir", str(tmp_path / "one_node"))

@@ -143,6 +143,25 @@ def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[t
     return units
 
 
+def units_using_each_param(model: nn.Module, unit_names: list[str]) -> dict[int, set[str]]:
+    """For each parameter, the units holding a module that holds it: a tied weight (BERT's decoder and word
+    embeddings) or one module shared by two blocks has several. '' is the root: a module in no unit."""
+    users: dict[int, set[str]] = {}
+    units = set(unit_names)
+
+    def visit(module: nn.Module, name: str, unit: str) -> None:  # every path to a module, shared ones too
+        unit = name if name in units else unit
+        for p in module._parameters.values():
+            if p is not None:
+                users.setdefault(id(p), set()).add(unit)
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{name}.{child_name}" if name else child_name, unit)
+
+    visit(model, "", "")
+    return users
+
+
 class Stage3Params(ParamHolder):
     """The stage-3 parameter holder (holder.py): owns the units, their shards and the hooks that gather
     and free them around each use. Its gather is Unit.gather, its reduce Stage3Gradients, below."""
@@ -187,15 +206,21 @@ class Stage3Params(ParamHolder):
         each holds one flat buffer per param group it has parameters of."""
         group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
         unit_modules = find_unit_modules(model, config.unit_module_classes)
-        owner: dict[int, str] = {}
-        for uname, module in unit_modules:
-            for _, p in module.named_parameters():
-                owner.setdefault(id(p), uname)
+        users = units_using_each_param(model, [name for name, _ in unit_modules])
         members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], PERSISTENT: []}
+        shared: dict[str, str] = {}
         for name, p in model.named_parameters():
             if id(p) in group_of:
-                key = PERSISTENT if p.numel() < config.param_persistence_threshold else owner.get(id(p), "")
+                used_by = users[id(p)]
+                if p.numel() < config.param_persistence_threshold:
+                    key = PERSISTENT
+                else:  # a weight several units use lives in their common ancestor: the root, gathered around them
+                    key = next(iter(used_by)) if len(used_by) == 1 else ""
+                if len(used_by) > 1:
+                    shared[name] = (f"{'persistent' if key == PERSISTENT else 'root'} unit (used by "
+                                    f"{', '.join(repr(u) if u else 'the root' for u in sorted(used_by))})")
                 members.setdefault(key, []).append((name, p))
+        self.comm.ledger.shared_weights = shared
         modules = dict(unit_modules) | {"": model, PERSISTENT: model}
         units = []
         for uname, named in members.items():

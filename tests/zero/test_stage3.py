@@ -1,5 +1,5 @@
-"""Stage 3 (hf_zero/zero/stage3.py) under activation checkpointing that wraps a whole unit's __call__: the
-recomputation in backward runs the unit's forward hooks again."""
+"""Stage 3 (hf_zero/zero/stage3.py): units recomputed by activation checkpointing that wraps a whole unit's
+__call__ (the recomputation in backward runs the unit's forward hooks again), and weights several units use."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from transformers import BertConfig, BertForMaskedLM
+
 import hf_zero
 from hf_zero.launch import spawn_gloo
+from tests.helpers import VOCAB, batch as lm_batch, local_part, named_copy, tiny_model
 
 STEPS, WIDTH = 3, 32
 
@@ -63,3 +66,59 @@ def test_stage3_units_recomputed_by_checkpointing_train_as_one_process_with_two_
     for result in spawn_gloo(run, 2, mode):
         assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
         assert result["all_gather"] == plain["all_gather"]  # once for forward, once for backward, per unit
+
+
+def model_with_shared_weights(kind: str) -> nn.Module:
+    if kind == "bert_mlm_tied_decoder":  # the decoder (root) is the word embeddings (the BertEmbeddings unit)
+        torch.manual_seed(0)
+        return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0))
+    model = tiny_model("gpt2")
+    first, second = model.transformer.h
+    if kind == "weight_shared_by_two_blocks":
+        second.mlp.c_fc.weight = first.mlp.c_fc.weight
+    else:  # one module in both blocks
+        second.mlp = first.mlp
+    return model
+
+
+SHARED = {"bert_mlm_tied_decoder": ["bert.embeddings.word_embeddings.weight"],
+          "weight_shared_by_two_blocks": ["transformer.h.0.mlp.c_fc.weight"],
+          "module_shared_by_two_blocks": [f"transformer.h.0.mlp.{name}" for name in
+                                          ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")]}
+
+
+def train_shared(kind: str) -> dict:
+    """3 SGD steps on the global batch of 8 (one process), or its half per rank at stage 3. SGD with momentum,
+    not Adam: GPT-2's key bias gets a gradient of rounding noise only, which Adam would scale up to lr."""
+    model = model_with_shared_weights(kind)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    distributed = torch.distributed.is_initialized()
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0}) \
+        if distributed else None
+    for step in range(STEPS):
+        whole = lm_batch("gpt2", step, 8)
+        if engine is None:
+            model(**whole).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            engine.backward(engine(**local_part(whole, engine.comm.rank, 2)).loss)
+            engine.step()
+    if engine is None:
+        return named_copy(model)
+    with engine.gathered_parameters():
+        return {"params": named_copy(model), "shared_weights": engine.ledger.shared_weights}
+
+
+@pytest.mark.parametrize("kind", sorted(SHARED))
+def test_weights_several_units_use_train_at_stage3_as_one_process(kind):
+    expected = train_shared(kind)
+    start = named_copy(model_with_shared_weights(kind))
+    shared = SHARED[kind][0]
+    assert (expected[shared] - start[shared]).abs().max() > 1e-3  # the shared weight trained
+    for result in spawn_gloo(train_shared, 2, kind):
+        assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
+        assert list(result["shared_weights"]) == SHARED[kind]
+        assert all(where.startswith("root unit") for where in result["shared_weights"].values())
