@@ -46,16 +46,22 @@ def _copy_locally(output: torch.Tensor, input: torch.Tensor) -> _Done:
 
 @dataclass
 class Ledger:
-    """What this rank sent per optimizer step, and what model state it holds.
+    """What this rank sent per optimizer step, what it held in flight, and what model state it holds.
 
-    `comm_elements` / `comm_bytes` accumulate during the current step; `close_step` moves them to
-    `last_step_elements` / `last_step_bytes`. `state_bytes` is refreshed by the engine.
+    `comm_elements` / `comm_bytes` accumulate during the current step, as do `events` (counts, such as
+    stage 3's unit all-gathers) and `peaks` (the most of something held at once, such as gathered units);
+    `close_step` moves them to `last_step_*`. `state_bytes` is refreshed by the engine.
     """
 
     comm_elements: Counter = field(default_factory=Counter)
     comm_bytes: Counter = field(default_factory=Counter)
     last_step_elements: dict[str, int] = field(default_factory=dict)
     last_step_bytes: dict[str, int] = field(default_factory=dict)
+    events: Counter = field(default_factory=Counter)
+    last_step_events: dict[str, int] = field(default_factory=dict)
+    held: Counter = field(default_factory=Counter)  # now
+    peaks: Counter = field(default_factory=Counter)  # this step's most of each
+    last_step_peaks: dict[str, int] = field(default_factory=dict)
     state_bytes: dict[str, int] = field(default_factory=dict)
     # Stage 3: where each weight that several units use lives (its name -> "root unit (used by ...)").
     shared_weights: dict[str, str] = field(default_factory=dict)
@@ -64,11 +70,23 @@ class Ledger:
         self.comm_elements[op] += elements
         self.comm_bytes[op] += elements * element_size
 
+    def count(self, event: str) -> None:
+        self.events[event] += 1
+
+    def hold(self, what: str, amount: int) -> None:
+        """`amount` more of `what` is held now (less when negative); the step's peak follows."""
+        self.held[what] += amount
+        self.peaks[what] = max(self.peaks[what], self.held[what])
+
     def close_step(self) -> None:
         self.last_step_elements = dict(self.comm_elements)
         self.last_step_bytes = dict(self.comm_bytes)
+        self.last_step_events = dict(self.events)
+        self.last_step_peaks = dict(self.peaks)
         self.comm_elements.clear()
         self.comm_bytes.clear()
+        self.events.clear()
+        self.peaks = Counter(self.held)  # the next step's peak starts from what is held across the step
 
     def report(self, rank_id: int | None = None) -> str:
         mib = 2**20
@@ -78,8 +96,10 @@ class Ledger:
             f"{op} {self.last_step_bytes[op] / mib:.2f} MiB ({self.last_step_elements[op]:,} el)"
             for op in sorted(self.last_step_bytes)
         ) or "nothing"
+        in_flight = "".join(f"; {event} {count:,}" for event, count in sorted(self.last_step_events.items())) + \
+            "".join(f"; at most {amount:,} {what}" for what, amount in sorted(self.last_step_peaks.items()))
         shared = "".join(f"; {name} is shared: it lives in the {where}" for name, where in self.shared_weights.items())
-        return f"{who} holds {held}; last step sent {sent}{shared}"
+        return f"{who} holds {held}; last step sent {sent}{in_flight}{shared}"
 
 
 class Communicator:

@@ -48,7 +48,7 @@ class ZeroConfig:
     overlap_comm: bool = setting(True, "reduce gradient buckets while backward goes on",
                                  "zero_optimization.overlap_comm")
     prefetch_bucket_size: int = setting(50_000_000, "stage 3: parameter elements of upcoming units gathered "
-                                        "ahead of use", "zero_optimization.stage3_prefetch_bucket_size")
+                                        "ahead of use (the next unit always is)", "zero_optimization.stage3_prefetch_bucket_size")
     param_persistence_threshold: int = setting(0, "stage 3: parameters with fewer elements stay whole on every "
                                                "rank (DeepSpeed's default: 1e5)",
                                                "zero_optimization.stage3_param_persistence_threshold")

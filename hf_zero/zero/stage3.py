@@ -65,6 +65,7 @@ class Unit:
         """Starts the all-gather of every flat buffer of the unit (asynchronously)."""
         if self.gathered:
             return
+        self._tally(+1)
         for i, flat in enumerate(self.flats):
             flat.allocate_storage()
             shard = self.shards[i] if self.reader is None else self._read(i)
@@ -90,7 +91,8 @@ class Unit:
             flat.allocate_storage()
             flat.pack_and_bind()
         self.gathered = True
-        self.free()
+        if not self.persistent:
+            self.release_buffers()
 
     @property
     def is_root(self) -> bool:
@@ -112,9 +114,24 @@ class Unit:
         self.reading.clear()
         self.copies.clear()
 
+    def _tally(self, sign: int) -> None:
+        """The ledger's count of unit all-gathers and of units (and their bytes) gathered at once."""
+        if self.persistent:
+            return
+        ledger = self.comm.ledger
+        if sign > 0:
+            ledger.count("unit all-gathers")
+        ledger.hold("units gathered", sign)
+        ledger.hold("bytes of gathered units", sign * sum(f.padded_numel * f.data.element_size() for f in self.flats))
+
     def free(self) -> None:
         if self.persistent or not self.gathered:
             return
+        self._tally(-1)
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Frees the gathered buffers (`free` without the ledger's tally: also used while the units are built)."""
         self.wait()
         for flat in self.flats:
             for s in flat.slices:
@@ -297,7 +314,8 @@ class Stage3Params(ParamHolder):
                     flat.data.copy_(staged)
                     flat.bind()
             unit.gathered = True
-            unit.free()
+            if not unit.persistent:
+                unit.release_buffers()
 
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
 
@@ -392,13 +410,16 @@ class Stage3Params(ParamHolder):
                                      mode="any")
 
     def _fetch(self, unit: Unit, order: list[Unit]) -> None:
-        """Gathers `unit`, then starts gathering the units that ran after it last time, up to
-        `prefetch_bucket_size` elements, so that their all-gathers overlap this unit's compute."""
+        """Gathers `unit`, then starts gathering the units that ran after it last time, so that their
+        all-gathers overlap this unit's compute: always the next one (a 7B block is larger than any sensible
+        budget, and without it every all-gather would be exposed), then more up to `prefetch_bucket_size`
+        elements in all."""
         if unit not in order:
             order.append(unit)
         unit.gather()
-        i, budget = order.index(unit) + 1, self.prefetch_numel
-        while i < len(order) and order[i].numel <= budget:
+        first = order.index(unit) + 1
+        i, budget = first, self.prefetch_numel
+        while i < len(order) and (i == first or order[i].numel <= budget):
             budget -= order[i].numel
             order[i].gather()
             i += 1

@@ -122,3 +122,36 @@ def test_weights_several_units_use_train_at_stage3_as_one_process(kind):
         assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
         assert list(result["shared_weights"]) == SHARED[kind]
         assert all(where.startswith("root unit") for where in result["shared_weights"].values())
+
+
+def train_deep(prefetch_bucket_size: int) -> dict:
+    """2 SGD steps of the 8-block GPT-2 (SGD: see train_shared): one process on the global batch, or half of it
+    per rank at stage 3."""
+    model = tiny_model("gpt2-deep")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if not torch.distributed.is_initialized():
+        for step in range(2):
+            model(**lm_batch("gpt2", step, 8)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return named_copy(model)
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0,
+                                                   "prefetch_bucket_size": prefetch_bucket_size})
+    for step in range(2):
+        engine.backward(engine(**local_part(lm_batch("gpt2", step, 8), engine.comm.rank, 2)).loss)
+        engine.step()
+    ledger = engine.ledger
+    with engine.gathered_parameters():
+        return {"params": named_copy(model), "gathers": ledger.last_step_events["unit all-gathers"],
+                "most_gathered": ledger.last_step_peaks["units gathered"]}
+
+
+@pytest.mark.parametrize("prefetch_bucket_size, most_gathered", [(1, 3), (50_000_000, 9)])
+def test_the_next_unit_is_prefetched_even_when_it_exceeds_the_prefetch_budget(prefetch_bucket_size, most_gathered):
+    """With a budget smaller than any unit, the root (kept through forward), the running block and the next
+    one are gathered at once; with the default budget every block of this small model is."""
+    expected = train_deep(0)
+    for result in spawn_gloo(train_deep, 2, prefetch_bucket_size):
+        assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
+        assert result["most_gathered"] == most_gathered
+        assert result["gathers"] == 2 * 8 + 1  # each block for forward and backward, the root once
