@@ -45,6 +45,11 @@ class ZeroConfig:
                                       "zero_optimization.reduce_bucket_size")
     allgather_bucket_size: int = setting(50_000_000, "stages 1-2: parameter elements all-gathered at once "
                                          "after the step", "zero_optimization.allgather_bucket_size")
+    # The compute dtype by default, as DeepSpeed's communication_data_type and FSDP2's reduce_dtype default
+    # to, and as the paper's 2Ψ of traffic and 2Ψ/Nd of gradients per rank count it.
+    reduce_dtype: str | None = setting(None, "dtype gradients are reduced in and, at stages 2-3, accumulated "
+                                       "into this rank's gradient shard: fp32, or the compute dtype (default)",
+                                       "communication_data_type", tuple(DTYPES))
     overlap_comm: bool = setting(True, "reduce gradient buckets while backward goes on",
                                  "zero_optimization.overlap_comm")
     prefetch_bucket_size: int = setting(50_000_000, "stage 3: parameter elements of upcoming units gathered "
@@ -113,6 +118,10 @@ class ZeroConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def torch_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype or self.dtype]
+
     def validate(self, name: Callable[[str], str] = str) -> None:
         """Raises ZeroConfigError on the first bad setting. `name(key)` is how a message names a setting:
         the key itself for engine configs, the command-line flag for ZeroTrainingArguments."""
@@ -124,6 +133,9 @@ class ZeroConfig:
             fail("zero_stage", f"must be one of 0, 1, 2, 3; got {self.zero_stage!r}")
         if self.dtype not in DTYPES:
             fail("dtype", f"must be one of {sorted(DTYPES)}; got {self.dtype!r}")
+        if self.reduce_dtype not in (None, "fp32", self.dtype):
+            fail("reduce_dtype", f"must be fp32 or the compute dtype, {self.dtype} ({name('dtype')}); got "
+                                 f"{self.reduce_dtype!r}")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "gradient_accumulation_steps",
                     "loss_scale_window", "nvme_tile_numel"):
             value = getattr(self, key)

@@ -23,6 +23,8 @@ from tests.helpers import make_optimizer, tiny_model
     ("prefetch_bucket_size", -1, r"prefetch_bucket_size must be an integer >= 0"),
     ("gradient_clipping", -1.0, r"gradient_clipping must be a number >= 0"),
     ("loss_scale", 128.0, r"loss_scale applies to fp16 only"),
+    ("reduce_dtype", "bf16", r"reduce_dtype must be fp32 or the compute dtype, fp32 \(dtype\); got 'bf16'"),
+    ("reduce_dtype", "fp8", r"reduce_dtype must be fp32 or the compute dtype, fp32 \(dtype\); got 'fp8'"),
 ])
 def test_bad_setting_names_the_setting_and_the_allowed_values(setting, value, message):
     with pytest.raises(ZeroConfigError, match=message):

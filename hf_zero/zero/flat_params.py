@@ -48,9 +48,11 @@ class FlatParams(ParamHolder):
         if stage == 2:
             # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
             self.grads = PartitionedGradients(self.flats, comm, config.overlap_comm, position,
+                                              config.torch_reduce_dtype,
                                               shard_device=HOST if config.offload_optimizer != "none" else None)
         else:
-            self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, position, partitioned=stage == 1)
+            self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, position, config.torch_reduce_dtype,
+                                             partitioned=stage == 1)
         self.param_chunks = [[flat.owned_chunk(b, self.shard) for b in flat.buckets] for flat in self.flats]
 
     @property
@@ -105,11 +107,14 @@ class FlatParams(ParamHolder):
 
 
 class ReplicatedGradients(GradientReducer):
-    """Stages 0-1: the whole gradient in one flat buffer per param group, reduced at the step's last backward."""
+    """Stages 0-1: the whole gradient in one flat buffer per param group, reduced at the step's last backward.
+    The buffer holds the parameters' dtype (it is their `.grad`), so micro-batches accumulate in it; with a
+    wider `reduce_dtype` each bucket is reduced through a copy in that dtype."""
 
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
-                 position: dict[nn.Parameter, int], partitioned: bool) -> None:
+                 position: dict[nn.Parameter, int], reduce_dtype: torch.dtype, partitioned: bool) -> None:
         super().__init__(flat_params, comm, overlap_comm, position)
+        self.reduce_dtype = reduce_dtype
         self.partitioned = partitioned
         self.shard = comm.rank if partitioned else 0
         self.flat_grads = [torch.zeros_like(flat.data) for flat in flat_params]
@@ -128,15 +133,19 @@ class ReplicatedGradients(GradientReducer):
 
     def reduce_bucket(self, key: BucketKey):
         fi, bi = key
-        flat, bucket = self.flat_params[fi], self.flat_params[fi].buckets[bi]
+        bucket = self.flat_params[fi].buckets[bi]
         bucket_grad = self.flat_grads[fi][bucket.start:bucket.end]
-        bucket_grad.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
+        reduced = bucket_grad.to(self.reduce_dtype)  # bucket_grad itself when the dtypes agree
+        reduced.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
+        owned = slice(bucket.chunk_numel * self.shard, bucket.chunk_numel * (self.shard + 1)) if self.partitioned \
+            else slice(None)
         if self.partitioned:
-            owned = flat.owned_chunk(bucket, self.shard, self.flat_grads[fi])
-            work = self.comm.reduce_scatter_(owned, bucket_grad, async_op=True)
+            work = self.comm.reduce_scatter_(reduced[owned], reduced, async_op=True)
         else:
-            work = self.comm.all_reduce_(bucket_grad, async_op=True)
-        return work, lambda: None
+            work = self.comm.all_reduce_(reduced, async_op=True)
+        if reduced is bucket_grad:
+            return work, lambda: None
+        return work, lambda: bucket_grad[owned].copy_(reduced[owned])
 
     def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
         flat = self.flat_params[fi]

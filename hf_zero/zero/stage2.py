@@ -22,15 +22,16 @@ from hf_zero.zero.reducer import BucketKey, GradientReducer
 
 class PartitionedGradients(GradientReducer):
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
-                 position: dict[nn.Parameter, int], reuse_buffers: bool = True,
+                 position: dict[nn.Parameter, int], reduce_dtype: torch.dtype, reuse_buffers: bool = True,
                  shard_device: torch.device | None = None) -> None:
+        """Buckets are reduced, and micro-batches accumulated into the gradient shards, in `reduce_dtype`."""
         super().__init__(flat_params, comm, overlap_comm, position)
         # Stage 2's buckets share one size, so reduced buffers are kept for the next bucket (M_D).
         # Stage 3's buckets are units of many sizes: keeping one of each (the root's is vocabulary
         # sized) would hold memory for good, so there the allocator gets them back.
         self.reuse_buffers = reuse_buffers
         self.shard = comm.rank
-        self.dtype = flat_params[0].data.dtype
+        self.dtype = reduce_dtype
         # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
         device = shard_device or flat_params[0].data.device
         # Each bucket's owned chunk: a view into its group's grad shard.

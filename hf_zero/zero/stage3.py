@@ -203,7 +203,7 @@ class Stage3Params(ParamHolder):
             self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
         self.position = model_order(model)
-        self.grads = Stage3Gradients(self, comm, config.overlap_comm,
+        self.grads = Stage3Gradients(self, comm, config.overlap_comm, config.torch_reduce_dtype,
                                      HOST if config.offload_optimizer != "none" else None)
         chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype)
         if init_from is not None:
@@ -489,9 +489,9 @@ class Stage3Gradients(PartitionedGradients):
     """Stage 2's bucketed reduce-scatter with one bucket per unit and param group; a unit is freed as soon
     as its last gradient has been copied into its bucket."""
 
-    def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool,
+    def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool, reduce_dtype: torch.dtype,
                  shard_device: torch.device | None) -> None:
-        super().__init__(params.flats, comm, overlap_comm, params.position, reuse_buffers=False,
+        super().__init__(params.flats, comm, overlap_comm, params.position, reduce_dtype, reuse_buffers=False,
                          shard_device=shard_device)
         self.params = params
         self.unit_pending: dict[int, int] = {}
