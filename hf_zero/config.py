@@ -21,6 +21,13 @@ class ZeroConfigError(ValueError):
     """A setting has a value the engine cannot use; the message names the setting and what is allowed."""
 
 
+def default_reduce_bucket_size(data_parallel_ranks: int) -> int:
+    """At least 1M elements of each bucket per rank (2 MiB in bf16, where NCCL's ring is no longer
+    latency-bound), never below the 5M that small worlds had, nor above DeepSpeed's 5e8 (two buckets in
+    flight and one filling then hold 3 GiB in bf16)."""
+    return min(500_000_000, max(5_000_000, 1_000_000 * data_parallel_ranks))
+
+
 def setting(default: Any, help: str, deepspeed: str | None = None, choices: tuple | None = None,
             trainer_flag: str | None = None) -> Any:
     """A ZeroConfig field with what every front end says about it: `help` (without the default, which is
@@ -40,9 +47,12 @@ class ZeroConfig:
                                  "3 also parameters", "zero_optimization.stage", (0, 1, 2, 3))
     dtype: str = setting("fp32", "compute dtype; the fp32 master weights stay on the shard", "bf16.enabled / "
                          "fp16.enabled", tuple(DTYPES), trainer_flag="--bf16/--fp16")
-    # C_B: fixed-size gradient buckets, independent of model size (paper section 6.2).
-    reduce_bucket_size: int = setting(5_000_000, "gradient elements reduced per bucket (C_B)",
-                                      "zero_optimization.reduce_bucket_size")
+    # C_B: fixed-size gradient buckets, independent of model size (paper section 6.2). Left unset, the size
+    # grows with the data-parallel world (`default_reduce_bucket_size`): a fixed 5M would cut each rank's piece
+    # of a reduce-scatter to 5M/Nd elements, latency-bound across nodes, and 7B into 1,400 collectives.
+    reduce_bucket_size: int | None = setting(None, "stages 0-2: gradient elements reduced per bucket (C_B); unset: "
+                                             "max(5e6, 1e6 x data-parallel ranks), at most 5e8",
+                                             "zero_optimization.reduce_bucket_size")
     allgather_bucket_size: int = setting(50_000_000, "stages 1-2: parameter elements all-gathered at once "
                                          "after the step", "zero_optimization.allgather_bucket_size")
     # The compute dtype by default, as DeepSpeed's communication_data_type and FSDP2's reduce_dtype default
@@ -118,6 +128,10 @@ class ZeroConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def bucket_numel(self, data_parallel_ranks: int) -> int:
+        """reduce_bucket_size, or when unset the size for this many ranks (`default_reduce_bucket_size`)."""
+        return self.reduce_bucket_size or default_reduce_bucket_size(data_parallel_ranks)
+
     @property
     def torch_reduce_dtype(self) -> torch.dtype:
         return DTYPES[self.reduce_dtype or self.dtype]
@@ -139,7 +153,7 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size", "gradient_accumulation_steps",
                     "loss_scale_window", "nvme_tile_numel"):
             value = getattr(self, key)
-            if value <= 0:
+            if value is not None and value <= 0:
                 fail(key, f"must be a positive integer; got {value!r}")
         for key in ("prefetch_bucket_size", "param_persistence_threshold", "delayed_param_update_warmup",
                     "max_skipped_steps_in_a_row"):
@@ -167,6 +181,7 @@ class ZeroConfig:
             value, kind = getattr(self, setting.name), setting.type
             if value is None and kind.endswith("| None"):
                 continue
+            kind = kind.removesuffix(" | None")
             if kind.startswith("list[str]"):
                 ok, wanted = isinstance(value, (list, tuple)) and all(isinstance(c, str) for c in value), \
                     "a list of module class names"
@@ -290,7 +305,7 @@ def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None
         if s.type == "bool":
             parser.add_argument(f"--{name}", action="store_true", default=default, help=help_of(s, default))
             continue
-        kind = {"int": int, "float": float}.get(s.type, str)
+        kind = {"int": int, "float": float}.get(s.type.removesuffix(" | None"), str)
         choices = list(s.metadata["choices"]) if s.metadata["choices"] else None
         parser.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help_of(s, default))
 
@@ -307,7 +322,7 @@ def trainer_flag(name: str) -> str:
     return owned or (f"--{name}" if name.startswith("zero_") else f"--zero_{name}")
 
 
-METAVARS = {"int": " N", "float": " N", "bool": "", "list[str] | None": " NAME [NAME ...]", "str | None": " DIR"}
+METAVARS = {"int": " N", "int | None": " N", "float": " N", "bool": "", "list[str] | None": " NAME [NAME ...]", "str | None": " DIR"}
 
 
 def flag_rows() -> list[str]:

@@ -40,7 +40,7 @@ class FlatParams(ParamHolder):
         self.reduces_every_backward = stage == 2
         self.allgather_bucket_size = config.allgather_bucket_size
         self.flats = [FlatParamBuffer(list(reversed(named)), 1 if self.replicated else comm.world_size, dtype,
-                                      config.reduce_bucket_size) for named in groups]
+                                      config.bucket_numel(comm.world_size)) for named in groups]
         self.fp32_init = None if dtype == torch.float32 else [
             [self._read_fp32(flat, b) for b in flat.buckets] for flat in self.flats]
         for flat in self.flats:
