@@ -13,9 +13,11 @@ The order is the expected order of readiness: backward produces gradients roughl
 order the model registers its parameters, so a bucket is ready about when its earliest-registered parameter's
 gradient arrives, and buckets launch latest-registered first, whatever param group they belong to.
 
-At most MAX_IN_FLIGHT reductions are outstanding: each holds a bucket buffer (stages 2-3), and
-letting them pile up until the end of backward would hold a whole gradient's worth of buffers,
-which is exactly the memory stage 2 exists to save (C_B: bounded buffers whatever the model size).
+At most `max_in_flight` reductions are outstanding (MAX_IN_FLIGHT, one at stage 3): each holds a bucket
+buffer (stages 2-3), and letting them pile up until the end of backward would hold a whole gradient's worth
+of buffers, which is exactly the memory stage 2 exists to save (C_B: bounded buffers whatever the model
+size). Stage 3's buckets are whole units, so it keeps one in flight, as FSDP2 does: the next unit's
+backward still overlaps it.
 """
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ class GradientReducer:
     `reduce_bucket(key)` as soon as a bucket is complete), then `release(param)`."""
 
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
-                 position: dict[nn.Parameter, int]) -> None:
+                 position: dict[nn.Parameter, int], max_in_flight: int = MAX_IN_FLIGHT) -> None:
         """`position`: each parameter's place in the model's registration order (the launch order's basis)."""
+        self.max_in_flight = max_in_flight
         self.flat_params = flat_params
         self.comm = comm
         self.overlap_comm = overlap_comm
@@ -125,7 +128,7 @@ class GradientReducer:
         self.launched += 1
         work, on_done = self.reduce_bucket(key)
         self.in_flight.append((work, on_done))
-        limit = MAX_IN_FLIGHT if self.overlap_comm else 0
+        limit = self.max_in_flight if self.overlap_comm else 0
         while self.in_flight and (len(self.in_flight) > limit or self.in_flight[0][0].is_completed()):
             self._retire_oldest()
 

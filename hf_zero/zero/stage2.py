@@ -17,15 +17,15 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
-from hf_zero.zero.reducer import BucketKey, GradientReducer
+from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, GradientReducer
 
 
 class PartitionedGradients(GradientReducer):
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
                  position: dict[nn.Parameter, int], reduce_dtype: torch.dtype, reuse_buffers: bool = True,
-                 shard_device: torch.device | None = None) -> None:
+                 shard_device: torch.device | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         """Buckets are reduced, and micro-batches accumulated into the gradient shards, in `reduce_dtype`."""
-        super().__init__(flat_params, comm, overlap_comm, position)
+        super().__init__(flat_params, comm, overlap_comm, position, max_in_flight)
         # Stage 2's buckets share one size, so reduced buffers are kept for the next bucket (M_D).
         # Stage 3's buckets are units of many sizes: keeping one of each (the root's is vocabulary
         # sized) would hold memory for good, so there the allocator gets them back.
@@ -65,8 +65,11 @@ class PartitionedGradients(GradientReducer):
         if buf is None:
             numel = self.flat_params[key[0]].buckets[key[1]].numel
             spares = self.spare_buffers.get(numel)
-            buf = spares.pop().zero_() if spares else torch.zeros(
-                numel, dtype=self.dtype, device=self.flat_params[key[0]].data.device)
+            if spares:
+                buf = spares.pop().zero_()
+            else:
+                buf = torch.zeros(numel, dtype=self.dtype, device=self.flat_params[key[0]].data.device)
+                self.comm.ledger.hold("bytes of gradient buckets", buf.numel() * buf.element_size())
             self.bucket_buffers[key] = buf
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
         return buf
@@ -96,6 +99,8 @@ class PartitionedGradients(GradientReducer):
             grad_shard.add_(owned.to(grad_shard.device))
             if self.reuse_buffers:
                 self.spare_buffers.setdefault(buf.numel(), []).append(buf)
+            else:
+                self.comm.ledger.hold("bytes of gradient buckets", -buf.numel() * buf.element_size())
 
         return work, add_to_shard
 

@@ -4,7 +4,7 @@ Between uses each rank holds only its shard of every parameter. The model is cut
 transformer block by default, plus the root for whatever lies outside the blocks); a unit's full
 parameters are all-gathered just before its forward and again before its backward, and freed right
 after each. While one unit computes, the next ones in execution order are gathered asynchronously,
-up to `prefetch_bucket_size` elements ahead. Parameters smaller than `param_persistence_threshold`
+always the next one, then more up to `prefetch_bucket_size` elements ahead. Parameters smaller than `param_persistence_threshold`
 go to one persistent unit that stays gathered and is refreshed by one all-gather after each step.
 
 Freeing resizes the gathered buffer's storage to zero instead of dropping the tensor, so the views
@@ -492,7 +492,7 @@ class Stage3Gradients(PartitionedGradients):
     def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool, reduce_dtype: torch.dtype,
                  shard_device: torch.device | None) -> None:
         super().__init__(params.flats, comm, overlap_comm, params.position, reduce_dtype, reuse_buffers=False,
-                         shard_device=shard_device)
+                         shard_device=shard_device, max_in_flight=1)
         self.params = params
         self.unit_pending: dict[int, int] = {}
 
