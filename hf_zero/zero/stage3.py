@@ -3,9 +3,10 @@
 Between uses each rank holds only its shard of every parameter. The model is cut into units (a
 transformer block by default, plus the root for whatever lies outside the blocks); a unit's full
 parameters are all-gathered just before its forward and again before its backward, and freed right
-after each. While one unit computes, the next ones in execution order are gathered asynchronously,
-always the next one, then more up to `prefetch_bucket_size` elements ahead. Parameters smaller than `param_persistence_threshold`
-go to one persistent unit that stays gathered and is refreshed by one all-gather after each step.
+after each. While one unit computes, the next ones in execution order are gathered asynchronously:
+always the next one, then more up to `prefetch_bucket_size` elements ahead. Parameters smaller than
+`param_persistence_threshold` go to one persistent unit that stays gathered and is refreshed by one
+all-gather after each step.
 
 Freeing resizes the gathered buffer's storage to zero instead of dropping the tensor, so the views
 of it that autograd saved for backward (e.g. a weight's transpose) see the re-gathered values,
