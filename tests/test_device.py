@@ -84,3 +84,9 @@ def test_file_io_refuses_device_memory():
     meta = torch.empty(2, device="meta")
     with pytest.raises(ValueError, match="bytes_of reads host memory"):
         bytes_of(meta, writing=False)
+
+
+def test_file_io_takes_host_memory_only():
+    """Defect 1's guard: ctypes would read a device address as a host one (on CUDA: garbage or a crash)."""
+    with pytest.raises(ValueError, match="bytes_of reads host memory; got a tensor on meta"):
+        bytes_of(torch.empty(4, device="meta"), writing=False)

@@ -4,6 +4,8 @@ tp 2 x dp 2 and as tp 4, training equals one process on the global batch. Engine
 tensor-parallel runs resume exactly, continue on another dp size and stage, and consolidate whole."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -209,3 +211,19 @@ def test_a_tensor_parallel_checkpoint_consolidates_to_the_whole_weights(saved_tp
     assert {n for n, _ in loaded.named_parameters()} == set(expected)
     for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), f"{name} was not reassembled"
+
+
+def train_tp2_with_nvme_states(root: str) -> dict:
+    """tp 2 on one node: both tp ranks are data-parallel rank 0 and write their own NVMe states."""
+    engine = tp_engine("gpt2-tp", 2, {"zero_stage": 2, "offload_optimizer": "nvme", "nvme_path": root})
+    train_steps(engine, "gpt2-tp", 0, 3)
+    return {"params": whole_params(engine), "folders": sorted(os.listdir(root)), "dp_rank": engine.comm.rank}
+
+
+def test_tensor_parallel_ranks_of_one_data_parallel_rank_keep_their_own_nvme_folders(tmp_path):
+    """Keyed by the data-parallel rank, both tp ranks would use (and clear at start) the same folder."""
+    results = spawn_gloo(train_tp2_with_nvme_states, 2, str(tmp_path))
+    reference = train_single_process("gpt2-tp", 3, GLOBAL_BATCH, clip=CLIP)
+    for result in results:
+        assert result["dp_rank"] == 0 and result["folders"] == ["rank00000", "rank00001"]
+        assert max((result["params"][n] - p).abs().max().item() for n, p in reference["params"].items()) < FP32_TOL
