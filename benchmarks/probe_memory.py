@@ -61,8 +61,8 @@ class Sampler:
         self.thread.join()
 
 
-def probe(workload: str, system: str, extra: dict) -> dict:
-    w = WORKLOADS[workload]
+def probe(workload: str, system: str, extra: dict, steps: int | None) -> dict:
+    w = {**WORKLOADS[workload], **({"steps": steps} if steps else {})}
     torch.manual_seed(0)
     after_import = current_rss()
     model = model_zoo.build(w["model"])
@@ -111,11 +111,13 @@ def main() -> None:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="memory")
     p.add_argument("--system", default="hf_zero_3", choices=SYSTEMS, help="hf_zero_N, or a reference of bench_zero.py")
     p.add_argument("--config", default="{}", help="more hf_zero engine settings, as JSON")
+    p.add_argument("--steps", type=int, help="steps instead of the workload's")
     p.add_argument("--mmap_threshold", type=int, default=1 << 20, help="as bench_zero.py (0: glibc default)")
     args = p.parse_args()
     if args.mmap_threshold:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    ranks = spawn_gloo(probe, 2, args.workload, args.system, json.loads(args.config), start_method="spawn")
+    ranks = spawn_gloo(probe, 2, args.workload, args.system, json.loads(args.config), args.steps,
+                       start_method="spawn")
     for rank, r in enumerate(ranks):
         print(f"\nrank {rank}: {args.system} {args.config}, {args.workload} workload")
         print(f"  RSS after import {r['after_import'] / MIB:.0f} MiB, model built {r['after_build'] / MIB:.0f}, "

@@ -4,8 +4,8 @@ No rank keeps a whole gradient. During every backward each parameter's gradient 
 fixed-size buffer of its bucket (C_B) and dropped; when a bucket is full it is reduce-scattered in
 place, asynchronously, while backward goes on, and this rank's chunk is added into `grad_shards`,
 the one preallocated buffer per param group that holds this rank's gradients across accumulation
-steps (M_D); with offload_optimizer that buffer is in host memory, and each bucket's chunk goes there
-as soon as it is reduced, while backward goes on. Stage 3 reuses this path with one bucket per unit.
+steps (M_D); with offload_optimizer that buffer is in host memory, and each bucket's reduced chunk goes
+there by a non-blocking copy while backward goes on, added in when the next chunk comes. Stage 3 reuses this path with one bucket per unit.
 
 The grad shards take no memory until the first backward: a model built shard by shard at stage 3
 should not pay for its gradients while it is being constructed (or only evaluated).
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
+from hf_zero.device import to_host
 from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
 from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, GradientReducer
 
@@ -34,6 +35,8 @@ class PartitionedGradients(GradientReducer):
         self.dtype = reduce_dtype
         # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
         device = shard_device or flat_params[0].data.device
+        self.offloaded = shard_device is not None
+        self.landing: tuple | None = None  # offload: the last reduced chunk on its way to the host
         # Each bucket's owned chunk: a view into its group's grad shard.
         self.owned_grads: dict[BucketKey, torch.Tensor] = {}
         self.grad_shards: list[torch.Tensor] = []
@@ -95,14 +98,41 @@ class PartitionedGradients(GradientReducer):
         work = self.comm.reduce_scatter_(owned, buf, async_op=True)
 
         def add_to_shard() -> None:
-            grad_shard = self.owned_grad(*key)
-            grad_shard.add_(owned.to(grad_shard.device))
-            if self.reuse_buffers:
-                self.spare_buffers.setdefault(buf.numel(), []).append(buf)
+            if self.offloaded:
+                self._land_in_host_memory(key, owned, buf)
             else:
-                self.comm.ledger.hold("bytes of gradient buckets", -buf.numel() * buf.element_size())
+                self.owned_grad(*key).add_(owned)
+                self._recycle(buf)
 
         return work, add_to_shard
+
+    def _land_in_host_memory(self, key: BucketKey, owned: torch.Tensor, buf: torch.Tensor) -> None:
+        """offload_optimizer: this rank's reduced chunk goes to the host without blocking the backward hook (a
+        non-blocking copy into pinned memory); it is added into the host grad shard when the next chunk comes,
+        or at the end of backward, once its copy has landed. The bucket stays lent to the copy until then."""
+        host, copy = to_host(owned, f"the reduced gradient chunk of bucket {key}")
+        if self.landing:
+            self._add_landed()
+        self.landing = (host, copy, self.owned_grad(*key), buf)
+
+    def _add_landed(self) -> None:
+        host, copy, grad_shard, buf = self.landing
+        self.landing = None
+        copy.wait()
+        grad_shard.add_(host)
+        self._recycle(buf)
+
+    def _recycle(self, buf: torch.Tensor) -> None:
+        if self.reuse_buffers:
+            self.spare_buffers.setdefault(buf.numel(), []).append(buf)
+        else:
+            self.comm.ledger.hold("bytes of gradient buckets", -buf.numel() * buf.element_size())
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        super().finish()
+        if self.landing:
+            self._add_landed()
 
     def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
         return self.owned_grads[(fi, bi)]
