@@ -21,6 +21,9 @@ from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, loc
 from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, GradientReducer
 
 
+EARLY_SHARE = 16
+
+
 class PartitionedGradients(GradientReducer):
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
                  position: dict[nn.Parameter, int], reduce_dtype: torch.dtype, reuse_buffers: bool = True,
@@ -51,6 +54,7 @@ class PartitionedGradients(GradientReducer):
             release_storage(grad_shard)
             self.grad_shards.append(grad_shard)
         self.bucket_buffers: dict[BucketKey, torch.Tensor] = {}
+        self.early_pieces: dict[BucketKey, list[tuple[int, torch.Tensor]]] = {}  # (offset, gradient) before a buffer
         self.spare_buffers: dict[int, list[torch.Tensor]] = {}
         self.peak_buffer_bytes = 0
 
@@ -61,6 +65,7 @@ class PartitionedGradients(GradientReducer):
 
     def begin(self, reduce: bool) -> None:
         self.allocate()
+        self.early_pieces.clear()  # left by a backward that raised
         super().begin(reduce)
 
     def _buffer(self, key: BucketKey) -> torch.Tensor:
@@ -73,6 +78,8 @@ class PartitionedGradients(GradientReducer):
             else:
                 buf = torch.zeros(numel, dtype=self.dtype, device=self.flat_params[key[0]].data.device)
                 self.comm.ledger.hold("bytes of gradient buckets", buf.numel() * buf.element_size())
+            for lo, grad in self.early_pieces.pop(key, []):
+                buf[lo:lo + grad.numel()].add_(grad)
             self.bucket_buffers[key] = buf
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes())
         return buf
@@ -84,6 +91,15 @@ class PartitionedGradients(GradientReducer):
     def write_piece(self, key: BucketKey, piece: Piece, param: nn.Parameter) -> None:
         n = piece.param_hi - piece.param_lo
         grad = local_grad(param).reshape(-1)[piece.param_lo:piece.param_hi]
+        if key not in self.bucket_buffers:
+            # A bucket's first small pieces are kept aside until its pieces would fill 1/EARLY_SHARE of it: a
+            # stage-3 root whose final norm's gradient comes first and its tied embedding's last would
+            # otherwise hold its whole bucket through backward.
+            early = self.early_pieces.setdefault(key, [])
+            numel = self.flat_params[key[0]].buckets[key[1]].numel
+            if n + sum(g.numel() for _, g in early) <= numel // EARLY_SHARE:
+                early.append((piece.range_lo, grad.to(self.dtype, copy=True)))
+                return
         self._buffer(key)[piece.range_lo:piece.range_lo + n].add_(grad)
 
     def release(self, param: nn.Parameter) -> None:

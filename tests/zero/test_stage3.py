@@ -155,3 +155,21 @@ def test_the_next_unit_is_prefetched_even_when_it_exceeds_the_prefetch_budget(pr
         assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
         assert result["most_gathered"] == most_gathered
         assert result["gathers"] == 2 * 8 + 1  # each block for forward and backward, the root once
+
+
+def bucket_peak_of_the_tied_gpt2() -> dict:
+    model = tiny_model("gpt2-deep")  # wte is the head too: its gradient is complete only at the end of backward
+    engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                {"zero_stage": 3, "param_persistence_threshold": 0})
+    engine.backward(engine(**local_part(lm_batch("gpt2", 0, 8), engine.comm.rank, 2)).loss)
+    engine.step()
+    units = {u.name: u.numel * 4 for u in engine.params.units}
+    return {"peak": engine.ledger.last_step_peaks["bytes of gradient buckets"], "units": units}
+
+
+def test_the_roots_bucket_takes_memory_only_when_its_large_gradients_come():
+    """ln_f's gradient arrives first and the tied wte's last: the root's bucket opens at the end of backward,
+    so at most two block buckets are held (the one filling and the one being reduced), never the root's too."""
+    for result in spawn_gloo(bucket_peak_of_the_tied_gpt2, 2):
+        block = max(size for name, size in result["units"].items() if name.startswith("transformer.h."))
+        assert result["units"][""] > 0 and result["peak"] == 2 * block
