@@ -127,8 +127,8 @@ def main() -> None:
             r["phase_peaks"].items(), key=lambda kv: -kv[1])))
         held = {k: v for k, v in r["at_peak"].items() if k != "phase"}
         states = sum(r["state_bytes"].values())
-        print(f"  peak {r['peak'] / MIB:.0f} MiB in '{r['at_peak'].get('phase')}'; model states {states / MIB:.0f} MiB; "
-              f"held then: " + ", ".join(f"{k} {v / MIB:.0f} MiB" if "bytes" in k else f"{k} {v}"
+        print(f"  peak {r['peak'] / MIB:.0f} MiB in '{r['at_peak'].get('phase')}'; model states "
+              f"{states / MIB:.0f} MiB; held then: " + ", ".join(f"{k} {v / MIB:.0f} MiB" if "bytes" in k else f"{k} {v}"
                                          for k, v in sorted(held.items())))
 
 

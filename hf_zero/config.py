@@ -325,7 +325,8 @@ def trainer_flag(name: str) -> str:
     return owned or (f"--{name}" if name.startswith("zero_") else f"--zero_{name}")
 
 
-METAVARS = {"int": " N", "int | None": " N", "float": " N", "bool": "", "list[str] | None": " NAME [NAME ...]", "str | None": " DIR"}
+METAVARS = {"int": " N", "int | None": " N", "float": " N", "bool": "", "list[str] | None": " NAME [NAME ...]",
+            "str | None": " DIR"}
 
 
 def flag_rows() -> list[str]:

@@ -5,7 +5,8 @@ fixed-size buffer of its bucket (C_B) and dropped; when a bucket is full it is r
 place, asynchronously, while backward goes on, and this rank's chunk is added into `grad_shards`,
 the one preallocated buffer per param group that holds this rank's gradients across accumulation
 steps (M_D); with offload_optimizer that buffer is in host memory, and each bucket's reduced chunk goes
-there by a non-blocking copy while backward goes on, added in when the next chunk comes. Stage 3 reuses this path with one bucket per unit.
+there by a non-blocking copy while backward goes on, added in when the next chunk comes. Stage 3 reuses
+this path with one bucket per unit.
 
 The grad shards take no memory until the first backward: a model built shard by shard at stage 3
 should not pay for its gradients while it is being constructed (or only evaluated).
@@ -21,7 +22,7 @@ from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, loc
 from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, GradientReducer
 
 
-EARLY_SHARE = 16
+EARLY_SHARE = 16  # a bucket takes memory once its pieces would fill 1/EARLY_SHARE of it (see write_piece)
 
 
 class PartitionedGradients(GradientReducer):
