@@ -153,6 +153,8 @@ def _estimate(argv: list[str]) -> int:
     parser.add_argument("--offload_optimizer", choices=estimate.OFFLOADS, default="none")
     parser.add_argument("--offload_param", choices=estimate.OFFLOADS, default="none")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--reduce_dtype", choices=sorted(DTYPES),
+                        help="the engine's reduce_dtype: fp32 or the compute dtype (default)")
     parser.add_argument("--batch_size", type=_nproc, help="micro-batch per device, for activation memory")
     parser.add_argument("--seq_len", type=_nproc, help="sequence length, for activation memory")
     parser.add_argument("--checkpoint_activations", action="store_true")
@@ -160,6 +162,8 @@ def _estimate(argv: list[str]) -> int:
     conflict = offload_conflict(args.zero_stage, args.offload_optimizer, args.offload_param, lambda k: f"--{k}")
     if conflict:
         parser.error(conflict)
+    if args.reduce_dtype not in (None, "fp32", args.dtype):
+        parser.error(f"--reduce_dtype must be fp32 or the compute dtype, {args.dtype} (--dtype); got {args.reduce_dtype}")
     if (args.batch_size is None) != (args.seq_len is None):
         parser.error("--batch_size and --seq_len go together (activation memory needs both)")
     if args.batch_size and not args.model:
@@ -172,7 +176,8 @@ def _estimate(argv: list[str]) -> int:
         except KeyError as e:
             parser.error(f"--model: {e.args[0]}")
     psi = args.params if args.params else model_zoo.parameter_count(args.model)
-    setting = estimate.Setting(args.zero_stage, args.num_gpus, args.offload_optimizer, args.offload_param)
+    setting = estimate.Setting(args.zero_stage, args.num_gpus, args.offload_optimizer, args.offload_param,
+                               None if args.reduce_dtype == args.dtype else args.reduce_dtype)
     print(estimate.report(psi, setting, args.gpu_memory, args.dtype, args.model, args.batch_size or 0,
                           args.seq_len or 0, args.checkpoint_activations))
     return 0

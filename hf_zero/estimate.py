@@ -4,7 +4,8 @@ Model states follow the paper's accounting (section 5, `hf_zero.memory.model_sta
 Adam holds 2Ψ of parameters, 2Ψ of gradients and KΨ (K=12) of fp32 optimizer state, divided by Nd as the
 stage partitions them. Offload moves bytes from the device to the host (ZeRO-Offload): the optimizer
 state and an fp32 gradient shard (16Ψ/Nd) with `offload_optimizer`, the parameter shard with
-`offload_param`. Activations use the paper's estimate for GPT-2-like models, 12·hidden·batch·seq·layers
+`offload_param`. With `--reduce_dtype fp32` stages 2-3 keep an fp32 gradient shard (4Ψ/Nd; the engine's
+`reduce_dtype`). Activations use the paper's estimate for GPT-2-like models, 12·hidden·batch·seq·layers
 values in the compute dtype (its 60 GB for the 1.5B model at batch 32, sequence 1K); with checkpointing,
 one block input per layer is kept and one block at a time is recomputed. Sizes are in the paper's GB
 (1e9 bytes), the unit of its Figure 1 and Table 2.
@@ -46,17 +47,19 @@ class Setting:
     num_gpus: int
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    reduce_dtype: str | None = None  # ZeroConfig.reduce_dtype: None is the compute dtype
 
     def __str__(self) -> str:
         offload = [f"{what} offload" for what, where in (("optimizer", self.offload_optimizer),
                                                           ("parameter", self.offload_param)) if where != "none"]
+        reduce = f", gradients reduced in {self.reduce_dtype}" if self.reduce_dtype else ""
         return f"stage {self.stage} on {self.num_gpus} GPU{'s' * (self.num_gpus > 1)}" + (
-            f" with {' and '.join(offload)} to CPU" if offload else "")
+            f" with {' and '.join(offload)} to CPU" if offload else "") + reduce
 
 
 def model_states(psi: int, setting: Setting, dtype: str = "bf16") -> tuple[dict[str, float], float]:
     """(bytes per device by category, bytes of host memory per process) for model states."""
-    device = model_state_bytes(setting.stage, psi, setting.num_gpus, dtype)
+    device = model_state_bytes(setting.stage, psi, setting.num_gpus, dtype, setting.reduce_dtype)
     host = 0.0
     if setting.offload_optimizer == "cpu":
         host += device["optimizer_states"] + 4 * psi / setting.num_gpus  # + the fp32 gradient shard
@@ -77,14 +80,14 @@ def activation_bytes(name: str, batch: int, seq: int, checkpointing: bool, dtype
     return element * block * layers
 
 
-def valid_settings(num_gpus: Iterator[int]) -> Iterator[Setting]:
+def valid_settings(num_gpus: Iterator[int], reduce_dtype: str | None = None) -> Iterator[Setting]:
     """Every combination hf_zero accepts, fewest GPUs first, then the lowest stage, then the least offload."""
     for nd in num_gpus:
         for stage in STAGES:
             for opt in OFFLOADS:
                 for param in OFFLOADS:
                     if offload_conflict(stage, opt, param) is None:
-                        yield Setting(stage, nd, opt, param)
+                        yield Setting(stage, nd, opt, param, reduce_dtype)
 
 
 def device_total(psi: int, setting: Setting, activations: float, dtype: str = "bf16") -> float:
@@ -92,11 +95,12 @@ def device_total(psi: int, setting: Setting, activations: float, dtype: str = "b
 
 
 def smallest_fitting(psi: int, gpu_bytes: int, activations: float, dtype: str = "bf16",
-                     num_gpus: int | None = None) -> Setting | None:
+                     num_gpus: int | None = None, reduce_dtype: str | None = None) -> Setting | None:
     """The first setting (fewest GPUs, lowest stage, least offload) whose device memory fits; on exactly
     `num_gpus` GPUs when given, else on any power of two up to 65536."""
     counts = [num_gpus] if num_gpus else [2**k for k in range(17)]
-    return next((s for s in valid_settings(counts) if device_total(psi, s, activations, dtype) <= gpu_bytes), None)
+    return next((s for s in valid_settings(counts, reduce_dtype) if device_total(psi, s, activations, dtype)
+                 <= gpu_bytes), None)
 
 
 def largest_params(setting: Setting, gpu_bytes: int, dtype: str = "bf16") -> int:
@@ -127,7 +131,7 @@ def report(psi: int, setting: Setting, gpu_bytes: int, dtype: str = "bf16", mode
              "| fits |", "|---|---|---|---|---|---|---|---|"]
     for stage in STAGES:
         s = Setting(stage, setting.num_gpus, setting.offload_optimizer if stage >= 1 else "none",
-                    setting.offload_param if stage == 3 else "none")
+                    setting.offload_param if stage == 3 else "none", setting.reduce_dtype)
         device, host = model_states(psi, s, dtype)
         total = sum(device.values()) + activations
         mark = " (chosen)" if stage == setting.stage else ""
@@ -151,8 +155,10 @@ def report(psi: int, setting: Setting, gpu_bytes: int, dtype: str = "bf16", mode
         lines.append(f"fits: {setting} needs {total / GB:.2f} GB per device of {gpu_bytes / GB:.0f} GB")
     else:
         lines.append(f"does not fit: {setting} needs {total / GB:.2f} GB per device, more than {gpu_bytes / GB:.0f} GB")
-        for label, fit in (("on these GPUs", smallest_fitting(psi, gpu_bytes, activations, dtype, setting.num_gpus)),
-                           ("with the fewest GPUs", smallest_fitting(psi, gpu_bytes, activations, dtype))):
+        for label, fit in (("on these GPUs", smallest_fitting(psi, gpu_bytes, activations, dtype, setting.num_gpus,
+                                                              setting.reduce_dtype)),
+                           ("with the fewest GPUs", smallest_fitting(psi, gpu_bytes, activations, dtype,
+                                                                     reduce_dtype=setting.reduce_dtype))):
             lines.append(f"  smallest configuration that fits {label}: {fit} "
                          f"({device_total(psi, fit, activations, dtype) / GB:.2f} GB per device)" if fit else
                          f"  nothing fits {label} (up to 65536 GPUs; the activations alone may not fit)")

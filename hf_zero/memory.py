@@ -10,17 +10,21 @@ from __future__ import annotations
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def model_state_bytes(stage: int, psi: int, nd: int, dtype: str = "bf16") -> dict[str, float]:
-    """Per-rank bytes of parameters, gradients and Adam optimizer states, as the paper counts them."""
+def model_state_bytes(stage: int, psi: int, nd: int, dtype: str = "bf16",
+                      reduce_dtype: str | None = None) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and Adam optimizer states, as the paper counts them. With a
+    `reduce_dtype` (ZeroConfig.reduce_dtype), stages 2-3 keep their gradient shard in it; stages 0-1 keep
+    the parameters' own `.grad`."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be one of 0, 1, 2, 3; got {stage!r}")
     if dtype not in BYTES_PER_ELEMENT:
         raise ValueError(f"dtype must be one of {sorted(BYTES_PER_ELEMENT)}; got {dtype!r}")
     element = BYTES_PER_ELEMENT[dtype]
+    gradient = BYTES_PER_ELEMENT[reduce_dtype or dtype] if stage >= 2 else element
     k = 8 if dtype == "fp32" else 12
     return {
         "parameters": element * psi / (nd if stage >= 3 else 1),
-        "gradients": element * psi / (nd if stage >= 2 else 1),
+        "gradients": gradient * psi / (nd if stage >= 2 else 1),
         "optimizer_states": k * psi / (nd if stage >= 1 else 1),
     }
 

@@ -56,6 +56,9 @@ def world2_scenarios() -> list[Scenario]:
                      steps=3, poison_step=1),
             Scenario(f"s{stage}_clip", config={"zero_stage": stage, "gradient_clipping": 0.05, **SMALL_BUCKETS}),
         ]
+    scenarios += [Scenario(f"s{stage}_bf16_fp32_reduce", config={"zero_stage": stage, "dtype": "bf16",
+                                                                  "reduce_dtype": "fp32", **SMALL_BUCKETS})
+                  for stage in (2, 3)]
     return scenarios
 
 

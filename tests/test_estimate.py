@@ -59,6 +59,17 @@ def test_the_estimate_agrees_with_the_engines_ledger_within_5_percent(world2, st
         assert abs(measured - estimated) / estimated < 0.05, (name, measured, estimated)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_fp32_reduction_the_estimate_and_the_ledger_count_fp32_gradient_shards(world2, stage):
+    for rank_result in world2:
+        fp32, bf16 = rank_result[f"s{stage}_bf16_fp32_reduce"], rank_result[f"s{stage}_bf16"]
+        estimated = estimate.model_states(fp32["psi"], Setting(stage, len(world2), reduce_dtype="fp32"), "bf16")[0]
+        measured = fp32["state_bytes"]["gradients"]
+        assert abs(measured - estimated["gradients"]) / estimated["gradients"] < 0.05, (measured, estimated)
+        assert measured == 2 * bf16["state_bytes"]["gradients"]  # the same shard, twice the bytes per element
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hf_zero", "estimate", *args], capture_output=True, text=True,
                           timeout=120)
@@ -78,6 +89,8 @@ def test_the_command_prints_every_stage_and_marks_the_chosen_one():
     (["--params", "7.5B", "--num_gpus", "2", "--zero_stage", "2", "--offload_param", "cpu"],
      "--offload_param needs --zero_stage 3"),
     (["--params", "7.5B", "--num_gpus", "2", "--batch_size", "4", "--seq_len", "128"], "--batch_size needs --model"),
+    (["--params", "7.5B", "--num_gpus", "2", "--reduce_dtype", "fp16"],
+     "--reduce_dtype must be fp32 or the compute dtype, bf16 (--dtype); got fp16"),
 ])
 def test_bad_input_is_named(args, message):
     done = run_cli(*args)
