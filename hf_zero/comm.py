@@ -64,7 +64,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _copy_locally(output: torch.Tensor, input: torch.Tensor) -> _Done:
     """With one rank, reduce-scatter and all-gather both leave output equal to input."""
-    if output.data_ptr() != input.data_ptr():
+    if not _same_memory(output, input):
         output.copy_(input)
     return _Done()
 
@@ -136,13 +136,13 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         # Where tensors must be for this group's collectives: NCCL reduces on the GPU, gloo on the host.
-        nccl = dist.is_initialized() and dist.get_backend(group) == "nccl"
-        self.device = compute_device() if nccl else HOST
+        backend = dist.get_backend(group) if dist.is_initialized() else None
+        self.device = compute_device() if backend == "nccl" else HOST
         # gloo's all_gather_single and reduce_scatter_single copy the whole output (input) into a temporary of
         # its size first: 48 MiB for a 48 MiB stage-3 unit, one per collective in flight. Broadcasting each
         # rank's slice in place and reducing each chunk to its owner in place move the same bytes with none
         # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
-        self.per_rank_pieces = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        self.per_rank_pieces = backend == "gloo"
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:

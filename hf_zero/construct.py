@@ -191,31 +191,28 @@ def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return frozen + list(model.named_buffers())
 
 
-@torch.no_grad()
 def _materialize_rest(model: nn.Module) -> None:
     """In host memory, as the units are staged (Stage3Params._stage): a seeded init of a frozen weight then
     draws from the CPU generator on any machine. `place_rest` moves them to the device once filled."""
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if p.is_meta and not p.requires_grad:
-                _swap_frozen(p, torch.zeros(p.shape, dtype=p.dtype, device=HOST))
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_meta:
-                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=HOST)
+    _replace_rest(model, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=HOST) if t.is_meta else None)
+
+
+def place_rest(model: nn.Module, device: torch.device) -> None:
+    """Buffers and frozen parameters of a model built from `init_from`, filled on the host, go to `device`."""
+    if device != HOST:
+        _replace_rest(model, lambda t: t.to(device) if t.device != device else None)
 
 
 @torch.no_grad()
-def place_rest(model: nn.Module, device: torch.device) -> None:
-    """Buffers and frozen parameters of a model built from `init_from`, filled on the host, go to `device`."""
-    if device == HOST:
-        return
+def _replace_rest(model: nn.Module, new_value: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Each frozen parameter and buffer takes `new_value(tensor)`, where that is not None."""
     for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad and p.device != device:
-                _swap_frozen(p, p.data.to(device))
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad and (value := new_value(p.data)) is not None:
+                _swap_frozen(p, value)
         for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.device != device:
-                module._buffers[name] = b.to(device)
+            if b is not None and (value := new_value(b)) is not None:
+                module._buffers[name] = value
 
 
 def _swap_frozen(param: nn.Parameter, values: torch.Tensor) -> None:

@@ -137,11 +137,12 @@ class ReplicatedGradients(GradientReducer):
         bucket_grad = self.flat_grads[fi][bucket.start:bucket.end]
         reduced = bucket_grad.to(self.reduce_dtype)  # bucket_grad itself when the dtypes agree
         reduced.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
-        owned = slice(bucket.chunk_numel * self.shard, bucket.chunk_numel * (self.shard + 1)) if self.partitioned \
-            else slice(None)
         if self.partitioned:
+            lo, hi = bucket.owned_range(self.shard)
+            owned = slice(lo - bucket.start, hi - bucket.start)
             work = self.comm.reduce_scatter_(reduced[owned], reduced, async_op=True)
         else:
+            owned = slice(None)
             work = self.comm.all_reduce_(reduced, async_op=True)
         if reduced is bucket_grad:
             return work, lambda: None

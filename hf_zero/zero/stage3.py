@@ -46,6 +46,7 @@ class Unit:
         self.name, self.module, self.flats, self.groups = name, module, flats, groups
         self.comm, self.persistent = comm, persistent
         self.numel = sum(f.padded_numel for f in flats)
+        self.nbytes = sum(f.padded_numel * f.data.element_size() for f in flats)  # gathered
         self.shards: list[torch.Tensor] = []  # this rank's chunk of each flat buffer (set by Stage3Params)
         self.shard_ids: list[tuple[int, int]] = []  # (param group, chunk) of each, in the optimizer's order
         self.reader: ParamReader | None = None  # offload_param nvme: the chunks are read from files
@@ -91,9 +92,14 @@ class Unit:
         for flat in self.flats:
             flat.allocate_storage()
             flat.pack_and_bind()
+        self.built()
+
+    def built(self) -> None:
+        """The unit's buffers hold its values (its chunk is cut): the persistent unit stays gathered, the
+        others give their buffers back, without the ledger's tally (nothing was all-gathered)."""
         self.gathered = True
         if not self.persistent:
-            self.release_buffers()
+            self._release_buffers()
 
     @property
     def is_root(self) -> bool:
@@ -123,16 +129,15 @@ class Unit:
         if sign > 0:
             ledger.count("unit all-gathers")
         ledger.hold("units gathered", sign)
-        ledger.hold("bytes of gathered units", sign * sum(f.padded_numel * f.data.element_size() for f in self.flats))
+        ledger.hold("bytes of gathered units", sign * self.nbytes)
 
     def free(self) -> None:
         if self.persistent or not self.gathered:
             return
         self._tally(-1)
-        self.release_buffers()
+        self._release_buffers()
 
-    def release_buffers(self) -> None:
-        """Frees the gathered buffers (`free` without the ledger's tally: also used while the units are built)."""
+    def _release_buffers(self) -> None:
         self.wait()
         for flat in self.flats:
             for s in flat.slices:
@@ -314,9 +319,7 @@ class Stage3Params(ParamHolder):
                     flat.allocate_storage()
                     flat.data.copy_(staged)
                     flat.bind()
-            unit.gathered = True
-            if not unit.persistent:
-                unit.release_buffers()
+            unit.built()
 
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
 

@@ -89,23 +89,27 @@ SHARED = {"bert_mlm_tied_decoder": ["bert.embeddings.word_embeddings.weight"],
                                           ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")]}
 
 
-def train_shared(kind: str) -> dict:
-    """3 SGD steps on the global batch of 8 (one process), or its half per rank at stage 3. SGD with momentum,
-    not Adam: GPT-2's key bias gets a gradient of rounding noise only, which Adam would scale up to lr."""
-    model = model_with_shared_weights(kind)
+def sgd_steps(model: nn.Module, steps: int, config: dict) -> hf_zero.ZeroEngine | None:
+    """`steps` SGD steps on the global batches of 8: in one process (returns None), or at stage 3 with `config`,
+    each of 2 ranks on its half (returns the engine). SGD with momentum, not Adam: GPT-2's key bias gets a
+    gradient of rounding noise only, which Adam would scale up to lr."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    distributed = torch.distributed.is_initialized()
-    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0}) \
-        if distributed else None
-    for step in range(STEPS):
-        whole = lm_batch("gpt2", step, 8)
-        if engine is None:
-            model(**whole).loss.backward()
+    if not torch.distributed.is_initialized():
+        for step in range(steps):
+            model(**lm_batch("gpt2", step, 8)).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        else:
-            engine.backward(engine(**local_part(whole, engine.comm.rank, 2)).loss)
-            engine.step()
+        return None
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0, **config})
+    for step in range(steps):
+        engine.backward(engine(**local_part(lm_batch("gpt2", step, 8), engine.comm.rank, 2)).loss)
+        engine.step()
+    return engine
+
+
+def train_shared(kind: str) -> dict:
+    model = model_with_shared_weights(kind)
+    engine = sgd_steps(model, STEPS, {})
     if engine is None:
         return named_copy(model)
     with engine.gathered_parameters():
@@ -125,21 +129,11 @@ def test_weights_several_units_use_train_at_stage3_as_one_process(kind):
 
 
 def train_deep(prefetch_bucket_size: int) -> dict:
-    """2 SGD steps of the 8-block GPT-2 (SGD: see train_shared): one process on the global batch, or half of it
-    per rank at stage 3."""
+    """2 steps of the 8-block GPT-2 (sgd_steps)."""
     model = tiny_model("gpt2-deep")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if not torch.distributed.is_initialized():
-        for step in range(2):
-            model(**lm_batch("gpt2", step, 8)).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    engine = sgd_steps(model, 2, {"prefetch_bucket_size": prefetch_bucket_size})
+    if engine is None:
         return named_copy(model)
-    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0,
-                                                   "prefetch_bucket_size": prefetch_bucket_size})
-    for step in range(2):
-        engine.backward(engine(**local_part(lm_batch("gpt2", step, 8), engine.comm.rank, 2)).loss)
-        engine.step()
     ledger = engine.ledger
     with engine.gathered_parameters():
         return {"params": named_copy(model), "gathers": ledger.last_step_events["unit all-gathers"],
@@ -158,11 +152,8 @@ def test_the_next_unit_is_prefetched_even_when_it_exceeds_the_prefetch_budget(pr
 
 
 def bucket_peak_of_the_tied_gpt2() -> dict:
-    model = tiny_model("gpt2-deep")  # wte is the head too: its gradient is complete only at the end of backward
-    engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                {"zero_stage": 3, "param_persistence_threshold": 0})
-    engine.backward(engine(**local_part(lm_batch("gpt2", 0, 8), engine.comm.rank, 2)).loss)
-    engine.step()
+    # wte is the head too: its gradient is complete only at the end of backward
+    engine = sgd_steps(tiny_model("gpt2-deep"), 1, {})
     units = {u.name: u.numel * 4 for u in engine.params.units}
     return {"peak": engine.ledger.last_step_peaks["bytes of gradient buckets"], "units": units}
 
