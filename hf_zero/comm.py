@@ -95,8 +95,8 @@ class Ledger:
         self.comm_elements[op] += elements
         self.comm_bytes[op] += elements * element_size
 
-    def count(self, event: str) -> None:
-        self.events[event] += 1
+    def count(self, event: str, times: int = 1) -> None:
+        self.events[event] += times
 
     def hold(self, what: str, amount: int) -> None:
         """`amount` more of `what` is held now (less when negative); the step's peak follows."""
@@ -165,17 +165,35 @@ class Communicator:
 
     def all_gather_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenates every rank's `input` into `output` (input may be this rank's slice of output)."""
+        return self.all_gather_coalesced_([output], [input], async_op)
+
+    def all_gather_coalesced_(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool = False):
+        """`all_gather_` of each pair, issued as one launch where the backend can group them: one NCCL group
+        for a unit's flat buffers or for the post-step buckets, instead of a launch and its latency each.
+        gloo's in-place pieces are one broadcast per rank and pair (no temporary beats one launch on a CPU)."""
         if self.world_size == 1:
-            return _copy_locally(output, input)
-        self.ledger.record("all_gather", output.numel(), output.element_size())
+            for output, input in zip(outputs, inputs):
+                _copy_locally(output, input)
+            return _Done()
+        for output in outputs:
+            self.ledger.record("all_gather", output.numel(), output.element_size())
         if not self.per_rank_pieces:
-            return dist.all_gather_single(output, input, group=self.group, async_op=async_op)
-        n = input.numel()
-        mine = output[self.rank * n:(self.rank + 1) * n]
-        if not _same_memory(mine, input):
-            mine.copy_(input)
-        works = [dist.broadcast(output[r * n:(r + 1) * n], group_src=r, group=self.group, async_op=True)
-                 for r in range(self.world_size)]
+            self.ledger.count("all-gather launches")
+            if len(outputs) == 1:
+                return dist.all_gather_single(outputs[0], inputs[0], group=self.group, async_op=async_op)
+            with dist._coalescing_manager(self.group, async_ops=async_op) as grouped:
+                for output, input in zip(outputs, inputs):
+                    dist.all_gather_single(output, input, group=self.group)
+            return _Pieces(grouped.works, lambda: None, async_op)
+        works = []
+        for output, input in zip(outputs, inputs):
+            n = input.numel()
+            mine = output[self.rank * n:(self.rank + 1) * n]
+            if not _same_memory(mine, input):
+                mine.copy_(input)
+            works += [dist.broadcast(output[r * n:(r + 1) * n], group_src=r, group=self.group, async_op=True)
+                      for r in range(self.world_size)]
+        self.ledger.count("all-gather launches", len(works))
         return _Pieces(works, lambda: None, async_op)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:

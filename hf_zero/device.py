@@ -1,6 +1,7 @@
 """The one door to asynchronous device work: pinned host buffers, non-blocking copies in both
-directions and the events that say when they have landed. No other module calls
-`copy_(non_blocking=True)`, `pin_memory` or `torch.cuda` events.
+directions and the events that say when they have landed, and the stream gradient reductions run on
+(`CommStream`). No other module calls `copy_(non_blocking=True)`, `pin_memory`, `torch.cuda` events or
+streams.
 
 On a GPU a non-blocking copy is only queued: a host-to-device copy reads its pinned source some time
 later, and a device-to-host copy fills its destination some time later. The host may touch those
@@ -25,6 +26,7 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -142,6 +144,77 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> C
     event = torch.cuda.Event()
     event.record()
     return Copy(name, host, to_device, event)
+
+
+# ---- the communication stream ----------------------------------------------------------------
+@dataclass(eq=False)
+class Reduction:
+    """A collective submitted to the communication stream (`CommStream.submit`)."""
+    launch: Callable[[], Any]  # issues the collective and returns its work handle
+    settle: Callable[[], None]  # device work once it is done (this rank's chunk into its shard)
+    event: "torch.cuda.Event | None" = None  # GPU: recorded on the communication stream after settle
+    work: Any = None  # CPU: the collective's handle once launched
+    settled: bool = False
+
+
+class CommStream:
+    """Where gradient reductions run. On a GPU that is a stream of their own: each reduction waits for the
+    compute work queued before it (its bucket is written), then runs its collective and settles on the
+    communication stream, so backward's compute never waits on a collective. The compute stream waits on
+    the communication stream only where the host is about to hand a reduction's buffers back for reuse
+    (`wait`) and once at the end of backward (`join`), as FSDP2's reduce-scatter stream and DeepSpeed's
+    reduction stream do. Whatever the host does with a reduction's buffers or results comes after `wait`.
+
+    On CPU a collective runs in gloo's own thread from `submit` on, and `settle` runs at `wait`. Under the
+    simulation the whole reduction runs at `wait`, as late as a GPU may run it: a bucket the host writes
+    again before waiting is reduced with the wrong values, and a shard read before waiting misses the
+    reduction; either shows as a wrong result.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.queued: list[Reduction] = []  # CPU: submitted, not yet settled, in order
+
+    def submit(self, launch: Callable[[], Any], settle: Callable[[], None]) -> Reduction:
+        reduction = Reduction(launch, settle)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):
+                launch().wait()  # the communication stream waits on the collective, the host does not
+                settle()
+                reduction.event = torch.cuda.Event()
+                reduction.event.record(self.stream)
+            reduction.settled = True
+            return reduction
+        if not simulating():
+            reduction.work = launch()
+        self.queued.append(reduction)
+        return reduction
+
+    def done(self, reduction: Reduction) -> bool:
+        """Whether waiting on `reduction` would not hold anything up (a GPU: its event has passed)."""
+        if reduction.event is not None:
+            return reduction.event.query()
+        return reduction.settled or (reduction.work is not None and reduction.work.is_completed())
+
+    def wait(self, reduction: Reduction) -> None:
+        """The compute stream (the host, on CPU) waits for `reduction` and every one submitted before it."""
+        if reduction.event is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(reduction.event)
+            return
+        while not reduction.settled:
+            earliest = self.queued.pop(0)
+            work = earliest.work if earliest.work is not None else earliest.launch()
+            work.wait()
+            earliest.settle()
+            earliest.settled = True
+
+    def join(self) -> None:
+        """The compute stream waits for every reduction submitted so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        elif self.queued:
+            self.wait(self.queued[-1])
 
 
 # ---- host access ------------------------------------------------------------------------------

@@ -175,6 +175,7 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
             record["params"] = named_copy(model)
         record["masters"] = engine.gathered_masters()
         record["comm_elements"] = engine.ledger.last_step_elements
+        record["events"] = engine.ledger.last_step_events
         record["state_bytes"] = engine.ledger.state_bytes
         flats = engine.params.flats
         record["padding"] = sum(f.padded_numel - f.numel for f in flats)
@@ -183,6 +184,7 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
         element = flats[0].data.element_size()
         group_bytes = sorted(sum(t.numel() for t in g["params"]) * world * element for g in engine.optimizer.param_groups)
         record["smaller_groups_bytes"] = sum(group_bytes[:-1])
+        record["bucket_numels"] = [b.numel for f in flats for b in f.buckets]
         record["largest_bucket_bytes"] = max(b.numel for f in flats for b in f.buckets) * element
         record["root_numel"] = sum(f.numel for u in getattr(engine.params, "units", []) if u.is_root for f in u.flats)
         record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())

@@ -26,7 +26,7 @@ from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import Bucket, FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
-from hf_zero.zero.reducer import BucketKey, GradientReducer
+from hf_zero.zero.reducer import BucketKey, BucketReduction, GradientReducer
 from hf_zero.zero.stage2 import PartitionedGradients
 
 
@@ -70,22 +70,37 @@ class FlatParams(ParamHolder):
         return [[(fi, b.index) for b in flat.buckets] for fi, flat in enumerate(self.flats)]
 
     def after_step(self) -> None:
-        """All-gathers every bucket in place, at most allgather_bucket_size elements in flight."""
+        """All-gathers every bucket in place: buckets grouped into launches of up to allgather_bucket_size
+        elements (at least one bucket each), at most allgather_bucket_size elements in flight."""
         if self.replicated:
             return
         in_flight: deque[tuple[Any, int]] = deque()
         numel_in_flight = 0
-        for flat in self.flats:
-            for b in flat.buckets:
-                work = self.comm.all_gather_(flat.data[b.start:b.end], flat.owned_chunk(b, self.shard), async_op=True)
-                in_flight.append((work, b.numel))
-                numel_in_flight += b.numel
-                while numel_in_flight > self.allgather_bucket_size and len(in_flight) > 1:
-                    done, n = in_flight.popleft()
-                    done.wait()
-                    numel_in_flight -= n
+        for group in self._all_gather_groups():
+            outputs = [flat.data[b.start:b.end] for flat, b in group]
+            work = self.comm.all_gather_coalesced_(outputs, [flat.owned_chunk(b, self.shard) for flat, b in group],
+                                                   async_op=True)
+            numel = sum(b.numel for _, b in group)
+            in_flight.append((work, numel))
+            numel_in_flight += numel
+            while numel_in_flight > self.allgather_bucket_size and len(in_flight) > 1:
+                done, n = in_flight.popleft()
+                done.wait()
+                numel_in_flight -= n
         for work, _ in in_flight:
             work.wait()
+
+    def _all_gather_groups(self) -> list[list[tuple[FlatParamBuffer, Bucket]]]:
+        groups: list[list[tuple[FlatParamBuffer, Bucket]]] = [[]]
+        numel = 0
+        for flat in self.flats:
+            for b in flat.buckets:
+                if groups[-1] and numel + b.numel > self.allgather_bucket_size:
+                    groups.append([])
+                    numel = 0
+                groups[-1].append((flat, b))
+                numel += b.numel
+        return groups
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -131,22 +146,30 @@ class ReplicatedGradients(GradientReducer):
             view.add_(local_grad(param))
             param.grad = wrap_like(param, view)
 
-    def reduce_bucket(self, key: BucketKey):
+    def reduce_bucket(self, key: BucketKey) -> BucketReduction:
         fi, bi = key
         bucket = self.flat_params[fi].buckets[bi]
         bucket_grad = self.flat_grads[fi][bucket.start:bucket.end]
-        reduced = bucket_grad.to(self.reduce_dtype)  # bucket_grad itself when the dtypes agree
-        reduced.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
         if self.partitioned:
             lo, hi = bucket.owned_range(self.shard)
             owned = slice(lo - bucket.start, hi - bucket.start)
-            work = self.comm.reduce_scatter_(reduced[owned], reduced, async_op=True)
         else:
             owned = slice(None)
-            work = self.comm.all_reduce_(reduced, async_op=True)
-        if reduced is bucket_grad:
-            return work, lambda: None
-        return work, lambda: bucket_grad[owned].copy_(reduced[owned])
+        reduced = bucket_grad  # replaced by a copy in the wider reduce_dtype, made on the communication stream
+
+        def launch():
+            nonlocal reduced
+            reduced = bucket_grad.to(self.reduce_dtype)  # bucket_grad itself when the dtypes agree
+            reduced.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
+            if self.partitioned:
+                return self.comm.reduce_scatter_(reduced[owned], reduced, async_op=True)
+            return self.comm.all_reduce_(reduced, async_op=True)
+
+        def settle() -> None:
+            if reduced is not bucket_grad:
+                bucket_grad[owned].copy_(reduced[owned])
+
+        return BucketReduction(launch, settle)
 
     def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
         flat = self.flat_params[fi]

@@ -13,25 +13,43 @@ The order is the expected order of readiness: backward produces gradients roughl
 order the model registers its parameters, so a bucket is ready about when its earliest-registered parameter's
 gradient arrives, and buckets launch latest-registered first, whatever param group they belong to.
 
-At most `max_in_flight` reductions are outstanding (MAX_IN_FLIGHT, one at stage 3): each holds a bucket
-buffer (stages 2-3), and letting them pile up until the end of backward would hold a whole gradient's worth
-of buffers, which is exactly the memory stage 2 exists to save (C_B: bounded buffers whatever the model
-size). Stage 3's buckets are whole units, so it keeps one in flight, as FSDP2 does: the next unit's
-backward still overlaps it.
+Reductions run on the communication stream (`hf_zero.device.CommStream`: a CUDA stream of their own on a
+GPU), so backward's compute never waits on a collective. At most `max_in_flight` reductions keep their
+buffers (MAX_IN_FLIGHT, one at stage 3): each holds a bucket buffer (stages 2-3), and letting them pile up
+until the end of backward would hold a whole gradient's worth of buffers, which is exactly the memory
+stage 2 exists to save (C_B: bounded buffers whatever the model size). Beyond that the compute stream
+waits on the oldest before its buffer goes back to be reused. Stage 3's buckets are whole units, so it
+keeps one in flight, as FSDP2 does: the next unit's backward still overlaps it.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
+from hf_zero.device import CommStream, Reduction
 from hf_zero.zero.partition import FlatParamBuffer, Piece
 
 BucketKey = tuple[int, int]  # (flat buffer index, bucket index)
 MAX_IN_FLIGHT = 2
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class BucketReduction:
+    """How one bucket is reduced: on the communication stream, `launch` issues its collective and `settle`
+    (device work only) takes this rank's result in once it is done; `release` is the host's bookkeeping
+    (the bucket buffer goes back for reuse) once the compute stream has waited on it."""
+    launch: Callable[[], Any]
+    settle: Callable[[], None] = _nothing
+    release: Callable[[], None] = _nothing
 
 
 class GradientReducer:
@@ -65,7 +83,8 @@ class GradientReducer:
         self.pending: dict[BucketKey, int] = {}
         self.ready: set[BucketKey] = set()
         self.launched = 0  # buckets of launch_order launched in this backward
-        self.in_flight: deque[tuple[object, Callable[[], None]]] = deque()
+        self.comm_stream = CommStream(comm.device)
+        self.in_flight: deque[tuple[Reduction, Callable[[], None]]] = deque()
         self.active = False
         self.reducing = False
         for p in self.param_pieces:
@@ -80,8 +99,8 @@ class GradientReducer:
     def release(self, param: nn.Parameter) -> None:
         """Called once the gradient has been taken in."""
 
-    def reduce_bucket(self, key: BucketKey) -> tuple[object, Callable[[], None]]:
-        """Launches the bucket's collective; returns its work handle and what to run once it is done."""
+    def reduce_bucket(self, key: BucketKey) -> BucketReduction:
+        """Takes the complete bucket off backward's hands and says how to reduce it."""
         raise NotImplementedError
 
     def allocate(self) -> None:
@@ -126,16 +145,16 @@ class GradientReducer:
     def _launch_next(self) -> None:
         key = self.launch_order[self.launched]
         self.launched += 1
-        work, on_done = self.reduce_bucket(key)
-        self.in_flight.append((work, on_done))
+        bucket = self.reduce_bucket(key)
+        self.in_flight.append((self.comm_stream.submit(bucket.launch, bucket.settle), bucket.release))
         limit = self.max_in_flight if self.overlap_comm else 0
-        while self.in_flight and (len(self.in_flight) > limit or self.in_flight[0][0].is_completed()):
+        while self.in_flight and (len(self.in_flight) > limit or self.comm_stream.done(self.in_flight[0][0])):
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        work, on_done = self.in_flight.popleft()
-        work.wait()
-        on_done()
+        reduction, release = self.in_flight.popleft()
+        self.comm_stream.wait(reduction)
+        release()
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -143,6 +162,8 @@ class GradientReducer:
         if self.reducing:
             while self.launched < len(self.launch_order):
                 self._launch_next()
-        while self.in_flight:
-            self._retire_oldest()
+        self.comm_stream.join()  # the one wait of the compute stream on every reduction left
+        for _, release in self.in_flight:
+            release()
+        self.in_flight.clear()
         self.active = False

@@ -19,7 +19,7 @@ from torch import nn
 from hf_zero.comm import Communicator
 from hf_zero.device import to_host
 from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
-from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, GradientReducer
+from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, BucketReduction, GradientReducer
 
 
 EARLY_SHARE = 16  # a bucket takes memory once its pieces would fill 1/EARLY_SHARE of it (see write_piece)
@@ -106,22 +106,19 @@ class PartitionedGradients(GradientReducer):
     def release(self, param: nn.Parameter) -> None:
         param.grad = None
 
-    def reduce_bucket(self, key: BucketKey):
+    def reduce_bucket(self, key: BucketKey) -> BucketReduction:
         buf = self._buffer(key)
         del self.bucket_buffers[key]
         bucket = self.flat_params[key[0]].buckets[key[1]]
-        buf.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
         owned = buf[self.shard * bucket.chunk_numel:(self.shard + 1) * bucket.chunk_numel]
-        work = self.comm.reduce_scatter_(owned, buf, async_op=True)
 
-        def add_to_shard() -> None:
-            if self.offloaded:
-                self._land_in_host_memory(key, owned, buf)
-            else:
-                self.owned_grad(*key).add_(owned)
-                self._recycle(buf)
+        def launch():
+            buf.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
+            return self.comm.reduce_scatter_(owned, buf, async_op=True)
 
-        return work, add_to_shard
+        if self.offloaded:  # the bucket goes back once its chunk has landed in host memory (_add_landed)
+            return BucketReduction(launch, lambda: self._land_in_host_memory(key, owned, buf))
+        return BucketReduction(launch, lambda: self.owned_grad(*key).add_(owned), lambda: self._recycle(buf))
 
     def _land_in_host_memory(self, key: BucketKey, owned: torch.Tensor, buf: torch.Tensor) -> None:
         """offload_optimizer: this rank's reduced chunk goes to the host without blocking the backward hook (a

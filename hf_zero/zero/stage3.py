@@ -29,6 +29,7 @@ from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data
+from hf_zero.zero.reducer import BucketKey, BucketReduction
 from hf_zero.zero.stage2 import PartitionedGradients
 
 if TYPE_CHECKING:
@@ -68,15 +69,21 @@ class Unit:
         if self.gathered:
             return
         self._tally(+1)
+        shards = []
         for i, flat in enumerate(self.flats):
             flat.allocate_storage()
             shard = self.shards[i] if self.reader is None else self._read(i)
             if self.shards_lent is not None:  # a prefetched unit's copy to the device overlaps compute
                 shard, copy = to_device(shard, flat.data.device, f"the host shard of unit {self.name!r}")
                 self.copies.append(copy)
-            # Writing into the buffer must not bump the version autograd checks on saved views of it.
-            with torch.autograd._unsafe_preserve_version_counter(flat.data):
-                self.works.append(self.comm.all_gather_(flat.data, shard, async_op=True))
+            shards.append(shard)
+        with contextlib.ExitStack() as unversioned:
+            # Writing into the buffers must not bump the version autograd checks on saved views of them.
+            for flat in self.flats:
+                unversioned.enter_context(torch.autograd._unsafe_preserve_version_counter(flat.data))
+            self.works.append(self.comm.all_gather_coalesced_([flat.data for flat in self.flats], shards,
+                                                              async_op=True))
+        for flat in self.flats:
             for s in flat.slices:
                 set_data(s.param, flat.view_of(s))
         self.gathered = True
@@ -504,7 +511,7 @@ class Stage3Gradients(PartitionedGradients):
         super().begin(reduce)
         self.unit_pending = {id(u): len(u.flats) for u in self.params.units}
 
-    def reduce_bucket(self, key):
+    def reduce_bucket(self, key: BucketKey) -> BucketReduction:
         result = super().reduce_bucket(key)
         unit = self.params.unit_of_flat[key[0]]
         self.unit_pending[id(unit)] -= 1

@@ -1,0 +1,59 @@
+"""Stages 1-2 share the updated chunks after the step in few launches: buckets grouped up to
+allgather_bucket_size elements per launch (one NCCL group each), with the same result as one process.
+Stage 3 gathers each unit (one flat buffer per param group) in one launch."""
+from __future__ import annotations
+
+import pytest
+
+from hf_zero.comm import Communicator
+from hf_zero.launch import spawn_gloo
+from tests.conftest import SMALL_BUCKETS
+from tests.helpers import Scenario, max_diff, run_scenarios, train_single_process
+
+STEPS = 3
+
+
+def greedy_groups(bucket_numels: list[int], limit: int) -> int:
+    """How many launches packing buckets in order, each launch at most `limit` elements (at least one bucket)."""
+    launches, filled = 0, limit
+    for numel in bucket_numels:
+        if filled + numel > limit:
+            launches, filled = launches + 1, 0
+        filled += numel
+    return launches
+
+
+def train_grouping(grouped_launches: bool) -> dict:
+    """Stages 1 and 2 on 2 ranks; `grouped_launches` takes the path NCCL takes (one launch per group of buckets)
+    instead of gloo's per-rank broadcasts."""
+    with pytest.MonkeyPatch.context() as patch:
+        init = Communicator.__init__
+
+        def init_with_pieces(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.per_rank_pieces = self.per_rank_pieces and not grouped_launches
+        patch.setattr(Communicator, "__init__", init_with_pieces)
+        results = run_scenarios([Scenario(f"s{stage}", config={"zero_stage": stage, **SMALL_BUCKETS}, steps=STEPS)
+                                 for stage in (1, 2, 3)])
+    return {name: {"params": r["params"], "launches": r["events"].get("all-gather launches", 0),
+                   "unit_gathers": r["events"].get("unit all-gathers", 0),
+                   "bucket_numels": r["bucket_numels"]} for name, r in results.items()}
+
+
+@pytest.mark.parametrize("grouped_launches", [True, False], ids=["nccl-style groups", "gloo pieces"])
+def test_all_gathers_are_grouped_into_few_launches_and_match_one_process(grouped_launches):
+    expected = train_single_process("gpt2", STEPS, 8)["params"]
+    for rank_result in spawn_gloo(train_grouping, 2, grouped_launches):
+        s3 = rank_result["s3"]
+        assert max_diff(s3["params"], expected) < 1e-5
+        if grouped_launches:
+            assert s3["launches"] == s3["unit_gathers"] > 0  # a unit's two param groups in one launch
+        for stage in (1, 2):
+            r = rank_result[f"s{stage}"]
+            assert max_diff(r["params"], expected) < 1e-5
+            buckets = len(r["bucket_numels"])
+            if grouped_launches:
+                assert r["launches"] == greedy_groups(r["bucket_numels"], SMALL_BUCKETS["allgather_bucket_size"])
+                assert r["launches"] < buckets
+            else:
+                assert r["launches"] == 2 * buckets  # one broadcast per rank and bucket
