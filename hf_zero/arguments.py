@@ -19,12 +19,16 @@ from typing import Any
 
 import torch.distributed as dist
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
+from transformers.utils import logging
 
+from hf_zero import pretrained
 from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
                             read_settings_file, trainer_flag)
 from hf_zero.device import has_accelerator
 from hf_zero.launch import processes_per_node
 from hf_zero.tensor_parallel import check_tp_within_a_node
+
+logger = logging.get_logger(__name__)
 
 # The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
 # may not repeat them.
@@ -39,6 +43,10 @@ EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
     "tensor_parallel_size": (1, "ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
                              "is split over them and ZeRO runs over the remaining data-parallel dimension", "N",
                              "Megatron's model parallel size (`mpu`)"),
+    "zero_init_partitioned": (True, "stage 3: from_pretrained and from_config, called once these arguments are parsed, "
+                              "build the model partitioned (each rank reads only its slices of the safetensors files, "
+                              "or initialises only its shards); false builds the whole model on every rank first",
+                              "[BOOL]", "DeepSpeed's `zero.Init` (accelerate's `zero3_init_flag`)"),
     "tensor_parallel_across_nodes": (False, "let a tensor-parallel group span nodes (its all-reduces in every layer "
                                      "then cross the network); refused otherwise", "[BOOL]",
                                      "Megatron's model parallel size larger than a node"),
@@ -77,6 +85,13 @@ def _post_init(self: Any) -> None:
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"
+    if self.zero_engine_config.zero_stage == 3 and self.zero_init_partitioned:
+        if self.tensor_parallel_size > 1:
+            logger.warning("--tensor_parallel_size with --zero_stage 3: from_pretrained and from_config build the "
+                           "whole model on every rank first (partitioned construction is not available with "
+                           "tensor parallelism yet)")
+        else:
+            pretrained.enable(self, self.seed)
 
 
 def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:

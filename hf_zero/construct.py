@@ -25,8 +25,9 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -125,18 +126,25 @@ class SeededInit:
 
 
 class PretrainedWeights:
-    """Fills each unit from a save_pretrained folder, reading only the slices this rank owns."""
+    """Fills each unit from a save_pretrained folder (or its safetensors `files`), reading only the slices this
+    rank owns. Tensors that already hold values (what transformers initialised because the checkpoint lacks
+    them, under hf_zero.pretrained) are taken as they are."""
 
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            self.file_of = json.loads(index.read_text())["weight_map"]
-        elif (self.folder / "model.safetensors").is_file():
-            with safe_open(str(self.folder / "model.safetensors"), framework="pt") as f:
-                self.file_of = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise FileNotFoundError(f"{self.folder} holds neither model.safetensors nor model.safetensors.index.json")
+    def __init__(self, folder: str | os.PathLike | None = None, files: Iterable[str | os.PathLike] = ()) -> None:
+        self.file_of: dict[str, Path] = {}
+        if folder is not None:
+            folder = Path(folder)
+            index = folder / "model.safetensors.index.json"
+            if index.is_file():
+                self.file_of = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            elif (folder / "model.safetensors").is_file():
+                files = [folder / "model.safetensors"]
+            else:
+                raise FileNotFoundError(f"{folder} holds neither model.safetensors nor model.safetensors.index.json")
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                self.file_of.update({k: Path(file) for k in f.keys()})
+        self.where = folder if folder is not None else Path(next(iter(self.file_of.values()), ".")).parent
         self.bytes_read = 0
 
     def key_of(self, model: nn.Module, name: str) -> str:
@@ -147,12 +155,27 @@ class PretrainedWeights:
         for key in (name.removeprefix(prefix), prefix + name):
             if key in self.file_of:
                 return key
-        raise KeyError(f"{name} is not in {self.folder}; the folder holds weights of another model")
+        raise KeyError(f"{name} is not in {self.where}; the folder holds weights of another model")
+
+    def total_bytes(self) -> int:
+        """Bytes of tensor data in the checkpoint's files."""
+        total = 0
+        for file in set(self.file_of.values()):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    header = f.get_slice(key)
+                    total += math.prod(header.get_shape()) * stored_dtype(header).itemsize
+        return total
+
+    def shape_of(self, model: nn.Module, name: str) -> tuple[int, ...]:
+        key = self.key_of(model, name)
+        with safe_open(str(self.file_of[key]), framework="pt") as f:
+            return tuple(f.get_slice(key).get_shape())
 
     def _read(self, model: nn.Module, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of the flattened tensor `name`, reading only the rows that hold them."""
         key = self.key_of(model, name)
-        with safe_open(str(self.folder / self.file_of[key]), framework="pt") as f:
+        with safe_open(str(self.file_of[key]), framework="pt") as f:
             tensor = f.get_slice(key)
             shape = tensor.get_shape()
             row = math.prod(shape[1:])  # 1 for a vector: then rows are elements
@@ -162,12 +185,17 @@ class PretrainedWeights:
         out.copy_(rows.reshape(-1)[lo - first * row:hi - first * row])
 
     def fill_rest(self, model: nn.Module) -> None:
+        """Buffers and frozen parameters still on meta are read whole; those the folder does not hold (position
+        ids) are set by their modules' init."""
+        on_meta = {name for name, tensor in _rest(model) if tensor.is_meta}
         _materialize_rest(model)
         missing_owners = set()
         for name, tensor in _rest(model):
+            if name not in on_meta:
+                continue
             try:
                 self._read(model, name, 0, tensor.numel(), tensor.view(-1))
-            except KeyError:  # a buffer the folder does not hold (position ids): its module's init sets it
+            except KeyError:
                 missing_owners.add(name.rpartition(".")[0])
         init_weights(model, 0, missing_owners)
 
@@ -176,13 +204,24 @@ class PretrainedWeights:
         """Unit by unit, reads the elements this rank owns (all of them for the persistent unit, which
         every rank holds whole) into the unit's buffers."""
         for unit in units:
+            # Parameters left on meta have no elements now; the others were initialised by transformers.
+            held = {id(s.param): s.param.data.reshape(-1) for flat in unit.flats for s in flat.slices
+                    if s.param.numel()}
             for flat, buffer in zip(unit.flats, open_unit(unit)):
                 lo, hi = (0, flat.padded_numel) if unit.persistent else flat.buckets[0].owned_range(rank)
                 for piece in flat.pieces_between(lo, hi):
                     start = piece.slice.offset + piece.param_lo
-                    self._read(model, piece.slice.name, piece.param_lo, piece.param_hi,
-                               buffer[start:start + piece.param_hi - piece.param_lo])
+                    out = buffer[start:start + piece.param_hi - piece.param_lo]
+                    if id(piece.slice.param) in held:
+                        out.copy_(held[id(piece.slice.param)][piece.param_lo:piece.param_hi])
+                    else:
+                        self._read(model, piece.slice.name, piece.param_lo, piece.param_hi, out)
             close_unit(unit)
+
+
+def stored_dtype(header: Any) -> torch.dtype:
+    """The torch dtype of a safetensors slice (`safe_open(...).get_slice(key)`), from its header."""
+    return safetensors.torch._getdtype(header.get_dtype())
 
 
 def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -60,9 +60,10 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
-    for thread in threading.enumerate():  # as the interpreter does first: non-daemon threads finish their work
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # As the interpreter does first: threading's own exit hooks run (they tell thread pools' idle workers to
+    # stop, hf_zero's NVMe and delayed-update pools among them), then the non-daemon threads are joined.
+    # Joining without the hooks waited forever on those workers.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

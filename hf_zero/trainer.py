@@ -39,6 +39,7 @@ from transformers import Seq2SeqTrainer, Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, logger
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from hf_zero import pretrained
 from hf_zero.checkpoint import TRAINER_SUBFOLDER, newest_complete
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
@@ -90,6 +91,7 @@ class ZeroTrainerMixin:
     """The overrides shared by ZeroTrainer and ZeroSeq2SeqTrainer."""
 
     engine: ZeroEngine | None = None
+    built_partitioned = False  # the engine filled the model's shards itself (hf_zero.pretrained)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -113,6 +115,14 @@ class ZeroTrainerMixin:
             gather_for_metrics = self.accelerator.gather_for_metrics
             self.accelerator.gather_for_metrics = self._once_per_tp_group(gather_for_metrics)
             self.gather_function = self.accelerator.gather_for_metrics  # the Trainer took the original
+        if pretrained.init_source(self.model) is not None:
+            # Built partitioned (hf_zero.pretrained): the model has no values until the engine reads this rank's
+            # shards, so the engine starts now, and evaluation or generation before training work too.
+            self.create_optimizer()
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if pretrained.init_source(model) is None:  # a partitioned model is placed by the engine, shard by shard
+            super()._move_model_to_device(model, device)
 
     def _once_per_tp_group(self, gathering: Callable[..., Any]) -> Callable[..., Any]:
         """`gathering` with accelerate's gather keeping one copy per tp group: the ranks of a tp group
@@ -151,7 +161,12 @@ class ZeroTrainerMixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None or self.optimizer is None:
             optimizer = super().create_optimizer(model)
-            self.engine = initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh)
+            source = pretrained.init_source(self.model)
+            self.engine = initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh,
+                                     init_from=source)
+            self.built_partitioned = pretrained.forget(self.model)
+            if self.built_partitioned:
+                logger.info(f"rank {self.engine.comm.rank} built the model partitioned: {pretrained.describe(source)}")
             self.optimizer = ZeroOptimizer(self.engine)
             # The engine has placed the model and owns its parameters' storage; accelerate's
             # prepare_model (run by evaluate) would otherwise call model.to(device), which copies
@@ -191,9 +206,14 @@ class ZeroTrainerMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        # The engine checkpoint loaded next holds every weight; with tensor parallelism the model's
-        # parameters are DTensors, which the whole tensors of model.safetensors cannot be copied into.
-        if self.mesh is None:
+        # The engine checkpoint loaded next holds every weight. With tensor parallelism the model's parameters
+        # are DTensors, which the whole tensors of model.safetensors cannot be copied into; a model built
+        # partitioned holds its shards in the engine already.
+        if self.built_partitioned and self.args.save_only_model:
+            raise ValueError(f"{resume_from_checkpoint} holds whole weights only (--save_only_model), and this model "
+                             f"was built partitioned: resume with --zero_init_partitioned false, or save "
+                             f"checkpoints without --save_only_model (the engine checkpoint holds every shard)")
+        if self.mesh is None and not self.built_partitioned:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:

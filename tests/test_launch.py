@@ -57,6 +57,9 @@ class AbortsAtTeardown:
     def __del__(self):
         os.abort()  # as a C++ thread that outlives its owner does when modules and statics are torn down
 keeper = AbortsAtTeardown()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)  # left with an idle worker, as NVMe offload's I/O pool is
+pool.submit(int).result()
 atexit.register(lambda: print("atexit ran", flush=True))
 print("trained", end="")  # neither a newline nor a flush: the exit must still flush it
 if len(sys.argv) > 1:

@@ -128,7 +128,9 @@ class FlatParamBuffer:
             for i, start in enumerate(range(0, self.padded_numel, step))
         ]
         self.pieces: list[list[Piece]] = [self.pieces_between(b.start, b.end) for b in self.buckets]
-        self.data = torch.zeros(self.padded_numel, dtype=dtype, device=device or named_params[0][1].device)
+        # Uninitialised: pack_and_bind (or a gather) writes every element, padding included. Stage 3 releases it
+        # at once, and zeros would have touched a whole unit's pages for nothing.
+        self.data = torch.empty(self.padded_numel, dtype=dtype, device=device or named_params[0][1].device)
 
     def pieces_between(self, lo: int, hi: int) -> list[Piece]:
         """The parameter pieces inside flat elements [lo, hi) (padding belongs to no piece)."""

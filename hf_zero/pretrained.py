@@ -1,0 +1,163 @@
+"""Partitioned from_pretrained and from_config at stage 3: a model larger than one process's memory, built
+by an unmodified script.
+
+A script such as run_clm.py calls `AutoModelForCausalLM.from_pretrained(...)` (or `from_config`) before the
+Trainer exists. Once its arguments are parsed with `--zero_stage 3` (`ZeroTrainingArguments`; on by default,
+`--zero_init_partitioned false` turns it off), those calls build the model on the meta device and no weight
+is read: every rank gets the model's structure, and `ZeroTrainer` then hands it to the engine, which reads
+this rank's slices of the safetensors files (`construct.PretrainedWeights`) or runs the seeded init
+(`construct.SeededInit`) one unit at a time. No rank ever holds the whole model.
+
+transformers asks `is_deepspeed_zero3_enabled()` at these two points and then enters DeepSpeed's
+`zero.Init` and its rank-0 loader; without DeepSpeed it offers no hook for another engine. hf_zero replaces
+the same two points on `PreTrainedModel` itself (no model class is touched), as long as the arguments
+that asked for it are alive (transformers ties its DeepSpeed switch to the arguments the same way):
+
+- `_load_pretrained_model`, the step of `from_pretrained` that reads weights: transformers' own loader runs
+  on meta stand-ins of the checkpoint's tensors (names, shapes and dtypes from the safetensors headers).
+  Everything else `from_pretrained` does keeps working as it would: renames of the checkpoint's keys,
+  `_keys_to_ignore_on_load_*`, the missing, unexpected and mismatched keys and their report, tied weights,
+  the generation config, the dtype. Missing keys (a new classifier head) are materialised and initialised
+  by transformers exactly as in a plain `from_pretrained`; the engine takes their values as they are.
+- `_from_config`: the model is built on meta, and the engine fills it with `SeededInit(seed)` (the
+  arguments' `--seed`): the values `construct.build_seeded` gives the whole model in one process, whatever
+  the world size, though not the values of a plain `from_config`, whose draws follow one global stream.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers.utils import logging
+
+from hf_zero.construct import PretrainedWeights, SeededInit, stored_dtype
+
+# Logged where transformers logs its own "Detected DeepSpeed ZeRO-3" (seen with the script's --log_level info).
+logger = logging.get_logger("transformers.modeling_utils")
+
+_asked_by: Any = None  # a weak reference to the arguments that turned partitioned construction on
+_seed = 0
+_sources: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+_originals: dict[str, Any] = {}
+
+
+def enable(arguments: Any, seed: int) -> None:
+    """From now on, while `arguments` is alive, from_pretrained and from_config build partitioned models."""
+    global _asked_by, _seed
+    _install()
+    _asked_by, _seed = weakref.ref(arguments), seed
+
+
+def disable() -> None:
+    global _asked_by
+    _asked_by = None
+
+
+def enabled() -> bool:
+    return _asked_by is not None and _asked_by() is not None
+
+
+def init_source(model: nn.Module) -> Any:
+    """Where the engine takes the values of a model built partitioned (`init_from`), or None for a whole model."""
+    return _sources.get(model)
+
+
+def describe(source: Any) -> str:
+    """What a rank did to fill its shards, for the log once the engine has started."""
+    if isinstance(source, PretrainedWeights):
+        return (f"read {source.bytes_read / 2**20:.2f} MiB of the checkpoint's {source.total_bytes() / 2**20:.2f} "
+                f"MiB ({len(set(source.file_of.values()))} file(s))")
+    return f"initialised its own shards with seed {source.seed}"
+
+
+def forget(model: nn.Module) -> bool:
+    """The engine has taken the model's values from its source; says whether it had one."""
+    return _sources.pop(model, None) is not None
+
+
+def _install() -> None:
+    from transformers import PreTrainedModel
+
+    if _originals:
+        return
+    _originals["load"] = PreTrainedModel.__dict__["_load_pretrained_model"].__func__
+    _originals["from_config"] = PreTrainedModel.__dict__["_from_config"].__func__
+    PreTrainedModel._load_pretrained_model = staticmethod(_load_pretrained_model)
+    PreTrainedModel._from_config = classmethod(_from_config)
+
+
+def _from_config(cls: type, config: Any, **kwargs: Any) -> nn.Module:
+    if not enabled():
+        return _originals["from_config"](cls, config, **kwargs)
+    with torch.device("meta"):
+        model = _originals["from_config"](cls, config, **kwargs)
+    _sources[model] = SeededInit(_seed)
+    logger.info(f"{cls.__name__}.from_config built on meta: each rank will initialise only its own shards "
+                f"(seed {_seed}) when the engine starts")
+    return model
+
+
+def _load_pretrained_model(model: nn.Module, state_dict: dict | None, checkpoint_files: list[str] | None,
+                           load_config: Any, expected_keys: list[str] | None = None) -> Any:
+    load = _originals["load"]
+    if not enabled() or state_dict is not None:  # weights handed over in memory are whole already
+        return load(model, state_dict, checkpoint_files, load_config, expected_keys)
+    _check_loadable(checkpoint_files or [], load_config)
+    stand_ins = {}
+    for file in checkpoint_files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                header = f.get_slice(key)
+                stand_ins[key] = torch.empty(header.get_shape(), dtype=stored_dtype(header), device="meta")
+    # Loaded onto meta, nothing is read: transformers' loader does its bookkeeping on the stand-ins.
+    on_meta = dataclasses.replace(load_config, device_map={"": torch.device("meta")})
+    result = load(model, stand_ins, None, on_meta, expected_keys)
+    loading_info = result[0]
+    # Missing and mismatched weights are tied or initialised by transformers next, never read.
+    not_read = loading_info.missing_keys | {name for name, *_ in loading_info.mismatched_keys}
+    weights = PretrainedWeights(files=checkpoint_files)
+    _check_readable(model, weights, not_read)
+    _sources[model] = weights
+    logger.info(f"{type(model).__name__}.from_pretrained built on meta: each rank will read only its own shards of "
+                f"{len(checkpoint_files)} safetensors file(s) when the engine starts")
+    return result
+
+
+def _check_loadable(checkpoint_files: list[str], load_config: Any) -> None:
+    """What partitioned loading cannot do is refused before anything is built."""
+    for file in checkpoint_files:
+        if not str(file).endswith(".safetensors"):
+            raise ValueError(f"--zero_stage 3 builds the model partitioned, reading each rank's slices of safetensors "
+                             f"files, and {file} is not one (it cannot be read in slices). Save the model with "
+                             f"save_pretrained(..., safe_serialization=True), or pass --zero_init_partitioned false "
+                             f"to load it whole on every rank first")
+    if not checkpoint_files:
+        raise ValueError("--zero_stage 3 builds the model partitioned from checkpoint files, and from_pretrained "
+                         "found none")
+    if load_config.hf_quantizer is not None:
+        raise ValueError("a quantized model cannot be built partitioned at --zero_stage 3 (hf_zero trains "
+                         "unquantized weights): pass --zero_init_partitioned false")
+    if load_config.device_map is not None:
+        raise ValueError(f"from_pretrained(device_map={load_config.device_map!r}) places the whole model, and "
+                         f"--zero_stage 3 partitions it over the ranks instead: drop device_map")
+
+
+def _check_readable(model: nn.Module, weights: PretrainedWeights, not_read: set[str]) -> None:
+    """Every weight transformers found in the checkpoint must be readable as it is: a checkpoint key with the
+    model's shape. A weight transformers would convert (fused, split, transposed) is refused here, before any
+    work, rather than read wrongly later."""
+    for name, tensor in model.state_dict(keep_vars=True).items():  # what a checkpoint holds: no non-persistent buffers
+        if not tensor.is_meta or name in not_read:
+            continue
+        try:
+            shape = weights.shape_of(model, name)
+        except KeyError:
+            shape = None
+        if shape != tuple(tensor.shape):
+            raise ValueError(f"{name} ({tuple(tensor.shape)}) is not stored as one tensor of that shape in the "
+                             f"checkpoint (transformers converts it while loading), which partitioned loading at "
+                             f"--zero_stage 3 does not do: pass --zero_init_partitioned false")
