@@ -52,11 +52,6 @@ def enable(arguments: Any, seed: int) -> None:
     _asked_by, _seed = weakref.ref(arguments), seed
 
 
-def disable() -> None:
-    global _asked_by
-    _asked_by = None
-
-
 def enabled() -> bool:
     return _asked_by is not None and _asked_by() is not None
 
