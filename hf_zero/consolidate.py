@@ -24,11 +24,10 @@ from tqdm.auto import tqdm
 
 from hf_zero import checkpoint
 from hf_zero.config import DTYPES
-from hf_zero.export import SAFETENSORS_DTYPES, ShardedWeightsWriter, meta_like
+from hf_zero.export import TORCH_DTYPES, ShardedWeightsWriter, meta_like
 from hf_zero.memory import peak_rss, reset_peak_rss
 from hf_zero.tensor_parallel import join_parts
 
-TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # as safetensors' get_dtype() spells them
 
 
 def find_engine_checkpoint(folder: str | os.PathLike) -> Path:

@@ -25,14 +25,14 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-import safetensors.torch
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from hf_zero.device import HOST
+from hf_zero.export import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from hf_zero.zero.stage3 import Unit
@@ -131,19 +131,24 @@ class PretrainedWeights:
     them, under hf_zero.pretrained) are taken as they are."""
 
     def __init__(self, folder: str | os.PathLike | None = None, files: Iterable[str | os.PathLike] = ()) -> None:
-        self.file_of: dict[str, Path] = {}
         if folder is not None:
             folder = Path(folder)
             index = folder / "model.safetensors.index.json"
             if index.is_file():
-                self.file_of = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+                files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
             elif (folder / "model.safetensors").is_file():
                 files = [folder / "model.safetensors"]
             else:
                 raise FileNotFoundError(f"{folder} holds neither model.safetensors nor model.safetensors.index.json")
+        # Each tensor's file, shape and dtype, from the files' headers, read once.
+        self.file_of: dict[str, Path] = {}
+        self.header_of: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                self.file_of.update({k: Path(file) for k in f.keys()})
+                for key in f.keys():
+                    header = f.get_slice(key)
+                    self.file_of[key] = Path(file)
+                    self.header_of[key] = (tuple(header.get_shape()), TORCH_DTYPES[header.get_dtype()])
         self.where = folder if folder is not None else Path(next(iter(self.file_of.values()), ".")).parent
         self.bytes_read = 0
 
@@ -159,18 +164,10 @@ class PretrainedWeights:
 
     def total_bytes(self) -> int:
         """Bytes of tensor data in the checkpoint's files."""
-        total = 0
-        for file in set(self.file_of.values()):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    header = f.get_slice(key)
-                    total += math.prod(header.get_shape()) * stored_dtype(header).itemsize
-        return total
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.header_of.values())
 
     def shape_of(self, model: nn.Module, name: str) -> tuple[int, ...]:
-        key = self.key_of(model, name)
-        with safe_open(str(self.file_of[key]), framework="pt") as f:
-            return tuple(f.get_slice(key).get_shape())
+        return self.header_of[self.key_of(model, name)][0]
 
     def _read(self, model: nn.Module, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of the flattened tensor `name`, reading only the rows that hold them."""
@@ -217,11 +214,6 @@ class PretrainedWeights:
                     else:
                         self._read(model, piece.slice.name, piece.param_lo, piece.param_hi, out)
             close_unit(unit)
-
-
-def stored_dtype(header: Any) -> torch.dtype:
-    """The torch dtype of a safetensors slice (`safe_open(...).get_slice(key)`), from its header."""
-    return safetensors.torch._getdtype(header.get_dtype())
 
 
 def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

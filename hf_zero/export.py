@@ -32,6 +32,7 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # as safetensors' get_dtype() spells them
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # Weight files a previous save may have left; from_pretrained prefers model.safetensors over an index.
 STALE_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")

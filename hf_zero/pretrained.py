@@ -30,11 +30,10 @@ import weakref
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers.utils import logging
 
-from hf_zero.construct import PretrainedWeights, SeededInit, stored_dtype
+from hf_zero.construct import PretrainedWeights, SeededInit
 
 # Logged where transformers logs its own "Detected DeepSpeed ZeRO-3" (seen with the script's --log_level info).
 logger = logging.get_logger("transformers.modeling_utils")
@@ -102,19 +101,15 @@ def _load_pretrained_model(model: nn.Module, state_dict: dict | None, checkpoint
     if not enabled() or state_dict is not None:  # weights handed over in memory are whole already
         return load(model, state_dict, checkpoint_files, load_config, expected_keys)
     _check_loadable(checkpoint_files or [], load_config)
-    stand_ins = {}
-    for file in checkpoint_files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                header = f.get_slice(key)
-                stand_ins[key] = torch.empty(header.get_shape(), dtype=stored_dtype(header), device="meta")
+    weights = PretrainedWeights(files=checkpoint_files)
+    stand_ins = {key: torch.empty(shape, dtype=dtype, device="meta")
+                 for key, (shape, dtype) in weights.header_of.items()}
     # Loaded onto meta, nothing is read: transformers' loader does its bookkeeping on the stand-ins.
     on_meta = dataclasses.replace(load_config, device_map={"": torch.device("meta")})
     result = load(model, stand_ins, None, on_meta, expected_keys)
     loading_info = result[0]
     # Missing and mismatched weights are tied or initialised by transformers next, never read.
     not_read = loading_info.missing_keys | {name for name, *_ in loading_info.mismatched_keys}
-    weights = PretrainedWeights(files=checkpoint_files)
     _check_readable(model, weights, not_read)
     _sources[model] = weights
     logger.info(f"{type(model).__name__}.from_pretrained built on meta: each rank will read only its own shards of "
