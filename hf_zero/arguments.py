@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 from transformers.utils import logging
@@ -100,6 +101,10 @@ def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:
     args.zero_engine_config = zero_config_from_flags(args)
     check_tensor_parallel_flags(args)
     check_tp_within_a_node(args.tensor_parallel_size, per_node, args.tensor_parallel_across_nodes)
+    if not args.use_cpu and has_accelerator() and per_node > torch.cuda.device_count():
+        raise ZeroConfigError(f"{per_node} processes per node but this machine has {torch.cuda.device_count()} "
+                              f"GPU(s): each process needs a GPU of its own. Start at most that many per node "
+                              f"(--nproc_per_node), or pass --use_cpu to train on CPU")
     if processes > 1 and not args.use_cpu and not has_accelerator():
         raise ZeroConfigError(f"{processes} processes without a GPU need --use_cpu: without it transformers does "
                               f"not start distributed training on CPU, and each process would train alone on the same "

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 HOST = torch.device("cpu")
 SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
@@ -43,8 +44,12 @@ def has_accelerator() -> bool:
 
 
 def compute_device() -> torch.device:
-    """Where this process computes: its accelerator (chosen by `use_local_accelerator`), else the host."""
-    return torch.device("cuda", torch.cuda.current_device()) if has_accelerator() else HOST
+    """Where this process computes: its accelerator (chosen by `use_local_accelerator`), else the host. Ranks
+    of a gloo process group compute on the host even beside a GPU (`--use_cpu`, local test ranks): their
+    collectives run on host tensors, and several of them would otherwise share, or look for, one GPU."""
+    if not has_accelerator() or (dist.is_initialized() and dist.get_backend() == "gloo"):
+        return HOST
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def use_local_accelerator(local_rank: int) -> None:
@@ -58,14 +63,26 @@ def simulating() -> bool:
 
 
 def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A host buffer that a device copies to and from: pinned when there is an accelerator."""
-    return torch.empty(numel, dtype=dtype, pin_memory=has_accelerator())
+    """A host buffer that a device copies to and from: pinned when this process computes on a GPU."""
+    if simulating():
+        return _as_if_pinned(torch.empty(numel, dtype=dtype))
+    return torch.empty(numel, dtype=dtype, pin_memory=compute_device().type == "cuda")
 
 
 def to_host_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in host memory, pinned when there is an accelerator to copy to and from."""
+    """`tensor` in host memory, pinned when this process computes on a GPU that copies to and from it."""
     tensor = tensor.to(HOST)
-    return tensor.pin_memory() if has_accelerator() else tensor
+    if simulating():
+        return _as_if_pinned(tensor)
+    return tensor.pin_memory() if compute_device().type == "cuda" else tensor
+
+
+def _as_if_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """Simulation: a copy of `tensor` with the one property of pinned memory that the host can trip over,
+    a storage that cannot be resized (`release_storage` cannot give it back in place)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    fixed = torch.frombuffer(bytearray(nbytes), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return fixed.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 # ---- copies and their events --------------------------------------------------------------------

@@ -90,3 +90,25 @@ def test_file_io_takes_host_memory_only():
     """Defect 1's guard: ctypes would read a device address as a host one (on CUDA: garbage or a crash)."""
     with pytest.raises(ValueError, match="bytes_of reads host memory; got a tensor on meta"):
         bytes_of(torch.empty(4, device="meta"), writing=False)
+
+
+def _compute_device_beside_a_gpu() -> str:
+    device.has_accelerator = lambda: True  # as on a GPU machine (this rank's module copy only)
+    return str(device.compute_device())
+
+
+@pytest.mark.slow
+def test_gloo_ranks_compute_on_the_host_even_on_a_machine_with_a_gpu():
+    """Seen on an H100 machine: local gloo ranks (tests, --use_cpu) built their models on the one GPU."""
+    from hf_zero.launch import spawn_gloo
+
+    assert spawn_gloo(_compute_device_beside_a_gpu, 2) == ["cpu", "cpu"]
+
+
+def test_simulated_pinned_memory_cannot_be_resized_as_pinned_memory_cannot(simulated):
+    """Seen on an H100 machine: giving back a pinned shard by resizing its storage failed there and passed
+    on CPU. The simulation's host buffers now refuse it too, so CPU tests meet it first."""
+    for host in (device.host_empty(8, torch.bfloat16), device.to_host_memory(torch.arange(8.0))):
+        with pytest.raises(RuntimeError, match="not resizable"):
+            host.untyped_storage().resize_(0)
+    assert torch.equal(device.to_host_memory(torch.arange(8.0)), torch.arange(8.0))

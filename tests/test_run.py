@@ -127,6 +127,20 @@ def test_a_zero_flag_far_from_every_engine_flag_is_left_to_the_script():
         check_script_flags(["--zero_offload_optimiser", "cpu", "--use_cpu"], 2)
 
 
+def test_more_processes_per_node_than_gpus_are_refused_naming_the_count(monkeypatch):
+    """A second rank on a one-GPU machine would look for cuda:1; refused before any process starts."""
+    import hf_zero.arguments
+    from hf_zero.arguments import check_script_flags
+    from hf_zero.config import ZeroConfigError
+
+    monkeypatch.setattr(hf_zero.arguments, "has_accelerator", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_script_flags(["--zero_stage", "2"], 1)
+    check_script_flags(["--zero_stage", "2", "--use_cpu"], 2)
+    with pytest.raises(ZeroConfigError, match="2 processes per node but this machine has 1 GPU"):
+        check_script_flags(["--zero_stage", "2"], 2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CPU only: with a GPU transformers starts distributed")
 def test_several_processes_without_a_gpu_and_without_use_cpu_are_refused_naming_it():
     """transformers on CPU starts distributed training only with --use_cpu; without it each process would train

@@ -204,6 +204,7 @@ class Stage3Params(ParamHolder):
         """`init_from` (hf_zero/construct.py) fills a model built on meta, on `device`. With offload the
         parameter shards (offload_param) and gradient shards (offload_optimizer) live in host memory."""
         self.comm, self.prefetch_numel = comm, config.prefetch_bucket_size
+        self.offload_param = config.offload_param
         self.param_shard_device = HOST if config.offload_param != "none" else None
         self.reader: ParamReader | None = None
         self.reshard_root_after_forward = config.reshard_root_after_forward
@@ -272,8 +273,7 @@ class Stage3Params(ParamHolder):
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
-        self.param_shards = [torch.zeros(n, dtype=dtype, device=device) if self.param_shard_device is None
-                             else to_host_memory(torch.zeros(n, dtype=dtype)) for n in sizes]
+        self.param_shards = [self._new_param_shard(n, dtype, device) for n in sizes]
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
         fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
@@ -329,6 +329,15 @@ class Stage3Params(ParamHolder):
             unit.built()
 
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
+
+    def _new_param_shard(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.param_shard_device is None:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        if self.offload_param == "nvme":
+            # Only staged until `read_shards_from` gives it back, and no device copy reads it after: pinned
+            # memory could not be given back in place (a pinned storage cannot be resized).
+            return torch.zeros(numel, dtype=dtype)
+        return to_host_memory(torch.zeros(numel, dtype=dtype))
 
     @property
     def shard(self) -> int:
