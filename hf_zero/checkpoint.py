@@ -29,13 +29,14 @@ import math
 import os
 import shutil
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from hf_zero.comm import Communicator
 from hf_zero.device import LatestCopy, to_host
@@ -222,7 +223,7 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     manifest; `training_state` (step counters, loss scale) goes into the manifest as it is."""
     final = Path(directory)
     partial, _ = save_folders(final)
-    _check_module_state_is_whole(layout)
+    layout = _with_whole_module_state(layout)
 
     def fresh_partial() -> None:
         # Rank 0 alone settles and creates it, and the others wait for that (agree gathers): a rank
@@ -252,13 +253,24 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     return final
 
 
-def _check_module_state_is_whole(layout: ShardLayout) -> None:
-    """Rank 0 stores the module state every rank holds; a frozen parameter split across the tp group
-    (not stepped, so not in the engine's shards) has no stored form yet."""
-    split = [name for name, t in layout.module_state.items() if not is_tp_replicated(t)]
-    if split:
-        raise CheckpointError(f"frozen tensor-parallel parameters cannot be checkpointed yet: {', '.join(split)}; "
-                              f"train them (requires_grad=True) or leave their modules out of the tp plan")
+def _with_whole_module_state(layout: ShardLayout) -> ShardLayout:
+    """Rank 0 stores the module state, as the model holds it without tensor parallelism. A frozen parameter
+    split across the tp group (not stepped, so not in the engine's shards) is stored whole: every rank joins
+    its all-gather (`full_tensor`, the same names in the same order everywhere), for the save's duration."""
+    whole = {name: t if is_tp_replicated(t) else t.detach().full_tensor() for name, t in layout.module_state.items()}
+    return replace(layout, module_state=whole)
+
+
+@torch.no_grad()
+def restore_module_state(layout: ShardLayout, module_state: dict[str, torch.Tensor]) -> None:
+    """Copies the stored module state into the model; a split frozen parameter takes its own tp part of the
+    stored whole tensor (cut locally, as `distribute_tensor` cut it when the model was made parallel)."""
+    for name, value in module_state.items():
+        target = layout.module_state[name]
+        if not is_tp_replicated(target):
+            value = distribute_tensor(value.to(local(target).device), target.device_mesh, target.placements,
+                                      src_data_rank=None).to_local()
+        local(target).copy_(value)
 
 
 def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,

@@ -420,8 +420,7 @@ class ZeroEngine(nn.Module):
         self.finish_pending_update()
         layout = self.checkpoint_layout()
         manifest, module_state = checkpoint.load(directory, layout, self.sharded_optimizer.backend, self.world_comm)
-        for name, value in module_state.items():
-            local(layout.module_state[name]).copy_(value)
+        checkpoint.restore_module_state(layout, module_state)
         self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]
         self.skipped_steps = manifest["skipped_steps"]
         self.scaler.load_state_dict(manifest["loss_scaler"])
