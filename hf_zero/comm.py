@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.device import HOST, compute_device
+from hf_zero.launch import processes_per_node
 
 MODEL_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
+SPANS = ("intra-node", "inter-node")
 
 
 def world_size() -> int:
@@ -82,6 +84,10 @@ class Ledger:
     comm_bytes: Counter = field(default_factory=Counter)
     last_step_elements: dict[str, int] = field(default_factory=dict)
     last_step_bytes: dict[str, int] = field(default_factory=dict)
+    # The same bytes by where they travel (SPANS): a collective whose group lies on one node stays on its
+    # links; one whose group spans nodes is counted whole as inter-node, since its slowest links bound it.
+    span_bytes: Counter = field(default_factory=Counter)
+    last_step_span_bytes: dict[str, int] = field(default_factory=dict)
     events: Counter = field(default_factory=Counter)
     last_step_events: dict[str, int] = field(default_factory=dict)
     held: Counter = field(default_factory=Counter)  # now
@@ -91,9 +97,10 @@ class Ledger:
     # Stage 3: where each weight that several units use lives (its name -> "root unit (used by ...)").
     shared_weights: dict[str, str] = field(default_factory=dict)
 
-    def record(self, op: str, elements: int, element_size: int) -> None:
+    def record(self, op: str, elements: int, element_size: int, span: str) -> None:
         self.comm_elements[op] += elements
         self.comm_bytes[op] += elements * element_size
+        self.span_bytes[span] += elements * element_size
 
     def count(self, event: str, times: int = 1) -> None:
         self.events[event] += times
@@ -106,6 +113,8 @@ class Ledger:
     def close_step(self) -> None:
         self.last_step_elements = dict(self.comm_elements)
         self.last_step_bytes = dict(self.comm_bytes)
+        self.last_step_span_bytes = dict(self.span_bytes)
+        self.span_bytes.clear()
         self.last_step_events = dict(self.events)
         self.last_step_peaks = dict(self.peaks)
         self.comm_elements.clear()
@@ -121,20 +130,35 @@ class Ledger:
             f"{op} {self.last_step_bytes[op] / mib:.2f} MiB ({self.last_step_elements[op]:,} el)"
             for op in sorted(self.last_step_bytes)
         ) or "nothing"
+        if self.last_step_span_bytes:
+            sent += " (" + ", ".join(f"{span} {self.last_step_span_bytes.get(span, 0) / mib:.2f} MiB"
+                                     for span in SPANS) + ")"
         in_flight = "".join(f"; {event} {count:,}" for event, count in sorted(self.last_step_events.items())) + \
             "".join(f"; at most {amount:,} {what}" for what, amount in sorted(self.last_step_peaks.items()))
         shared = "".join(f"; {name} is shared: it lives in the {where}" for name, where in self.shared_weights.items())
         return f"{who} holds {held}; last step sent {sent}{in_flight}{shared}"
 
 
-class Communicator:
-    """torch.distributed collectives over one process group, each recorded in a Ledger."""
+def node_span(group: dist.ProcessGroup | None, ranks_per_node: int) -> str:
+    """"intra-node" when every rank of `group` (default: the world) is on one node, else "inter-node"; ranks
+    are placed on nodes in order, `ranks_per_node` to a node, as torchrun places them."""
+    if not dist.is_initialized():
+        return "intra-node"
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return "intra-node" if len({r // ranks_per_node for r in ranks}) == 1 else "inter-node"
 
-    def __init__(self, ledger: Ledger, group: dist.ProcessGroup | None = None) -> None:
+
+class Communicator:
+    """torch.distributed collectives over one process group, each recorded in a Ledger, with where its bytes
+    travel (`node_span`) for `ranks_per_node` (default: torchrun's LOCAL_WORLD_SIZE)."""
+
+    def __init__(self, ledger: Ledger, group: dist.ProcessGroup | None = None,
+                 ranks_per_node: int | None = None) -> None:
         self.ledger = ledger
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.span = node_span(group, ranks_per_node or processes_per_node(world_size()))
         # Where tensors must be for this group's collectives: NCCL reduces on the GPU, gloo on the host.
         backend = dist.get_backend(group) if dist.is_initialized() else None
         self.device = compute_device() if backend == "nccl" else HOST
@@ -147,14 +171,14 @@ class Communicator:
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:
             return _Done()
-        self.ledger.record("all_reduce", 2 * tensor.numel(), tensor.element_size())
+        self.ledger.record("all_reduce", 2 * tensor.numel(), tensor.element_size(), self.span)
         return dist.all_reduce(tensor, group=self.group, async_op=async_op)
 
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Sums `input` over ranks; this rank receives its 1/world_size part in `output` (may alias input)."""
         if self.world_size == 1:
             return _copy_locally(output, input)
-        self.ledger.record("reduce_scatter", input.numel(), input.element_size())
+        self.ledger.record("reduce_scatter", input.numel(), input.element_size(), self.span)
         if not self.per_rank_pieces:
             return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
         n = output.numel()
@@ -176,7 +200,7 @@ class Communicator:
                 _copy_locally(output, input)
             return _Done()
         for output in outputs:
-            self.ledger.record("all_gather", output.numel(), output.element_size())
+            self.ledger.record("all_gather", output.numel(), output.element_size(), self.span)
         if not self.per_rank_pieces:
             self.ledger.count("all-gather launches")
             if len(outputs) == 1:

@@ -104,6 +104,9 @@ class ZeroConfig:
     delayed_param_update_warmup: int = setting(10, "ordinary steps before the delayed update starts")
     # ZeRO-R: every transformer block checkpointed, its input checkpoint split across the tensor-parallel
     # group (P_a) and/or kept in host memory (P_a+cpu), in one contiguous buffer per step (M_D).
+    # One machine can stand for several nodes (4 ranks as 2 nodes x 2) to count what would cross the network.
+    ranks_per_node: int | None = setting(None, "ranks on each node, for the ledger's intra-node and inter-node "
+                                         "bytes (default: torchrun's LOCAL_WORLD_SIZE); must divide the world size")
     partition_activations: bool = setting(False, "ZeRO-R P_a: split activation checkpoints across the tensor-"
                                           "parallel group", "activation_checkpointing.partition_activations")
     cpu_checkpointing: bool = setting(False, "ZeRO-R P_a+cpu: keep activation checkpoints in host memory",
@@ -154,7 +157,7 @@ class ZeroConfig:
             fail("reduce_dtype", f"must be fp32 or the compute dtype, {self.dtype} ({name('dtype')}); got "
                                  f"{self.reduce_dtype!r}")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "gradient_accumulation_steps",
-                    "loss_scale_window", "nvme_tile_numel"):
+                    "loss_scale_window", "nvme_tile_numel", "ranks_per_node"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 fail(key, f"must be a positive integer; got {value!r}")

@@ -36,7 +36,7 @@ from hf_zero.comm import Communicator, Ledger
 from hf_zero.comm import rank as global_rank
 from hf_zero.construct import place_rest
 from hf_zero.device import compute_device
-from hf_zero.config import ZeroConfig
+from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.launch import destroy_process_group_at_exit
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.precision import LossScaler
@@ -130,7 +130,15 @@ def check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zer
     if config.partition_activations or config.cpu_checkpointing:
         check_supports_checkpointing(model)
     check_optimizer(optimizer, config)
+    check_ranks_per_node(config)
     return trainable_params_by_group(model, optimizer), dp_group, tp_group
+
+
+def check_ranks_per_node(config: ZeroConfig) -> None:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if config.ranks_per_node is not None and world % config.ranks_per_node:
+        raise ZeroConfigError(f"ranks_per_node must divide the world size {world} (ranks fill nodes in order); "
+                              f"got {config.ranks_per_node}")
 
 
 @torch.no_grad()
@@ -222,11 +230,12 @@ class ZeroEngine(nn.Module):
         self.module, self.optimizer = model, optimizer
         self.zero_stage, self.dtype = cfg.zero_stage, cfg.torch_dtype
         self.ledger = Ledger()
-        self.comm = Communicator(self.ledger, dp_group)
-        self.tp_comm = Communicator(self.ledger, tp_group) if tp_group is not None else None
+        per_node = cfg.ranks_per_node
+        self.comm = Communicator(self.ledger, dp_group, per_node)
+        self.tp_comm = Communicator(self.ledger, tp_group, per_node) if tp_group is not None else None
         # Every rank holding part of the model's state: the dp group, times the tp group with a mesh.
         # Checkpoints agree over it, so that a failure on any rank stops every rank.
-        self.world_comm = Communicator(self.ledger) if mesh is not None else self.comm
+        self.world_comm = Communicator(self.ledger, None, per_node) if mesh is not None else self.comm
         if torch.distributed.is_initialized():
             destroy_process_group_at_exit()
         self.scaler = LossScaler(cfg)

@@ -128,3 +128,60 @@ def test_gloo_collectives_equal_torchs_and_copy_no_unit_sized_temporary(world):
         growth = result["growth"]
         assert growth["torch"] > 0.5 * unit_bytes and growth["torch_reduce"] > 0.5 * unit_bytes  # why we avoid them
         assert growth["ours"] < 0.1 * unit_bytes and growth["ours_reduce"] < 0.1 * unit_bytes
+
+
+def bytes_by_span(ranks_per_node: int) -> dict:
+    """4 ranks: a stage-3 step, and a stage-2 step on a tp 2 x dp 2 mesh, with `ranks_per_node` to a node."""
+    import hf_zero
+    from hf_zero.config import ZeroConfigError
+    from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
+    from tests.helpers import batch, make_optimizer, tiny_model
+
+    results = {}
+    for name, tp in (("stage3", 1), ("tp2_stage2", 2)):
+        model = tiny_model("gpt2-tp" if tp > 1 else "gpt2")
+        mesh = None
+        if tp > 1:
+            mesh = init_mesh(tp)
+            apply_tensor_parallel(model, mesh["tp"])
+        engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 3 if tp == 1 else 2,
+                                                                   "ranks_per_node": ranks_per_node}, mesh=mesh)
+        if engine.tp_comm is not None:  # the tp group's collectives in a ledger of their own
+            engine.tp_comm.ledger = Ledger()
+        dp = engine.comm.world_size
+        b = {k: v.chunk(dp)[engine.comm.rank] for k, v in batch("gpt2", 0, 8).items()}
+        engine.backward(engine(**b).loss)
+        engine.step()
+        results[name] = {"ops": engine.ledger.last_step_bytes, "spans": engine.ledger.last_step_span_bytes,
+                         "report": engine.ledger.report()}
+        if engine.tp_comm is not None:
+            results[name].update(tp_ops=dict(engine.tp_comm.ledger.comm_bytes),
+                                 tp_spans=dict(engine.tp_comm.ledger.span_bytes))
+    try:
+        model = tiny_model("gpt2")
+        hf_zero.initialize(model, make_optimizer(model), {"ranks_per_node": 3})
+        results["refused"] = "no error"
+    except ZeroConfigError as error:
+        results["refused"] = str(error)
+    return results
+
+
+@pytest.mark.slow
+def test_the_ledger_splits_each_steps_bytes_into_intra_node_and_inter_node_by_where_the_group_lies():
+    """4 ranks as 2 nodes x 2 (consecutive ranks share a node, as torchrun places them), and as one node."""
+    from hf_zero.launch import spawn_gloo
+
+    for per_node in (2, 4):
+        for r in spawn_gloo(bytes_by_span, 4, per_node):
+            # Stage 3's data-parallel group is the world: on one node all of it stays there, else all crosses.
+            total = sum(r["stage3"]["ops"].values())
+            crossing = "intra-node" if per_node == 4 else "inter-node"
+            assert total > 0 and r["stage3"]["spans"] == {crossing: total}
+            # tp 2 x dp 2: a dp group is ranks {0, 2} or {1, 3}, on two nodes of two, one node of four; a tp
+            # group is ranks {0, 1} or {2, 3}, on one node either way.
+            total = sum(r["tp2_stage2"]["ops"].values())
+            assert total > 0 and r["tp2_stage2"]["spans"] == {crossing: total}
+            tp_total = sum(r["tp2_stage2"]["tp_ops"].values())
+            assert tp_total > 0 and r["tp2_stage2"]["tp_spans"] == {"intra-node": tp_total}
+            assert f"{crossing} {total / 2**20:.2f} MiB" in r["tp2_stage2"]["report"]
+            assert "ranks_per_node must divide the world size 4 (ranks fill nodes in order); got 3" in r["refused"]
