@@ -14,6 +14,8 @@
 #include <cstring>
 #include <string>
 
+#include "isa.h"
+
 // Scalars as torch computes them, in double, then rounded once to fp32 (1 - beta in fp32 arithmetic would
 // differ from torch's by an ulp and so would every update).
 struct AdamHyper {
@@ -117,39 +119,6 @@ inline void store(c10::Half* x, V v) {
 #include "adam_kernel.h"
 }  // namespace avx2
 #pragma GCC pop_options
-
-enum class Isa { kScalar, kAvx2, kAvx512 };
-
-static Isa supported_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return Isa::kAvx2;
-  return Isa::kScalar;
-}
-
-static const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
-}
-
-// The instruction set in use: the best the CPU has, or HF_ZERO_CPU_ADAM_ISA (avx512, avx2, scalar)
-// when set, e.g. to test every path on one machine.
-static Isa active_isa() {
-  static const Isa isa = [] {
-    Isa best = supported_isa();
-    const char* asked = std::getenv("HF_ZERO_CPU_ADAM_ISA");
-    if (asked == nullptr || *asked == '\0') return best;
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-      if (std::strcmp(asked, isa_name(isa)) == 0) {
-        TORCH_CHECK(isa <= best, "HF_ZERO_CPU_ADAM_ISA=", asked, " but this CPU supports at most ", isa_name(best));
-        return isa;
-      }
-    }
-    TORCH_CHECK(false, "HF_ZERO_CPU_ADAM_ISA must be one of avx512, avx2, scalar; got ", asked);
-  }();
-  return isa;
-}
 
 template <typename G, typename O>
 static void run(float* param, const G* grad, float* exp_avg, float* exp_avg_sq, O* out, int64_t n,

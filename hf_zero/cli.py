@@ -189,12 +189,13 @@ def _build_ops(argv: list[str]) -> int:
     parser = Parser(prog="hf-zero build-ops", description=build.__doc__)
     parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
     args = parser.parse_args(argv)
-    try:
-        module = build.load_extension("hf_zero_cpu_adam", ["cpu_adam.cpp"], verbose=args.verbose)
-    except RuntimeError as error:
-        print(f"hf-zero build-ops: {error}", file=sys.stderr)
-        return 1
-    print(f"built hf_zero_cpu_adam ({module.isa()}) in {build.build_directory('hf_zero_cpu_adam')}")
+    for name in build.KERNELS:
+        try:
+            module = build.load_extension(name, verbose=args.verbose)
+        except RuntimeError as error:
+            print(f"hf-zero build-ops: {error}", file=sys.stderr)
+            return 1
+        print(f"built {name} ({module.isa()}) in {build.build_directory(name)}")
     return 0
 
 
@@ -228,7 +229,7 @@ COMMANDS = {
     "run": (_run, "run an unmodified Hugging Face Trainer script with --zero_* flags"),
     "estimate": (_estimate, "memory per device for a model under each ZeRO stage (the paper's accounting)"),
     "consolidate": (_consolidate, "write a checkpoint's weights as a transformers folder (streaming)"),
-    "build-ops": (_build_ops, "compile the C++ CPU Adam (csrc/) now instead of on first use"),
+    "build-ops": (_build_ops, "compile the C++ kernels (csrc/: CPU Adam, quantization) now instead of on first use"),
 }
 
 

@@ -19,6 +19,8 @@ import torch
 logger = logging.getLogger("hf_zero")
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
+# Each extension and its sources (csrc/isa.h, the run-time ISA choice, is included by both).
+KERNELS = {"hf_zero_cpu_adam": ["cpu_adam.cpp"], "hf_zero_quantize": ["quantize.cpp"]}
 _built: dict[str, ModuleType | Exception] = {}
 
 
@@ -43,8 +45,10 @@ def _only_builder(directory: Path) -> Iterator[None]:
         yield
 
 
-def load_extension(name: str, sources: list[str], verbose: bool = False) -> ModuleType:
-    """Compiles (or reuses) csrc/`sources` as module `name`; raises RuntimeError saying what is missing."""
+def load_extension(name: str, verbose: bool = False) -> ModuleType:
+    """Compiles (or reuses) extension `name` from its csrc/ sources (KERNELS); raises RuntimeError saying what
+    is missing."""
+    sources = KERNELS[name]
     cached = _built.get(name)
     if isinstance(cached, ModuleType):
         return cached

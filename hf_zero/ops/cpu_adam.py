@@ -29,7 +29,7 @@ def cpu_adam_kernel():
     """The compiled kernel module, or None (with a warning, once) when it cannot be built."""
     global _warned_fallback
     try:
-        return load_extension("hf_zero_cpu_adam", ["cpu_adam.cpp"])
+        return load_extension("hf_zero_cpu_adam")
     except RuntimeError as error:
         if not _warned_fallback:
             logger.warning("%s; CPUAdam falls back to torch's fused AdamW (same results, one more pass over "

@@ -161,7 +161,7 @@ def test_the_first_build_says_it_is_building_and_where_it_caches(tmp_path, monke
     for _ in range(2):  # a new process finds the cached build
         monkeypatch.setattr(build, "_built", {})
         with caplog.at_level(logging.WARNING, logger="hf_zero"):
-            build.load_extension("hf_zero_cpu_adam", ["cpu_adam.cpp"])
+            build.load_extension("hf_zero_cpu_adam")
         messages.append([r.getMessage() for r in caplog.records])
         caplog.clear()
     directory = build.build_directory("hf_zero_cpu_adam")
