@@ -104,6 +104,13 @@ class ZeroConfig:
     delayed_param_update_warmup: int = setting(10, "ordinary steps before the delayed update starts")
     # ZeRO-R: every transformer block checkpointed, its input checkpoint split across the tensor-parallel
     # group (P_a) and/or kept in host memory (P_a+cpu), in one contiguous buffer per step (M_D).
+    # ZeRO++ (arXiv 2306.10209), under DeepSpeed's names.
+    quantized_weights: bool = setting(False, "ZeRO++ qwZ, stage 3: units are all-gathered as block-quantized int8 "
+                                      "with an fp32 scale per block and dequantized into the unit's buffer; the "
+                                      "model computes forward and backward with those weights, the fp32 masters "
+                                      "and the update stay exact", "zero_optimization.zero_quantized_weights")
+    quantization_block_size: int = setting(2048, "ZeRO++: elements per quantization block (one fp32 scale each); "
+                                           "an even number")
     # One machine can stand for several nodes (4 ranks as 2 nodes x 2) to count what would cross the network.
     ranks_per_node: int | None = setting(None, "ranks on each node, for the ledger's intra-node and inter-node "
                                          "bytes (default: torchrun's LOCAL_WORLD_SIZE); must divide the world size")
@@ -178,6 +185,15 @@ class ZeroConfig:
         if not 0 <= self.initial_scale_power <= 64:
             fail("initial_scale_power", f"must be an integer in 0..64; got {self.initial_scale_power!r}")
         self._validate_offload(name, fail)
+        if self.quantization_block_size <= 0 or self.quantization_block_size % 2:
+            fail("quantization_block_size", f"must be a positive even integer (int4 packs two values a byte); got "
+                                            f"{self.quantization_block_size!r}")
+        if self.quantized_weights and self.zero_stage != 3:
+            fail("quantized_weights", f"quantizes stage 3's parameter all-gathers (ZeRO++ qwZ), which stages 0-2 "
+                                      f"do not have; set {name('zero_stage')} 3 or drop {name('quantized_weights')}")
+        if self.quantized_weights and self.offload_param != "none":
+            fail("quantized_weights", f"with {name('offload_param')} {self.offload_param} is not supported yet; "
+                                      f"drop one of them")
 
     def _validate_types(self, fail: Callable[[str, str], None]) -> None:
         """Each value has its declared type exactly: a bool is no number (True is not 1), a float no integer

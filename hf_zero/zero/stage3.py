@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
+from hf_zero.ops.quantize import Quantized, dequantize, quantize
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data
 from hf_zero.zero.reducer import BucketKey, BucketReduction
@@ -63,9 +64,14 @@ class Unit:
         self.gathered = False
         self.works: list = []
         self.empty = torch.empty(0, dtype=flats[0].data.dtype, device=flats[0].data.device)
+        # ZeRO++ qwZ: the quantization block size when training gathers go quantized (None: they do not), and
+        # a quantized gather's received values and scales per flat buffer, dequantized once it has landed.
+        self.quantize_block: int | None = None
+        self.landing: list[tuple[FlatParamBuffer, torch.Tensor, torch.Tensor]] = []
 
-    def gather(self) -> None:
-        """Starts the all-gather of every flat buffer of the unit (asynchronously)."""
+    def gather(self, for_training: bool = False) -> None:
+        """Starts the all-gather of every flat buffer of the unit (asynchronously). A gather `for_training`
+        (a forward or backward) goes quantized under ZeRO++ qwZ; one for export or inspection never does."""
         if self.gathered:
             return
         self._tally(+1)
@@ -77,16 +83,43 @@ class Unit:
                 shard, copy = to_device(shard, flat.data.device, f"the host shard of unit {self.name!r}")
                 self.copies.append(copy)
             shards.append(shard)
-        with contextlib.ExitStack() as unversioned:
-            # Writing into the buffers must not bump the version autograd checks on saved views of them.
-            for flat in self.flats:
-                unversioned.enter_context(torch.autograd._unsafe_preserve_version_counter(flat.data))
-            self.works.append(self.comm.all_gather_coalesced_([flat.data for flat in self.flats], shards,
-                                                              async_op=True))
+        if for_training and self.quantize_block is not None:
+            self.works.append(self._gather_quantized(shards))
+        else:
+            with contextlib.ExitStack() as unversioned:
+                # Writing into the buffers must not bump the version autograd checks on saved views of them.
+                for flat in self.flats:
+                    unversioned.enter_context(torch.autograd._unsafe_preserve_version_counter(flat.data))
+                self.works.append(self.comm.all_gather_coalesced_([flat.data for flat in self.flats], shards,
+                                                                  async_op=True))
         for flat in self.flats:
             for s in flat.slices:
                 set_data(s.param, flat.view_of(s))
         self.gathered = True
+
+    def _gather_quantized(self, shards: list[torch.Tensor]) -> Any:
+        """qwZ: each rank sends its chunk as int8 values with an fp32 scale per block (a quarter of fp32's
+        bytes, half of bf16's); `wait` dequantizes every rank's part into the buffers."""
+        outputs, inputs, world = [], [], self.comm.world_size
+        for flat, shard in zip(self.flats, shards):
+            packed = quantize(shard, 8, self.quantize_block)
+            values = torch.empty(world * packed.values.numel(), dtype=packed.values.dtype, device=shard.device)
+            scales = torch.empty(world * packed.scales.numel(), dtype=torch.float32, device=shard.device)
+            outputs += [values, scales]
+            inputs += [packed.values, packed.scales]
+            self.landing.append((flat, values, scales))
+        return self.comm.all_gather_coalesced_(outputs, inputs, async_op=True)
+
+    @torch.no_grad()
+    def _dequantize_landed(self) -> None:
+        world = self.comm.world_size
+        for flat, values, scales in self.landing:
+            chunk = flat.buckets[0].chunk_numel
+            with torch.autograd._unsafe_preserve_version_counter(flat.data):
+                for r, (rank_values, rank_scales) in enumerate(zip(values.chunk(world), scales.chunk(world))):
+                    dequantize(Quantized(rank_values, rank_scales, 8, self.quantize_block, chunk),
+                               out=flat.data[r * chunk:(r + 1) * chunk])
+        self.landing.clear()
 
     def _read(self, i: int) -> torch.Tensor:
         chunk, buffer = self.reader.read(*self.shard_ids[i])
@@ -120,6 +153,8 @@ class Unit:
         for work in self.works:
             work.wait()
         self.works.clear()
+        if self.landing:
+            self._dequantize_landed()
         if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
             for buffer, copy in zip(self.reading, self.copies):
                 self.reader.release(buffer, copy)
@@ -213,6 +248,9 @@ class Stage3Params(ParamHolder):
         self.chunks_lent = LatestCopy() if self.param_shard_device is not None else None
         for unit in self.units:
             unit.shards_lent = self.chunks_lent
+            # Persistent parameters are gathered once a step and kept: they stay exact.
+            unit.quantize_block = config.quantization_block_size if config.quantized_weights and \
+                not unit.persistent else None
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
@@ -436,12 +474,12 @@ class Stage3Params(ParamHolder):
         elements in all."""
         if unit not in order:
             order.append(unit)
-        unit.gather()
+        unit.gather(for_training=True)
         first = order.index(unit) + 1
         i, budget = first, self.prefetch_numel
         while i < len(order) and (i == first or order[i].numel <= budget):
             budget -= order[i].numel
-            order[i].gather()
+            order[i].gather(for_training=True)
             i += 1
         unit.wait()
 
