@@ -29,7 +29,8 @@ from hf_zero.tensor_parallel import apply_tensor_parallel, check_tp_within_a_nod
 logger = logging.getLogger("hf_zero.train_lm")
 # The engine settings the job takes as options, declared (help, choices, defaults) in hf_zero.config.
 ENGINE_SETTINGS = ["zero_stage", "dtype", "gradient_accumulation_steps", "reduce_bucket_size", "offload_optimizer",
-                   "offload_param", "nvme_path", "partition_activations", "cpu_checkpointing"]
+                   "offload_param", "nvme_path", "partition_activations", "cpu_checkpointing", "quantized_weights",
+                   "quantization_block_size", "ranks_per_node"]
 
 
 def load_text(path: str | None) -> bytes:
