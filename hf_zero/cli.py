@@ -158,12 +158,17 @@ def _estimate(argv: list[str]) -> int:
     parser.add_argument("--batch_size", type=_nproc, help="micro-batch per device, for activation memory")
     parser.add_argument("--seq_len", type=_nproc, help="sequence length, for activation memory")
     parser.add_argument("--checkpoint_activations", action="store_true")
+    parser.add_argument("--hpz_partition_size", type=_nproc, default=1,
+                        help="ZeRO++ hpZ at stage 3: devices a secondary partition is spread over (default 1: off)")
     args = parser.parse_args(argv)
     conflict = offload_conflict(args.zero_stage, args.offload_optimizer, args.offload_param, lambda k: f"--{k}")
     if conflict:
         parser.error(conflict)
     if args.reduce_dtype not in (None, "fp32", args.dtype):
         parser.error(f"--reduce_dtype must be fp32 or the compute dtype, {args.dtype} (--dtype); got {args.reduce_dtype}")
+    if args.hpz_partition_size > 1 and (args.zero_stage != 3 or args.num_gpus % args.hpz_partition_size):
+        parser.error(f"--hpz_partition_size needs --zero_stage 3 and must divide --num_gpus ({args.num_gpus}); got "
+                     f"{args.hpz_partition_size} at stage {args.zero_stage}")
     if (args.batch_size is None) != (args.seq_len is None):
         parser.error("--batch_size and --seq_len go together (activation memory needs both)")
     if args.batch_size and not args.model:
@@ -177,7 +182,8 @@ def _estimate(argv: list[str]) -> int:
             parser.error(f"--model: {e.args[0]}")
     psi = args.params if args.params else model_zoo.parameter_count(args.model)
     setting = estimate.Setting(args.zero_stage, args.num_gpus, args.offload_optimizer, args.offload_param,
-                               None if args.reduce_dtype == args.dtype else args.reduce_dtype)
+                               None if args.reduce_dtype == args.dtype else args.reduce_dtype,
+                               args.hpz_partition_size)
     print(estimate.report(psi, setting, args.gpu_memory, args.dtype, args.model, args.batch_size or 0,
                           args.seq_len or 0, args.checkpoint_activations))
     return 0

@@ -158,7 +158,8 @@ class Communicator:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.span = node_span(group, ranks_per_node or processes_per_node(world_size()))
+        self.ranks_per_node = ranks_per_node or processes_per_node(world_size())
+        self.span = node_span(group, self.ranks_per_node)
         # Where tensors must be for this group's collectives: NCCL reduces on the GPU, gloo on the host.
         backend = dist.get_backend(group) if dist.is_initialized() else None
         self.device = compute_device() if backend == "nccl" else HOST
@@ -219,6 +220,22 @@ class Communicator:
                       for r in range(self.world_size)]
         self.ledger.count("all-gather launches", len(works))
         return _Pieces(works, lambda: None, async_op)
+
+    def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""
+        if self.world_size == 1:
+            return _copy_locally(output, input)
+        self.ledger.record("all_to_all", input.numel(), input.element_size(), self.span)
+        return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+
+    def subgroup(self, ranks_of_each: list[list[int]]) -> "Communicator":
+        """A Communicator over the subgroup, among `ranks_of_each` (ranks of this group, covering it once),
+        that holds this rank. Every rank must call it with the same list: creating groups is collective."""
+        if self.world_size == 1:
+            return self
+        to_global = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
+        mine, _ = dist.new_subgroups_by_enumeration([[to_global(r) for r in ranks] for ranks in ranks_of_each])
+        return Communicator(self.ledger, mine, self.ranks_per_node)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Used once at start-up to make every rank begin from rank 0's weights, as DDP does."""

@@ -109,8 +109,20 @@ class ZeroConfig:
                                       "with an fp32 scale per block and dequantized into the unit's buffer; the "
                                       "model computes forward and backward with those weights, the fp32 masters "
                                       "and the update stay exact", "zero_optimization.zero_quantized_weights")
-    quantization_block_size: int = setting(2048, "ZeRO++: elements per quantization block (one fp32 scale each); "
+    # Small blocks, because int4 gradients round to zero every element under absmax / 14 of their block: in
+    # blocks of 2048 qgZ ended 300 steps of gpt2-demo 7.7% above plain stage 3's validation loss, in blocks of
+    # 128 within 0.5% (docs/BENCHMARKS.md). The scales then cost 4/128 bytes an element, 3% of int8's bytes.
+    quantization_block_size: int = setting(128, "ZeRO++: elements per quantization block (one fp32 scale each); "
                                            "an even number")
+    hpz_partition_size: int = setting(1, "ZeRO++ hpZ, stage 3: after a unit's forward each rank keeps 1/N of it "
+                                      "(a secondary partition over N consecutive ranks, within a node), so that "
+                                      "the backward all-gather stays inside the node; 1 is off",
+                                      "zero_optimization.zero_hpz_partition_size")
+    quantized_gradients: bool = setting(False, "ZeRO++ qgZ, stage 3: gradients are reduced by a block-quantized "
+                                        "all-to-all inside each node, then another across nodes, summed in fp32 "
+                                        "between them, instead of one reduce-scatter",
+                                        "zero_optimization.zero_quantized_gradients")
+    quantized_gradients_bits: int = setting(4, "ZeRO++ qgZ: bits per gradient value sent", choices=(4, 8))
     # One machine can stand for several nodes (4 ranks as 2 nodes x 2) to count what would cross the network.
     ranks_per_node: int | None = setting(None, "ranks on each node, for the ledger's intra-node and inter-node "
                                          "bytes (default: torchrun's LOCAL_WORLD_SIZE); must divide the world size")
@@ -188,12 +200,35 @@ class ZeroConfig:
         if self.quantization_block_size <= 0 or self.quantization_block_size % 2:
             fail("quantization_block_size", f"must be a positive even integer (int4 packs two values a byte); got "
                                             f"{self.quantization_block_size!r}")
-        if self.quantized_weights and self.zero_stage != 3:
-            fail("quantized_weights", f"quantizes stage 3's parameter all-gathers (ZeRO++ qwZ), which stages 0-2 "
-                                      f"do not have; set {name('zero_stage')} 3 or drop {name('quantized_weights')}")
+        for key, on, what in (
+                ("quantized_weights", self.quantized_weights, "quantizes stage 3's parameter all-gathers (ZeRO++ qwZ)"),
+                ("hpz_partition_size", self.hpz_partition_size > 1, "keeps a secondary partition of stage 3's "
+                                                                    "parameters (ZeRO++ hpZ)"),
+                ("quantized_gradients", self.quantized_gradients, "quantizes stage 3's gradient reduction (ZeRO++ "
+                                                                  "qgZ)")):
+            if on and self.zero_stage != 3:
+                fail(key, f"{what}, which stages 0-2 do not have; set {name('zero_stage')} 3 or drop {name(key)}")
+        if self.hpz_partition_size < 1:
+            fail("hpz_partition_size", f"must be a positive integer (1 is off); got {self.hpz_partition_size!r}")
+        if self.ranks_per_node is not None and self.ranks_per_node % self.hpz_partition_size:
+            fail("hpz_partition_size", f"must divide {name('ranks_per_node')} ({self.ranks_per_node}): a secondary "
+                                       f"partition lies within one node; got {self.hpz_partition_size}")
+        if self.quantized_gradients_bits not in (4, 8):
+            fail("quantized_gradients_bits", f"must be 4 or 8; got {self.quantized_gradients_bits!r}")
         if self.quantized_weights and self.offload_param != "none":
             fail("quantized_weights", f"with {name('offload_param')} {self.offload_param} is not supported yet; "
                                       f"drop one of them")
+
+    def check_topology(self, world: int, per_node: int, name: Callable[[str], str] = str) -> None:
+        """What needs the process layout: ranks fill nodes in order, and a secondary partition (hpZ) lies
+        within a node. `per_node` is torchrun's LOCAL_WORLD_SIZE, which `ranks_per_node` overrides."""
+        if self.ranks_per_node is not None and world % self.ranks_per_node:
+            raise ZeroConfigError(f"{name('ranks_per_node')} must divide the world size {world} (ranks fill nodes "
+                                  f"in order); got {self.ranks_per_node}")
+        per_node = self.ranks_per_node or per_node
+        if per_node % self.hpz_partition_size:
+            raise ZeroConfigError(f"{name('hpz_partition_size')} must divide the ranks per node ({per_node}): a "
+                                  f"secondary partition lies within one node; got {self.hpz_partition_size}")
 
     def _validate_types(self, fail: Callable[[str, str], None]) -> None:
         """Each value has its declared type exactly: a bool is no number (True is not 1), a float no integer

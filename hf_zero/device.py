@@ -62,19 +62,24 @@ def simulating() -> bool:
     return os.environ.get(SIMULATE_ENV) == "1"
 
 
+def _pins() -> bool:
+    """Whether host buffers a device copies to and from are pinned: when this process computes on a GPU."""
+    return compute_device().type == "cuda"
+
+
 def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A host buffer that a device copies to and from: pinned when this process computes on a GPU."""
+    """A host buffer that a device copies to and from, pinned where `_pins` (allocated so, not copied)."""
     if simulating():
         return _as_if_pinned(torch.empty(numel, dtype=dtype))
-    return torch.empty(numel, dtype=dtype, pin_memory=compute_device().type == "cuda")
+    return torch.empty(numel, dtype=dtype, pin_memory=_pins())
 
 
 def to_host_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in host memory, pinned when this process computes on a GPU that copies to and from it."""
+    """`tensor` in host memory, pinned where `_pins`."""
     tensor = tensor.to(HOST)
     if simulating():
         return _as_if_pinned(tensor)
-    return tensor.pin_memory() if compute_device().type == "cuda" else tensor
+    return tensor.pin_memory() if _pins() else tensor
 
 
 def _as_if_pinned(tensor: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from hf_zero.comm import rank as global_rank
 from hf_zero.construct import place_rest
 from hf_zero.device import compute_device
 from hf_zero.config import ZeroConfig, ZeroConfigError
-from hf_zero.launch import destroy_process_group_at_exit
+from hf_zero.launch import destroy_process_group_at_exit, processes_per_node
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.precision import LossScaler
 from hf_zero.zero import activations
@@ -130,15 +130,19 @@ def check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zer
     if config.partition_activations or config.cpu_checkpointing:
         check_supports_checkpointing(model)
     check_optimizer(optimizer, config)
-    check_ranks_per_node(config)
+    check_topology(config, dp_group)
     return trainable_params_by_group(model, optimizer), dp_group, tp_group
 
 
-def check_ranks_per_node(config: ZeroConfig) -> None:
+def check_topology(config: ZeroConfig, dp_group: torch.distributed.ProcessGroup | None) -> None:
+    """Ranks fill nodes in order; ZeRO++'s node groups (hpZ, qgZ) are cut from the whole world."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if config.ranks_per_node is not None and world % config.ranks_per_node:
-        raise ZeroConfigError(f"ranks_per_node must divide the world size {world} (ranks fill nodes in order); "
-                              f"got {config.ranks_per_node}")
+    config.check_topology(world, processes_per_node(world))
+    zeropp_groups = [key for key, on in (("hpz_partition_size", config.hpz_partition_size > 1),
+                                         ("quantized_gradients", config.quantized_gradients)) if on]
+    if zeropp_groups and dp_group is not None and torch.distributed.get_world_size(dp_group) != world:
+        raise ZeroConfigError(f"{' and '.join(zeropp_groups)} with a data-parallel group smaller than the world "
+                              f"(a tensor-parallel mesh) is not supported yet; drop them or the mesh")
 
 
 @torch.no_grad()

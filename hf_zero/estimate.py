@@ -5,7 +5,8 @@ Adam holds 2Ψ of parameters, 2Ψ of gradients and KΨ (K=12) of fp32 optimizer 
 stage partitions them. Offload moves bytes from the device to the host (ZeRO-Offload): the optimizer
 state and an fp32 gradient shard (16Ψ/Nd) with `offload_optimizer`, the parameter shard with
 `offload_param`. With `--reduce_dtype fp32` stages 2-3 keep an fp32 gradient shard (4Ψ/Nd; the engine's
-`reduce_dtype`). Activations use the paper's estimate for GPT-2-like models, 12·hidden·batch·seq·layers
+`reduce_dtype`). ZeRO++ hpZ adds its secondary partition to stage 3's parameters: each device keeps 1/N
+of every unit between its forward and its backward, 2Ψ/N in bf16 for N = `hpz_partition_size`. Activations use the paper's estimate for GPT-2-like models, 12·hidden·batch·seq·layers
 values in the compute dtype (its 60 GB for the 1.5B model at batch 32, sequence 1K); with checkpointing,
 one block input per layer is kept and one block at a time is recomputed. Sizes are in the paper's GB
 (1e9 bytes), the unit of its Figure 1 and Table 2.
@@ -48,19 +49,27 @@ class Setting:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     reduce_dtype: str | None = None  # ZeroConfig.reduce_dtype: None is the compute dtype
+    hpz_partition_size: int = 1  # ZeRO++ hpZ at stage 3 (1: off)
 
     def __str__(self) -> str:
         offload = [f"{what} offload" for what, where in (("optimizer", self.offload_optimizer),
                                                           ("parameter", self.offload_param)) if where != "none"]
         reduce = f", gradients reduced in {self.reduce_dtype}" if self.reduce_dtype else ""
+        hpz = f", hpZ secondary partition over {self.hpz_partition_size}" if self.secondary else ""
         return f"stage {self.stage} on {self.num_gpus} GPU{'s' * (self.num_gpus > 1)}" + (
-            f" with {' and '.join(offload)} to CPU" if offload else "") + reduce
+            f" with {' and '.join(offload)} to CPU" if offload else "") + reduce + hpz
+
+    @property
+    def secondary(self) -> bool:
+        return self.stage == 3 and self.hpz_partition_size > 1
 
 
 def model_states(psi: int, setting: Setting, dtype: str = "bf16") -> tuple[dict[str, float], float]:
     """(bytes per device by category, bytes of host memory per process) for model states."""
     device = model_state_bytes(setting.stage, psi, setting.num_gpus, dtype, setting.reduce_dtype)
     host = 0.0
+    if setting.secondary:  # in device memory whatever the offload: the backward gathers from it
+        device["parameters"] += BYTES_PER_ELEMENT[dtype] * psi / setting.hpz_partition_size
     if setting.offload_optimizer == "cpu":
         host += device["optimizer_states"] + 4 * psi / setting.num_gpus  # + the fp32 gradient shard
         device["optimizer_states"] = 0.0
@@ -131,7 +140,7 @@ def report(psi: int, setting: Setting, gpu_bytes: int, dtype: str = "bf16", mode
              "| fits |", "|---|---|---|---|---|---|---|---|"]
     for stage in STAGES:
         s = Setting(stage, setting.num_gpus, setting.offload_optimizer if stage >= 1 else "none",
-                    setting.offload_param if stage == 3 else "none", setting.reduce_dtype)
+                    setting.offload_param if stage == 3 else "none", setting.reduce_dtype, setting.hpz_partition_size)
         device, host = model_states(psi, s, dtype)
         total = sum(device.values()) + activations
         mark = " (chosen)" if stage == setting.stage else ""
@@ -139,6 +148,10 @@ def report(psi: int, setting: Setting, gpu_bytes: int, dtype: str = "bf16", mode
                      f"{device['optimizer_states'] / GB:.2f} | {sum(device.values()) / GB:.2f} | "
                      f"{total / GB:.2f} | {host / GB:.2f} | {'yes' if total <= gpu_bytes else 'no'} |")
     lines.append("")
+    if setting.secondary:
+        secondary = BYTES_PER_ELEMENT[dtype] * psi / setting.hpz_partition_size
+        lines.append(f"stage 3's parameters include hpZ's secondary partition: {secondary / GB:.2f} GB per device "
+                     f"({BYTES_PER_ELEMENT[dtype]}Ψ/{setting.hpz_partition_size})")
     if model and batch:
         how = "with activation checkpointing" if checkpointing else "without checkpointing"
         lines.append(f"activations: {activations / GB:.2f} GB per device for batch {batch} x {seq} tokens, {how}")

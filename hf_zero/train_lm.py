@@ -30,7 +30,8 @@ logger = logging.getLogger("hf_zero.train_lm")
 # The engine settings the job takes as options, declared (help, choices, defaults) in hf_zero.config.
 ENGINE_SETTINGS = ["zero_stage", "dtype", "gradient_accumulation_steps", "reduce_bucket_size", "offload_optimizer",
                    "offload_param", "nvme_path", "partition_activations", "cpu_checkpointing", "quantized_weights",
-                   "quantization_block_size", "ranks_per_node"]
+                   "hpz_partition_size", "quantized_gradients", "quantized_gradients_bits", "quantization_block_size",
+                   "ranks_per_node"]
 
 
 def load_text(path: str | None) -> bytes:
@@ -75,7 +76,7 @@ def engine_config(args: argparse.Namespace) -> dict[str, object]:
 
 def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     """Refuses bad settings before any work (`hf-zero train` calls it before starting the processes)."""
-    ZeroConfig.from_any(engine_config(args))
+    ZeroConfig.from_any(engine_config(args)).check_topology(processes, per_node, lambda key: f"--{key}")
     if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
         raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
                               f"got {args.tensor_parallel_size}")

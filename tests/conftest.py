@@ -59,6 +59,10 @@ def world2_scenarios() -> list[Scenario]:
     scenarios += [Scenario(f"s{stage}_bf16_fp32_reduce", config={"zero_stage": stage, "dtype": "bf16",
                                                                   "reduce_dtype": "fp32", **SMALL_BUCKETS})
                   for stage in (2, 3)]
+    # ZeRO++ hpZ over both ranks, the root freed after forward too: a secondary partition of every unit.
+    scenarios.append(Scenario("s3_hpz_bf16", config={"zero_stage": 3, "dtype": "bf16", "ranks_per_node": 2,
+                                                     "hpz_partition_size": 2, "reshard_root_after_forward": True},
+                              steps=2))
     return scenarios
 
 

@@ -176,6 +176,7 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
         record["masters"] = engine.gathered_masters()
         record["comm_elements"] = engine.ledger.last_step_elements
         record["events"] = engine.ledger.last_step_events
+        record["peaks"] = engine.ledger.last_step_peaks
         record["state_bytes"] = engine.ledger.state_bytes
         flats = engine.params.flats
         record["padding"] = sum(f.padded_numel - f.numel for f in flats)

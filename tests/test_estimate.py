@@ -70,6 +70,17 @@ def test_with_fp32_reduction_the_estimate_and_the_ledger_count_fp32_gradient_sha
         assert measured == 2 * bf16["state_bytes"]["gradients"]  # the same shard, twice the bytes per element
 
 
+@pytest.mark.slow
+def test_hpz_adds_2_psi_over_n_which_the_engine_holds_between_forward_and_backward(world2):
+    for rank_result in world2:
+        r = rank_result["s3_hpz_bf16"]
+        parameters = {n: estimate.model_states(r["psi"], Setting(3, 2, hpz_partition_size=n), "bf16")[0]["parameters"]
+                      for n in (1, 2)}
+        assert parameters[2] - parameters[1] == 2 * r["psi"] / 2
+        measured = r["peaks"]["bytes of secondary partitions"]
+        assert abs(measured - (parameters[2] - parameters[1])) / (parameters[2] - parameters[1]) < 0.05, measured
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hf_zero", "estimate", *args], capture_output=True, text=True,
                           timeout=120)
@@ -91,6 +102,8 @@ def test_the_command_prints_every_stage_and_marks_the_chosen_one():
     (["--params", "7.5B", "--num_gpus", "2", "--batch_size", "4", "--seq_len", "128"], "--batch_size needs --model"),
     (["--params", "7.5B", "--num_gpus", "2", "--reduce_dtype", "fp16"],
      "--reduce_dtype must be fp32 or the compute dtype, bf16 (--dtype); got fp16"),
+    (["--params", "7.5B", "--num_gpus", "8", "--zero_stage", "2", "--hpz_partition_size", "8"],
+     "--hpz_partition_size needs --zero_stage 3 and must divide --num_gpus (8); got 8 at stage 2"),
 ])
 def test_bad_input_is_named(args, message):
     done = run_cli(*args)

@@ -95,6 +95,7 @@ def refusals(root: str) -> dict[str, str]:
         "heads": lambda: apply_tensor_parallel(odd, mesh["tp"]),
         "model": lambda: apply_tensor_parallel(torch.nn.Linear(2, 2), mesh["tp"]),
         "mesh_dims": lambda: hf_zero.initialize(*_model_and_optimizer(), mesh=init_mesh(2)["tp"]),
+        "zeropp_mesh": _zeropp_on_a_mesh,
     }.items():
         try:
             attempt()
@@ -127,12 +128,20 @@ def _model_and_optimizer():
     return model, make_optimizer(model)
 
 
+def _zeropp_on_a_mesh() -> None:
+    model, mesh = tp_model("gpt2-tp", 2)
+    hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 3, "quantized_gradients": True,
+                                                      "hpz_partition_size": 2}, mesh=mesh)
+
+
 def test_bad_tensor_parallel_input_is_refused_with_what_to_do(tmp_path):
     messages = spawn_gloo(refusals, 2, str(tmp_path))[0]
     assert "tensor_parallel_size must divide the world size 2; got 3" in messages["world"]
     assert "tensor_parallel_size 2 must divide the model's attention heads (3)" in messages["heads"]
     assert "plans for transformers' GPT-2 and BERT models; got Linear (model_type None)" in messages["model"]
     assert "mesh must have the dimensions ('dp', 'tp')" in messages["mesh_dims"]
+    assert ("hpz_partition_size and quantized_gradients with a data-parallel group smaller than the world (a "
+            "tensor-parallel mesh) is not supported yet" in messages["zeropp_mesh"])
     assert ("was saved with tensor_parallel_size 2 and this engine runs 1: load it with tensor_parallel_size 2"
             in messages["tp_size"])
     assert ("parameter transformer.h.0.mlp.c_fc.weight is in an optimizer param group but does not require grad"

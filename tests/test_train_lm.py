@@ -36,11 +36,16 @@ def test_tensor_parallel_job_with_zero_r_and_cpu_offload_trains_as_one_process()
             assert summary[key] == pytest.approx(plain[key], rel=1e-4), key
 
 
-def test_a_tensor_parallel_size_not_dividing_the_processes_stops_before_they_start():
-    done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "2",
-                           "--tensor_parallel_size", "3"], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor_parallel_size", "3"], "--tensor_parallel_size must divide the number of processes (2); got 3"),
+    (["--zero_stage", "3", "--hpz_partition_size", "4"], "--hpz_partition_size must divide the ranks per node "
+                                                         "(2): a secondary partition lies within one node; got 4"),
+])
+def test_a_layout_the_processes_cannot_take_stops_before_they_start(flags, message):
+    done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "2", *flags],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "--tensor_parallel_size must divide the number of processes (2); got 3" in done.stderr
+    assert message in done.stderr
 
 
 def test_a_misspelt_flag_is_one_line_naming_the_nearest_one():

@@ -13,6 +13,8 @@ should not pay for its gradients while it is being constructed (or only evaluate
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 
@@ -36,6 +38,9 @@ class PartitionedGradients(GradientReducer):
         # sized) would hold memory for good, so there the allocator gets them back.
         self.reuse_buffers = reuse_buffers
         self.shard = comm.rank
+        # How a bucket's sum reaches its owners (ZeRO++ qgZ replaces it at stage 3): (output, input) -> work.
+        self.reduce_scatter: Callable[[torch.Tensor, torch.Tensor], Any] = \
+            lambda output, input: comm.reduce_scatter_(output, input, async_op=True)
         self.dtype = reduce_dtype
         # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
         device = shard_device or flat_params[0].data.device
@@ -114,7 +119,7 @@ class PartitionedGradients(GradientReducer):
 
         def launch():
             buf.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
-            return self.comm.reduce_scatter_(owned, buf, async_op=True)
+            return self.reduce_scatter(owned, buf)
 
         if self.offloaded:  # the bucket goes back once its chunk has landed in host memory (_add_landed)
             return BucketReduction(launch, lambda: self._land_in_host_memory(key, owned, buf))

@@ -12,6 +12,10 @@ Freeing resizes the gathered buffer's storage to zero instead of dropping the te
 of it that autograd saved for backward (e.g. a weight's transpose) see the re-gathered values,
 and each parameter's `.data` is swapped to an empty tensor so that reading a freed parameter fails
 loudly instead of returning stale or uninitialised memory.
+
+ZeRO++ lives here too (settings in config.py, the node groups and qgZ's reduction in zeropp.py): a gather for
+a forward or backward may go quantized (qwZ, `_gather_quantized`) and a backward one from the secondary
+partition the forward kept (hpZ, `keep_secondary`); qgZ replaces the reducer's reduce-scatter.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data
 from hf_zero.zero.reducer import BucketKey, BucketReduction
 from hf_zero.zero.stage2 import PartitionedGradients
+from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
 
 if TYPE_CHECKING:
     from hf_zero.offload.nvme import ParamReader
@@ -68,34 +73,69 @@ class Unit:
         # a quantized gather's received values and scales per flat buffer, dequantized once it has landed.
         self.quantize_block: int | None = None
         self.landing: list[tuple[FlatParamBuffer, torch.Tensor, torch.Tensor]] = []
+        # ZeRO++ hpZ: the ranks of this node a secondary partition is spread over (None: off), this rank's
+        # part of each gathered buffer, kept from a forward for the backward's gather, and the parts such a
+        # gather still reads.
+        self.secondary: Communicator | None = None
+        self.secondary_parts: list[torch.Tensor] = []
+        self.secondary_lent: list[torch.Tensor] = []
 
-    def gather(self, for_training: bool = False) -> None:
-        """Starts the all-gather of every flat buffer of the unit (asynchronously). A gather `for_training`
-        (a forward or backward) goes quantized under ZeRO++ qwZ; one for export or inspection never does."""
+    def gather(self, purpose: str = "read") -> None:
+        """Starts the all-gather of every flat buffer of the unit (asynchronously), for a "forward", a
+        "backward" or a "read" (export, inspection). Under ZeRO++ a forward or backward gather goes
+        quantized (qwZ), and a backward one inside the node from the secondary partition (hpZ) when the
+        forward kept one; a read is always exact and from the primary shards."""
         if self.gathered:
             return
         self._tally(+1)
-        shards = []
-        for i, flat in enumerate(self.flats):
+        for flat in self.flats:
             flat.allocate_storage()
-            shard = self.shards[i] if self.reader is None else self._read(i)
-            if self.shards_lent is not None:  # a prefetched unit's copy to the device overlaps compute
-                shard, copy = to_device(shard, flat.data.device, f"the host shard of unit {self.name!r}")
-                self.copies.append(copy)
-            shards.append(shard)
-        if for_training and self.quantize_block is not None:
-            self.works.append(self._gather_quantized(shards))
+        if purpose == "backward" and self.secondary_parts:
+            self.works.append(self._gather_exact(self.secondary, self.secondary_parts))
+            self.secondary_lent, self.secondary_parts = self.secondary_parts, []
         else:
-            with contextlib.ExitStack() as unversioned:
-                # Writing into the buffers must not bump the version autograd checks on saved views of them.
-                for flat in self.flats:
-                    unversioned.enter_context(torch.autograd._unsafe_preserve_version_counter(flat.data))
-                self.works.append(self.comm.all_gather_coalesced_([flat.data for flat in self.flats], shards,
-                                                                  async_op=True))
+            shards = [self._shard_on_device(i) for i in range(len(self.flats))]
+            if purpose != "read" and self.quantize_block is not None:
+                self.works.append(self._gather_quantized(shards))
+            else:
+                self.works.append(self._gather_exact(self.comm, shards))
         for flat in self.flats:
             for s in flat.slices:
                 set_data(s.param, flat.view_of(s))
         self.gathered = True
+
+    def _shard_on_device(self, i: int) -> torch.Tensor:
+        shard = self.shards[i] if self.reader is None else self._read(i)
+        if self.shards_lent is not None:  # a prefetched unit's copy to the device overlaps compute
+            shard, copy = to_device(shard, self.flats[i].data.device, f"the host shard of unit {self.name!r}")
+            self.copies.append(copy)
+        return shard
+
+    def _gather_exact(self, comm: Communicator, parts: list[torch.Tensor]) -> Any:
+        with contextlib.ExitStack() as unversioned:
+            # Writing into the buffers must not bump the version autograd checks on saved views of them.
+            for flat in self.flats:
+                unversioned.enter_context(torch.autograd._unsafe_preserve_version_counter(flat.data))
+            return comm.all_gather_coalesced_([flat.data for flat in self.flats], parts, async_op=True)
+
+    def keep_secondary(self) -> None:
+        """hpZ, after a forward whose backward follows: this rank keeps its 1/hpz of the gathered buffers,
+        so that the backward gathers the unit from the node's ranks only."""
+        if self.secondary is None or self.secondary_parts:
+            return
+        self.wait()
+        size, index = self.secondary.world_size, self.secondary.rank
+        for flat in self.flats:
+            n = flat.padded_numel // size
+            self.secondary_parts.append(flat.data[index * n:(index + 1) * n].clone())
+        self.comm.ledger.hold("bytes of secondary partitions", self.nbytes // size)
+
+    def drop_secondary(self) -> None:
+        """The secondary partition goes once its backward gather has landed, or when no backward came."""
+        for parts in (self.secondary_parts, self.secondary_lent):
+            if parts:
+                parts.clear()
+                self.comm.ledger.hold("bytes of secondary partitions", -(self.nbytes // self.secondary.world_size))
 
     def _gather_quantized(self, shards: list[torch.Tensor]) -> Any:
         """qwZ: each rank sends its chunk as int8 values with an fp32 scale per block (a quarter of fp32's
@@ -155,6 +195,8 @@ class Unit:
         self.works.clear()
         if self.landing:
             self._dequantize_landed()
+        if self.secondary_lent:
+            self.drop_secondary()
         if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
             for buffer, copy in zip(self.reading, self.copies):
                 self.reader.release(buffer, copy)
@@ -246,17 +288,22 @@ class Stage3Params(ParamHolder):
         self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.flats]
         self.chunks_lent = LatestCopy() if self.param_shard_device is not None else None
+        secondary = consecutive_ranks(comm, config.hpz_partition_size) if config.hpz_partition_size > 1 else None
         for unit in self.units:
             unit.shards_lent = self.chunks_lent
             # Persistent parameters are gathered once a step and kept: they stay exact.
-            unit.quantize_block = config.quantization_block_size if config.quantized_weights and \
-                not unit.persistent else None
+            if not unit.persistent:
+                unit.quantize_block = config.quantization_block_size if config.quantized_weights else None
+                unit.secondary = secondary
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
         self.position = model_order(model)
         self.grads = Stage3Gradients(self, comm, config.overlap_comm, config.torch_reduce_dtype,
                                      HOST if config.offload_optimizer != "none" else None)
+        if config.quantized_gradients:
+            self.grads.reduce_scatter = QuantizedReduceScatter(comm, config.quantized_gradients_bits,
+                                                               config.quantization_block_size)
         chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype)
         if init_from is not None:
             self._fill_shards(model, init_from, chunk_of)
@@ -442,7 +489,7 @@ class Stage3Params(ParamHolder):
 
         @functools.wraps(original)
         def with_root_gathered(*args, **kwargs):
-            self._fetch(root, self.forward_order)
+            self._fetch(root, backward=False)
             try:
                 return original(*args, **kwargs)
             finally:
@@ -454,7 +501,7 @@ class Stage3Params(ParamHolder):
     def _pre_forward(self, unit: Unit) -> None:
         # A forward inside backward is activation checkpointing recomputing the unit: its gradients come next,
         # so the units to prefetch are those that follow it in backward.
-        self._fetch(unit, self.backward_order if self.in_backward else self.forward_order)
+        self._fetch(unit, backward=self.in_backward)
 
     def _post_forward(self, unit: Unit, output) -> None:
         if self.in_backward:  # recomputed: its backward runs at once, and its reduction frees it (Stage3Gradients)
@@ -462,24 +509,26 @@ class Stage3Params(ParamHolder):
         tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         backward_follows = torch.is_grad_enabled() and bool(tensors)
         if not (unit.is_root and backward_follows and not self.reshard_root_after_forward):
+            if backward_follows:
+                unit.keep_secondary()
             unit.free()
         if backward_follows:
-            register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, self.backward_order),
-                                     mode="any")
+            register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, backward=True), mode="any")
 
-    def _fetch(self, unit: Unit, order: list[Unit]) -> None:
+    def _fetch(self, unit: Unit, backward: bool) -> None:
         """Gathers `unit`, then starts gathering the units that ran after it last time, so that their
         all-gathers overlap this unit's compute: always the next one (a 7B block is larger than any sensible
         budget, and without it every all-gather would be exposed), then more up to `prefetch_bucket_size`
         elements in all."""
+        order, purpose = (self.backward_order, "backward") if backward else (self.forward_order, "forward")
         if unit not in order:
             order.append(unit)
-        unit.gather(for_training=True)
+        unit.gather(purpose)
         first = order.index(unit) + 1
         i, budget = first, self.prefetch_numel
         while i < len(order) and (i == first or order[i].numel <= budget):
             budget -= order[i].numel
-            order[i].gather(for_training=True)
+            order[i].gather(purpose)
             i += 1
         unit.wait()
 
@@ -503,8 +552,11 @@ class Stage3Params(ParamHolder):
                 unit.free()
 
     def free_all(self) -> None:
+        """Every unit freed, and every hpZ secondary partition dropped: a unit whose backward did not come
+        gathers from the primary shards next time (they may have been updated since)."""
         for unit in self.units:
             unit.free()
+            unit.drop_secondary()
 
     def after_step(self) -> None:
         """Only the persistent parameters are replicated: refreshed from their updated shards. The rest are

@@ -1,16 +1,29 @@
-"""ZeRO++ on stage 3 (hf_zero/zero/stage3.py, hf_zero/ops/quantize.py). qwZ: units are all-gathered as
-block-quantized int8 with fp32 scales, so the model computes forward and backward with the dequantized
-weights while the fp32 masters take the update. The reference is one process on the global batch doing
-exactly that by hand: each unit's weights cut into the ranks' chunks, each chunk quantized and dequantized
-by the torch reference, the gradient taken there and applied to the exact masters by torch's AdamW."""
+"""ZeRO++ on stage 3 (hf_zero/zero/stage3.py, hf_zero/zero/zeropp.py, hf_zero/ops/quantize.py).
+
+qwZ: units are all-gathered as block-quantized int8 with fp32 scales, so the model computes forward and
+backward with the dequantized weights while the fp32 masters take the update. The reference is one process
+on the global batch doing exactly that by hand: each unit's weights cut into the ranks' chunks, each chunk
+quantized and dequantized by the torch reference, the gradient taken there and applied to the exact masters
+by torch's AdamW.
+
+hpZ changes where the backward's weights come from, not their values: it must train bitwise as plain stage 3
+does. qgZ's reduction is held to the paper's hierarchical all-to-all computed by hand in one process from
+every rank's input, and in the engine to the exact gradient within quantization error. 4 ranks stand for
+2 nodes x 2 throughout; the ledger's intra-node / inter-node bytes are the measure of each technique."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 import hf_zero
+from hf_zero.comm import Communicator, Ledger
+from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
-from hf_zero.ops.quantize import dequantize_reference, quantize_reference
+from hf_zero.ops.quantize import dequantize_reference, quantize_reference, quantized_bytes
+from hf_zero.zero.zeropp import QuantizedReduceScatter
+from tests.checkpoint_helpers import SAVE_AT, STOP, new_engine, train, whole_params
 from tests.helpers import batch, local_part, make_optimizer, named_copy, tiny_model
 from tests.test_engine import FP32_TOL
 
@@ -80,12 +93,216 @@ def test_qwz_trains_as_one_process_computing_with_the_ranks_quantized_chunks_and
         assert quantized == pytest.approx(exact * (1 + 4 / BLOCK) / 4, rel=0.01)
 
 
-def test_qwz_settings_are_refused_where_they_have_no_meaning():
+def test_zeropp_settings_are_refused_where_they_have_no_meaning():
     model = tiny_model("gpt2")
     for config, message in [({"zero_stage": 2, "quantized_weights": True}, "quantized_weights quantizes stage 3's"),
+                            ({"zero_stage": 2, "hpz_partition_size": 2}, "hpz_partition_size keeps a secondary "
+                                                                         "partition of stage 3's"),
+                            ({"zero_stage": 1, "quantized_gradients": True}, "quantized_gradients quantizes "
+                                                                             "stage 3's gradient"),
+                            ({"zero_stage": 3, "hpz_partition_size": 0}, "hpz_partition_size must be a positive"),
+                            ({"zero_stage": 3, "ranks_per_node": 4, "hpz_partition_size": 3},
+                             r"hpz_partition_size must divide ranks_per_node \(4\)"),
+                            ({"zero_stage": 3, "hpz_partition_size": 2}, r"hpz_partition_size must divide the "
+                                                                         r"ranks per node \(1\)"),
+                            ({"zero_stage": 3, "quantized_gradients": True, "quantized_gradients_bits": 2},
+                             "quantized_gradients_bits must be 4 or 8"),
                             ({"zero_stage": 3, "quantized_weights": True, "offload_param": "cpu",
                               "offload_optimizer": "cpu"}, "quantized_weights with offload_param cpu is not"),
                             ({"zero_stage": 3, "quantization_block_size": 3}, "quantization_block_size must be a "
                                                                               "positive even integer")]:
         with pytest.raises(hf_zero.ZeroConfigError, match=message):
             hf_zero.initialize(model, make_optimizer(model), config)
+
+
+# ---- qgZ's reduction, against the hierarchical all-to-all done by hand --------------------------------------
+QGZ_CHUNK, QGZ_BLOCK = 37, 16  # a chunk that is no multiple of the block: blocks end where each part ends
+
+
+def rank_input(rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(world * QGZ_CHUNK, generator=g) * torch.logspace(-3, 1, world * QGZ_CHUNK)
+
+
+def qgz_collective(layouts: list[tuple[int, int]]) -> dict:
+    """QuantizedReduceScatter on this rank's input, for each (ranks per node, bits)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for per_node, bits in layouts:
+        ledger = Ledger()
+        reduce_scatter = QuantizedReduceScatter(Communicator(ledger, None, per_node), bits, QGZ_BLOCK)
+        output = torch.empty(QGZ_CHUNK)
+        reduce_scatter(output, rank_input(rank, world)).wait()
+        out[(per_node, bits)] = {"output": output, "span": dict(ledger.span_bytes)}
+    return out
+
+
+def round_trip(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return dequantize_reference(quantize_reference(x, bits, QGZ_BLOCK))
+
+
+def qgz_by_hand(world: int, per_node: int, bits: int) -> list[torch.Tensor]:
+    """The paper's two exchanges in one process: rank (node, local) first sums, over its node's ranks, their
+    quantized parts of the chunks whose local index is its own, then sums chunk `rank` over the nodes' sums,
+    quantized again; a group of one sends nothing and so quantizes nothing."""
+    nodes, c = world // per_node, QGZ_CHUNK
+    inputs = [rank_input(r, world).view(nodes, per_node, c) for r in range(world)]
+    node_sums = {}
+    for node in range(nodes):
+        for local in range(per_node):
+            parts = [inputs[node * per_node + peer][:, local].reshape(-1) for peer in range(per_node)]
+            node_sums[node, local] = sum(round_trip(p, bits) if per_node > 1 else p for p in parts)
+    return [sum(round_trip(node_sums[m, r % per_node].view(nodes, c)[r // per_node], bits) if nodes > 1 else
+                node_sums[m, r % per_node].view(nodes, c)[r // per_node] for m in range(nodes))
+            for r in range(world)]
+
+
+@pytest.mark.slow
+def test_qgz_reduces_as_the_papers_hierarchical_all_to_all_and_sends_a_quantized_fraction_across_nodes():
+    world, layouts = 4, [(2, 4), (2, 8), (4, 4), (1, 8)]
+    ranks = spawn_gloo(qgz_collective, world, layouts)
+    for per_node, bits in layouts:
+        expected = qgz_by_hand(world, per_node, bits)
+        exact = sum(rank_input(r, world) for r in range(world)).view(world, QGZ_CHUNK)
+        nodes = world // per_node
+        for r, result in enumerate(ranks):
+            got = result[(per_node, bits)]
+            torch.testing.assert_close(got["output"], expected[r], rtol=0, atol=1e-6)
+            # Quantization moved it, by no more than a few half-steps of the largest block (|x| <= 10 * 4).
+            error = (got["output"] - exact[r]).abs().max().item()
+            assert 0 < error < 2 * world * 40 / (2 ** (bits - 1) - 1)
+            # Inside the node each rank sends its whole input quantized; across nodes 1/per_node of it.
+            intra = per_node * quantized_bytes(nodes * QGZ_CHUNK, bits, QGZ_BLOCK) if per_node > 1 else 0
+            inter = nodes * quantized_bytes(QGZ_CHUNK, bits, QGZ_BLOCK) if nodes > 1 else 0
+            assert got["span"].get("intra-node", 0) == intra and got["span"].get("inter-node", 0) == inter
+
+
+# ---- the engine with each technique, and all three: 4 ranks as 2 nodes x 2 ---------------------------------
+TWO_NODES = {"zero_stage": 3, "ranks_per_node": 2, "quantization_block_size": BLOCK}
+TECHNIQUES = {"plain": {}, "qwZ": {"quantized_weights": True}, "hpZ": {"hpz_partition_size": 2},
+              "qgZ": {"quantized_gradients": True},
+              "all three": {"quantized_weights": True, "hpz_partition_size": 2, "quantized_gradients": True}}
+SETTINGS = {**TECHNIQUES, "qgZ int8": {"quantized_gradients": True, "quantized_gradients_bits": 8},
+            "qgZ offload": {"quantized_gradients": True, "offload_optimizer": "cpu"}}
+
+
+def engine_runs(runs: list[tuple[str, str, str]]) -> dict:
+    """(technique, dtype, optimizer) for STEPS steps each: the losses, the last step's ledger and the weights.
+    "sgd" takes one step of SGD with lr 1, so that the weights moved by exactly the reduced gradient."""
+    rank, out = dist.get_rank(), {}
+    for technique, dtype, optimizer in runs:
+        model = tiny_model("gpt2")
+        steps, opt = (STEPS, make_optimizer(model)) if optimizer == "adamw" else \
+            (1, torch.optim.SGD(model.parameters(), lr=1.0))
+        engine = hf_zero.initialize(model, opt, {**TWO_NODES, "dtype": dtype, **SETTINGS[technique]})
+        losses = []
+        for step in range(steps):
+            loss = engine(**local_part(batch("gpt2", step, GLOBAL_BATCH), rank, 4)).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        ledger = engine.ledger
+        out[technique, dtype, optimizer] = {
+            "losses": losses, "params": whole_params(engine), "span": ledger.last_step_span_bytes,
+            "bytes": ledger.last_step_bytes, "secondary": ledger.last_step_peaks.get("bytes of secondary partitions"),
+            "units": [(u.persistent, u.is_root, u.nbytes) for u in engine.params.units]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def zeropp_engines() -> dict:
+    runs = [("plain", "fp32", "adamw"), ("hpZ", "fp32", "adamw")]
+    runs += [(technique, "fp32", "sgd") for technique in ("plain", "qgZ", "qgZ int8", "qgZ offload")]
+    runs += [(technique, "bf16", "adamw") for technique in TECHNIQUES]
+    return spawn_gloo(engine_runs, 4, runs)[0]
+
+
+@pytest.mark.slow
+def test_hpz_trains_bitwise_as_plain_stage3_with_the_backward_gathers_inside_the_node(zeropp_engines):
+    plain, hpz = zeropp_engines["plain", "fp32", "adamw"], zeropp_engines["hpZ", "fp32", "adamw"]
+    assert hpz["losses"] == plain["losses"]
+    for name, value in plain["params"].items():
+        assert torch.equal(hpz["params"][name], value), name
+    # The backward's gathers left the network for the node's links: the same all-gather bytes, split.
+    assert hpz["bytes"] == plain["bytes"]
+    moved = plain["span"]["inter-node"] - hpz["span"]["inter-node"]
+    assert moved == hpz["span"]["intra-node"] > 0
+    # Each rank held 1/2 of every unit freed after its forward (the blocks; the root stays gathered).
+    blocks = sum(nbytes for persistent, root, nbytes in hpz["units"] if not (persistent or root))
+    assert hpz["secondary"] == blocks // 2 and plain["secondary"] is None
+
+
+@pytest.mark.slow
+def test_qgz_moves_the_weights_by_the_exact_average_gradient_within_quantization_error(zeropp_engines):
+    start = named_copy(tiny_model("gpt2"))
+    exact = zeropp_engines["plain", "fp32", "sgd"]["params"]
+    step = torch.cat([(start[n] - exact[n]).reshape(-1) for n in start])
+
+    def relative_error(technique: str) -> float:
+        moved = zeropp_engines[technique, "fp32", "sgd"]["params"]
+        return (torch.cat([(moved[n] - exact[n]).reshape(-1) for n in start]).norm() / step.norm()).item()
+
+    # Rounding to a step of absmax / qmax, twice: about a sixth of the gradient's norm in int4 (gradients are
+    # heavy-tailed within a block), and the int8 error smaller by about the ratio of the steps, 127 / 7.
+    # Summing instead of averaging would be off by 3; an unquantized reduction by 0.
+    int4, int8 = relative_error("qgZ"), relative_error("qgZ int8")
+    assert 0 < int8 < int4 < 0.25, (int4, int8)
+    assert 8 < int4 / int8 < 40, (int4, int8)
+    for technique in ("qgZ", "qgZ int8"):
+        sent = zeropp_engines[technique, "fp32", "sgd"]["bytes"]
+        assert "reduce_scatter" not in sent and sent["all_to_all"] > 0
+    # With the optimizer in host memory the reduced chunk lands there as it would from a reduce-scatter.
+    offloaded = zeropp_engines["qgZ offload", "fp32", "sgd"]["params"]
+    for name, value in zeropp_engines["qgZ", "fp32", "sgd"]["params"].items():
+        assert torch.equal(offloaded[name], value), name
+
+
+@pytest.mark.slow
+def test_all_three_cut_inter_node_bytes_below_a_quarter_and_train_as_plain_stage3_in_bf16(zeropp_engines):
+    inter = {t: zeropp_engines[t, "bf16", "adamw"]["span"].get("inter-node", 0) for t in TECHNIQUES}
+    intra = {t: zeropp_engines[t, "bf16", "adamw"]["span"].get("intra-node", 0) for t in TECHNIQUES}
+    assert inter["all three"] <= inter["plain"] / 4, (inter, intra)
+    for technique in ("qwZ", "hpZ", "qgZ"):  # each cuts the network's bytes on its own
+        assert inter[technique] < inter["plain"], (technique, inter)
+    assert intra["plain"] == 0 < intra["all three"]
+    plain_losses = zeropp_engines["plain", "bf16", "adamw"]["losses"]
+    for technique in TECHNIQUES:
+        losses = zeropp_engines[technique, "bf16", "adamw"]["losses"]
+        assert losses[0] == pytest.approx(plain_losses[0], rel=0.01)  # the first forward sees qwZ only
+        assert losses[-1] == pytest.approx(plain_losses[-1], rel=0.01), (technique, losses, plain_losses)
+
+
+# ---- checkpoints: the quantized and secondary copies are transient ----------------------------------------
+ALL_THREE = {**TWO_NODES, **TECHNIQUES["all three"]}
+
+
+def checkpoint_with_zeropp(folder: str) -> dict:
+    straight = new_engine(ALL_THREE)
+    train(straight, 0, STOP)
+    first = new_engine(ALL_THREE)
+    train(first, 0, SAVE_AT)
+    masters = whole_params(first)  # a read gather: exact, never quantized
+    first.save_checkpoint(folder, client_state={"next_step": SAVE_AT})
+    resumed = new_engine(ALL_THREE)
+    resumed.load_checkpoint(folder)
+    train(resumed, SAVE_AT, STOP)
+    return {"masters": masters, "straight": whole_params(straight), "resumed": whole_params(resumed)}
+
+
+def load_elsewhere(folder: str) -> dict:
+    engine = new_engine({"zero_stage": 3})
+    engine.load_checkpoint(folder)
+    return whole_params(engine)
+
+
+@pytest.mark.slow
+def test_checkpoints_with_zeropp_resume_bitwise_consolidate_and_load_on_another_world_size(tmp_path):
+    folder = tmp_path / "ckpt"
+    run = spawn_gloo(checkpoint_with_zeropp, 4, str(folder))[0]
+    for name, value in run["straight"].items():
+        assert torch.equal(run["resumed"][name], value), name
+    consolidate(folder, tmp_path / "whole", progress=False)
+    saved = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    assert saved and all(torch.equal(t, run["masters"][name]) for name, t in saved.items())
+    for name, value in spawn_gloo(load_elsewhere, 2, str(folder))[0].items():
+        assert torch.equal(value, run["masters"][name]), name
