@@ -210,9 +210,6 @@ class ZeroConfig:
                 fail(key, f"{what}, which stages 0-2 do not have; set {name('zero_stage')} 3 or drop {name(key)}")
         if self.hpz_partition_size < 1:
             fail("hpz_partition_size", f"must be a positive integer (1 is off); got {self.hpz_partition_size!r}")
-        if self.ranks_per_node is not None and self.ranks_per_node % self.hpz_partition_size:
-            fail("hpz_partition_size", f"must divide {name('ranks_per_node')} ({self.ranks_per_node}): a secondary "
-                                       f"partition lies within one node; got {self.hpz_partition_size}")
         if self.quantized_gradients_bits not in (4, 8):
             fail("quantized_gradients_bits", f"must be 4 or 8; got {self.quantized_gradients_bits!r}")
         if self.quantized_weights and self.offload_param != "none":

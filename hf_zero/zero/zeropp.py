@@ -13,7 +13,7 @@ whatever the world size, and only 1/per_node of the bucket crosses the network.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -58,34 +58,32 @@ class QuantizedReduceScatter:
         c = output.numel()
         # [destination local rank, node, c]: the parts of every chunk with each local index, side by side.
         by_local_rank = input.view(self.nodes, self.per_node, c).transpose(0, 1).reshape(self.per_node, -1)
-        received, work = self._exchange(self.node, by_local_rank)
+        work, node_sums = self._exchange(self.node, by_local_rank)
 
         def finish() -> None:
-            node_sums = self._sum(received, self.node.world_size, self.nodes * c)
-            across, across_work = self._exchange(self.across, node_sums.view(self.nodes, c))
+            across_work, chunk_sum = self._exchange(self.across, node_sums().view(self.nodes, c))
             across_work.wait()
-            output.copy_(self._sum(across, self.across.world_size, c))
+            output.copy_(chunk_sum())
 
         return _FinishedAtWait([work], finish, async_op=True)
 
-    def _exchange(self, comm: Communicator, parts: torch.Tensor) -> tuple[Any, Any]:
-        """Sends row i of `parts` to rank i of `comm`, quantized (or as it is, in a group of one)."""
+    def _exchange(self, comm: Communicator, parts: torch.Tensor) -> tuple[Any, Callable[[], torch.Tensor]]:
+        """Sends row i of `parts` to rank i of `comm`, block-quantized. Returns the exchange's work and what
+        sums, in fp32, the parts this rank received, once it is done. A group of one sends nothing and
+        quantizes nothing."""
         if comm.world_size == 1:
-            return parts.float(), _Pieces([], lambda: None, async_op=True)
+            return _Pieces([], lambda: None, async_op=True), lambda: parts[0].float()
         packed = [quantize(part, self.bits, self.block) for part in parts]
         values = torch.cat([p.values for p in packed])
         scales = torch.cat([p.scales for p in packed])
         got_values, got_scales = torch.empty_like(values), torch.empty_like(scales)
         works = [comm.all_to_all_(got_values, values, async_op=True),
                  comm.all_to_all_(got_scales, scales, async_op=True)]
-        return (got_values, got_scales, parts.shape[1]), _Pieces(works, lambda: None, async_op=True)
 
-    def _sum(self, received: Any, senders: int, numel: int) -> torch.Tensor:
-        """The fp32 sum of what every sender sent this rank."""
-        if torch.is_tensor(received):
-            return received.reshape(senders, numel).sum(0)
-        values, scales, part_numel = received
-        total = torch.zeros(numel, dtype=torch.float32, device=values.device)
-        for part_values, part_scales in zip(values.chunk(senders), scales.chunk(senders)):
-            total += dequantize(Quantized(part_values, part_scales, self.bits, self.block, part_numel))
-        return total
+        def summed() -> torch.Tensor:
+            total = torch.zeros(parts.shape[1], dtype=torch.float32, device=parts.device)
+            for sent_values, sent_scales in zip(got_values.chunk(comm.world_size), got_scales.chunk(comm.world_size)):
+                total += dequantize(Quantized(sent_values, sent_scales, self.bits, self.block, parts.shape[1]))
+            return total
+
+        return _Pieces(works, lambda: None, async_op=True), summed
