@@ -230,6 +230,28 @@ def test_hpz_trains_bitwise_as_plain_stage3_with_the_backward_gathers_inside_the
     assert hpz["secondary"] == blocks // 2 and plain["secondary"] is None
 
 
+def checkpointed_runs() -> dict:
+    """Plain and hpZ with transformers' activation checkpointing: each block's forward runs again in backward."""
+    out = {}
+    for technique in ("plain", "hpZ"):
+        model = tiny_model("gpt2")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        engine = hf_zero.initialize(model, make_optimizer(model), {**TWO_NODES, **TECHNIQUES[technique]})
+        for step in range(STEPS):
+            engine.backward(engine(**local_part(batch("gpt2", step, GLOBAL_BATCH), dist.get_rank(), 4)).loss)
+            engine.step()
+        out[technique] = {"params": whole_params(engine), "span": engine.ledger.last_step_span_bytes}
+    return out
+
+
+@pytest.mark.slow
+def test_hpz_serves_the_recomputation_of_activation_checkpointing_from_the_node_and_stays_bitwise():
+    runs = spawn_gloo(checkpointed_runs, 4)[0]
+    for name, value in runs["plain"]["params"].items():
+        assert torch.equal(runs["hpZ"]["params"][name], value), name
+    assert runs["hpZ"]["span"]["intra-node"] == runs["plain"]["span"]["inter-node"] - runs["hpZ"]["span"]["inter-node"] > 0
+
+
 @pytest.mark.slow
 def test_qgz_moves_the_weights_by_the_exact_average_gradient_within_quantization_error(zeropp_engines):
     start = named_copy(tiny_model("gpt2"))
