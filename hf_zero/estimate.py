@@ -6,9 +6,10 @@ stage partitions them. Offload moves bytes from the device to the host (ZeRO-Off
 state and an fp32 gradient shard (16Ψ/Nd) with `offload_optimizer`, the parameter shard with
 `offload_param`. With `--reduce_dtype fp32` stages 2-3 keep an fp32 gradient shard (4Ψ/Nd; the engine's
 `reduce_dtype`). ZeRO++ hpZ adds its secondary partition to stage 3's parameters: each device keeps 1/N
-of every unit between its forward and its backward, 2Ψ/N in bf16 for N = `hpz_partition_size`. Activations use the paper's estimate for GPT-2-like models, 12·hidden·batch·seq·layers
-values in the compute dtype (its 60 GB for the 1.5B model at batch 32, sequence 1K); with checkpointing,
-one block input per layer is kept and one block at a time is recomputed. Sizes are in the paper's GB
+of every unit between its forward and its backward, 2Ψ/N in bf16 for N = `hpz_partition_size`.
+Activations use the paper's estimate for GPT-2-like models, 12·hidden·batch·seq·layers values in the
+compute dtype (its 60 GB for the 1.5B model at batch 32, sequence 1K); with checkpointing, one block input
+per layer is kept and one block at a time is recomputed. Sizes are in the paper's GB
 (1e9 bytes), the unit of its Figure 1 and Table 2.
 """
 from __future__ import annotations
@@ -64,12 +65,17 @@ class Setting:
         return self.stage == 3 and self.hpz_partition_size > 1
 
 
+def secondary_bytes(psi: int, setting: Setting, dtype: str) -> float:
+    """hpZ's secondary partition per device: 1/N of the parameters in the compute dtype (0 when off)."""
+    return BYTES_PER_ELEMENT[dtype] * psi / setting.hpz_partition_size if setting.secondary else 0.0
+
+
 def model_states(psi: int, setting: Setting, dtype: str = "bf16") -> tuple[dict[str, float], float]:
     """(bytes per device by category, bytes of host memory per process) for model states."""
     device = model_state_bytes(setting.stage, psi, setting.num_gpus, dtype, setting.reduce_dtype)
     host = 0.0
-    if setting.secondary:  # in device memory whatever the offload: the backward gathers from it
-        device["parameters"] += BYTES_PER_ELEMENT[dtype] * psi / setting.hpz_partition_size
+    # In device memory whatever the offload: the backward gathers from it.
+    device["parameters"] += secondary_bytes(psi, setting, dtype)
     if setting.offload_optimizer == "cpu":
         host += device["optimizer_states"] + 4 * psi / setting.num_gpus  # + the fp32 gradient shard
         device["optimizer_states"] = 0.0
@@ -149,8 +155,8 @@ def report(psi: int, setting: Setting, gpu_bytes: int, dtype: str = "bf16", mode
                      f"{total / GB:.2f} | {host / GB:.2f} | {'yes' if total <= gpu_bytes else 'no'} |")
     lines.append("")
     if setting.secondary:
-        secondary = BYTES_PER_ELEMENT[dtype] * psi / setting.hpz_partition_size
-        lines.append(f"stage 3's parameters include hpZ's secondary partition: {secondary / GB:.2f} GB per device "
+        lines.append(f"stage 3's parameters include hpZ's secondary partition: "
+                     f"{secondary_bytes(psi, setting, dtype) / GB:.2f} GB per device "
                      f"({BYTES_PER_ELEMENT[dtype]}Ψ/{setting.hpz_partition_size})")
     if model and batch:
         how = "with activation checkpointing" if checkpointing else "without checkpointing"

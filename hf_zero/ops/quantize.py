@@ -37,6 +37,13 @@ class Quantized:
         return self.values.numel() * self.values.element_size() + self.scales.numel() * 4
 
 
+def senders_parts(values: torch.Tensor, scales: torch.Tensor, senders: int, bits: int, block: int,
+                  numel: int) -> list[Quantized]:
+    """What a gather or an all-to-all of `senders` equal Quantized parts of `numel` elements delivered, one
+    part per sender in rank order."""
+    return [Quantized(v, s, bits, block, numel) for v, s in zip(values.chunk(senders), scales.chunk(senders))]
+
+
 def quantized_bytes(numel: int, bits: int, block: int) -> int:
     """Bytes sent for `numel` elements: the values and an fp32 scale per block."""
     check_settings(bits, block)

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
-from hf_zero.ops.quantize import Quantized, dequantize, quantize
+from hf_zero.ops.quantize import dequantize, quantize, senders_parts
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data
 from hf_zero.zero.reducer import BucketKey, BucketReduction
@@ -156,9 +156,8 @@ class Unit:
         for flat, values, scales in self.landing:
             chunk = flat.buckets[0].chunk_numel
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
-                for r, (rank_values, rank_scales) in enumerate(zip(values.chunk(world), scales.chunk(world))):
-                    dequantize(Quantized(rank_values, rank_scales, 8, self.quantize_block, chunk),
-                               out=flat.data[r * chunk:(r + 1) * chunk])
+                for r, part in enumerate(senders_parts(values, scales, world, 8, self.quantize_block, chunk)):
+                    dequantize(part, out=flat.data[r * chunk:(r + 1) * chunk])
         self.landing.clear()
 
     def _read(self, i: int) -> torch.Tensor:

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from hf_zero.comm import Communicator, _Pieces
-from hf_zero.ops.quantize import Quantized, dequantize, quantize
+from hf_zero.comm import Communicator, _Done, _Pieces
+from hf_zero.ops.quantize import dequantize, quantize, senders_parts
 
 
 def consecutive_ranks(comm: Communicator, size: int) -> Communicator:
@@ -72,7 +72,7 @@ class QuantizedReduceScatter:
         sums, in fp32, the parts this rank received, once it is done. A group of one sends nothing and
         quantizes nothing."""
         if comm.world_size == 1:
-            return _Pieces([], lambda: None, async_op=True), lambda: parts[0].float()
+            return _Done(), lambda: parts[0].float()
         packed = [quantize(part, self.bits, self.block) for part in parts]
         values = torch.cat([p.values for p in packed])
         scales = torch.cat([p.scales for p in packed])
@@ -82,8 +82,8 @@ class QuantizedReduceScatter:
 
         def summed() -> torch.Tensor:
             total = torch.zeros(parts.shape[1], dtype=torch.float32, device=parts.device)
-            for sent_values, sent_scales in zip(got_values.chunk(comm.world_size), got_scales.chunk(comm.world_size)):
-                total += dequantize(Quantized(sent_values, sent_scales, self.bits, self.block, parts.shape[1]))
+            for part in senders_parts(got_values, got_scales, comm.world_size, self.bits, self.block, parts.shape[1]):
+                total += dequantize(part)
             return total
 
         return _Pieces(works, lambda: None, async_op=True), summed
