@@ -190,7 +190,7 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, params: ParamHolder, confi
     states live; stage 3 with parameters on NVMe reads its shards from that backend from now on."""
     grad_chunks = params.grad_chunks()
     backend = update_backend(optimizer, params.param_chunks, grad_chunks, params.take_fp32_init(), config,
-                             global_rank(), params.chunks_lent)
+                             global_rank(), params.chunks_lent, grads_partitioned=params.reduces_every_backward)
     params.attach(backend)
     delayed = DelayedUpdate(config.delayed_param_update_warmup) if config.delayed_param_update else None
     tp_replicated = tp_replicated_ranges(params) if tp_comm is not None else None

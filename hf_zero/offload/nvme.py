@@ -16,6 +16,14 @@ same tile stream: each tile's update writes the new parameters beside the new st
 states switch sides together. Units read their chunk from the published side (`ParamReader`) when they
 are gathered; the side is published only when the step is handed to the model, so a delayed update
 writing the other side never shows the forward a half-written shard.
+
+At stages 2-3 the reduced gradient shard is in files too (`accumulate_grad`), as ZeRO-Infinity offloads
+gradients with the optimizer states: each bucket's reduced chunk is written (or added, over accumulation
+steps) as it lands during backward, and the step reads it back tile by tile beside the states. Host memory
+then holds no gradient shard at all (4 bytes per element of this rank's shard in fp32). The gradient files
+have two sides as well: `seal_grads` hands the side a backward wrote to the step and sends the next
+backward to the other one, so the next backward never overwrites what a delayed update still reads. Each
+chunk's sum of squares is taken as it is written, so the gradient norm needs no pass over the files.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -61,11 +69,12 @@ def check_nvme_path(path: str | os.PathLike) -> Path:
 
 class NvmeAdamStates:
     """The masters and Adam moments of this rank's chunks in files, stepped tile by tile with HostAdam;
-    with `param_dtype`, the compute-dtype parameters too (offload_param nvme)."""
+    with `param_dtype`, the compute-dtype parameters too (offload_param nvme); with `grad_dtype`, the
+    reduced gradients (stages 2-3)."""
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int, chunk_numels: list[list[int]],
                  fp32_init: list[list[torch.Tensor]], host_adam: HostAdam, tile_numel: int,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None) -> None:
         self.folder = check_nvme_path(nvme_path) / f"rank{rank:05d}"
         shutil.rmtree(self.folder, ignore_errors=True)  # states of an earlier run are never resumed from here
         self.folder.mkdir()
@@ -76,6 +85,18 @@ class NvmeAdamStates:
         if param_dtype is not None:
             self.dtypes["param"] = param_dtype
         self.holds_params = param_dtype is not None
+        if grad_dtype is not None:
+            self.dtypes["grad"] = grad_dtype
+        self.holds_grads = grad_dtype is not None
+        self.grad_write_side = 0  # the side the backward writes; the step reads `grad_read_side`
+        self.grad_read_side = 1
+        self.grads_written: set[tuple[int, int]] = set()  # chunks the current write side holds values of
+        # The fp64 sums of squares of what they hold, as Python floats: a few bytes each, and no small tensor
+        # allocated between the I/O thread's temporaries for the whole backward (which kept tens of MiB of
+        # glibc's heap from going back).
+        self.grad_square_sums: dict[tuple[int, int], float] = {}
+        # How a chunk's sum of squares is taken: the optimizer's (UpdateBackend.measure_grads_with).
+        self.square_sum: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
         self.steps = [torch.tensor(0.0) for _ in chunk_numels]  # Adam's step, one per param group
         self.side = 0  # which of the A/B files hold the current state
         self.published_side = 0  # which side the model's parameters are read from (offload_param nvme)
@@ -158,37 +179,42 @@ class NvmeAdamStates:
                 for g, numels in enumerate(self.chunk_numels) for k, n in enumerate(numels)
                 for lo in range(0, n, self.tile_numel)]
 
-    def _transfer(self, read: bool, tile: Tile, slot: dict[str, torch.Tensor]) -> None:
+    def _transfer(self, read: bool, tile: Tile, slot: dict[str, torch.Tensor], grad_side: int) -> None:
         side = self.side if read else 1 - self.side
-        for kind in STATE_KINDS if read else self.dtypes:  # parameters are only written
-            self._io(read, tile.g, kind, side, tile.start, slot[kind][:tile.hi - tile.lo])
+        # Parameters are only written, gradients only read.
+        kinds = [*STATE_KINDS, "grad"] if read else [*STATE_KINDS, "param"]
+        for kind in (k for k in kinds if k in self.dtypes):
+            self._io(read, tile.g, kind, grad_side if kind == "grad" else side, tile.start,
+                     slot[kind][:tile.hi - tile.lo])
 
     @torch.no_grad()
     def step(self, grad_chunks: list[list[torch.Tensor]], outs: list[list[torch.Tensor]] | None,
              grad_scale: float) -> None:
         """One Adam step over every tile; the new parameters go, in their dtype, to `outs` or (when the
-        parameters live here too) to the files."""
+        parameters live here too) to the files. The gradients are `grad_chunks`, or when they live here
+        the side `seal_grads` last handed over."""
         tiles = self.tiles()
+        grad_side = self.grad_read_side  # taken now: seal_grads may hand over the next side while this runs
         reads: dict[int, Future] = {}
         writes: dict[int, Future] = {}
         try:
             if tiles:
-                reads[0] = self.io.submit(self._transfer, True, tiles[0], self.slots[0])
+                reads[0] = self.io.submit(self._transfer, True, tiles[0], self.slots[0], grad_side)
             for i, tile in enumerate(tiles):
                 if i + 1 < len(tiles):  # prefetch the next tile once its slot's last write is done
                     nxt = (i + 1) % SLOTS
                     if nxt in writes:
                         writes.pop(nxt).result()
-                    reads[i + 1] = self.io.submit(self._transfer, True, tiles[i + 1], self.slots[nxt])
+                    reads[i + 1] = self.io.submit(self._transfer, True, tiles[i + 1], self.slots[nxt], grad_side)
                 reads.pop(i).result()
                 slot = self.slots[i % SLOTS]
                 n = tile.hi - tile.lo
                 state = {"step": self.steps[tile.g].clone(), "exp_avg": slot["exp_avg"][:n],
                          "exp_avg_sq": slot["exp_avg_sq"][:n]}
-                grad = grad_chunks[tile.g][tile.k][tile.lo:tile.hi].to(HOST)
+                grad = slot["grad"][:n] if self.holds_grads else grad_chunks[tile.g][tile.k][tile.lo:tile.hi].to(HOST)
                 out = slot["param"][:n] if self.holds_params else outs[tile.g][tile.k][tile.lo:tile.hi]
                 self.host_adam.step_chunk(tile.g, slot["master"][:n], grad, out, grad_scale, state)
-                writes[i % SLOTS] = self.io.submit(self._transfer, False, tile, slot)
+                writes[i % SLOTS] = self.io.submit(self._transfer, False, tile, slot, grad_side)
         finally:  # never leave I/O running into the next step, even when one failed
             pending = list(reads.values()) + list(writes.values())
             errors = [f.exception() for f in pending]
@@ -197,6 +223,39 @@ class NvmeAdamStates:
             raise failed
         self.steps = [s + 1 for s in self.steps]
         self.side = 1 - self.side  # only now: a failure above leaves the previous side current
+
+    # ---- gradients (stages 2-3) -------------------------------------------------------------------
+    def accumulate_grad(self, g: int, k: int, values: torch.Tensor) -> Future:
+        """Adds a reduced chunk into chunk k of group g's gradient in the background (an I/O thread):
+        written as it is on the first backward since the gradients were handed over or cleared, read, added
+        to and written back on later ones (accumulation). `values` (host memory) must stay as they are
+        until the returned future is done."""
+        return self.io.submit(self._accumulate_grad, g, k, values)
+
+    def _accumulate_grad(self, g: int, k: int, values: torch.Tensor) -> None:
+        side, start = self.grad_write_side, self.chunk_starts[g][k]
+        total = values
+        if (g, k) in self.grads_written:
+            total = torch.empty_like(values)
+            self._io(True, g, "grad", side, start, total)
+            total.add_(values)
+        self.grad_square_sums[(g, k)] = self.square_sum(g, k, total).item()
+        self._io(False, g, "grad", side, start, total)
+        self.grads_written.add((g, k))
+
+    def grad_square_sum(self, g: int, k: int) -> torch.Tensor:
+        """The fp64 sum of squares of chunk k of group g's gradient as accumulated so far (0 if none came)."""
+        return torch.tensor(self.grad_square_sums.get((g, k), 0.0), dtype=torch.float64)
+
+    def seal_grads(self) -> None:
+        """The gradients written so far go to the next step; the next backward writes the other side."""
+        self.grad_read_side, self.grad_write_side = self.grad_write_side, 1 - self.grad_write_side
+        self.clear_grads()
+
+    def clear_grads(self) -> None:
+        """The next backward's gradients start from zero (what the write side holds is not read again)."""
+        self.grads_written.clear()
+        self.grad_square_sums.clear()
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
@@ -216,12 +275,13 @@ class NvmeUpdate(UpdateBackend):
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  fp32_init: list[list[torch.Tensor]] | None, nvme_path: str, rank: int, tile_numel: int,
-                 params_on_nvme: bool, chunks_lent: LatestCopy | None) -> None:
+                 params_on_nvme: bool, chunks_lent: LatestCopy | None, grad_dtype: torch.dtype | None) -> None:
+        """`grad_dtype`: the reduced gradients live in the files too, in that dtype (stages 2-3)."""
         super().__init__(optimizer, param_chunks, chunks_lent)
         param_dtype = param_chunks[0][0].dtype if params_on_nvme else None
         self.states = NvmeAdamStates(nvme_path, rank, [[c.numel() for c in cs] for cs in param_chunks],
                                      fp32_init or param_chunks, HostAdam(optimizer, adamw_mode_of(optimizer)),
-                                     tile_numel, param_dtype)
+                                     tile_numel, param_dtype, grad_dtype)
         if params_on_nvme:
             for g, chunks in enumerate(param_chunks):
                 for k, chunk in enumerate(chunks):
@@ -232,6 +292,24 @@ class NvmeUpdate(UpdateBackend):
 
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
         self.states.step(grad_chunks, None if self.outputs is None else self.outputs.writable(), coef)
+
+    def gradient_files(self) -> NvmeAdamStates | None:
+        return self.states if self.states.holds_grads else None
+
+    def take_grads(self, grad_chunks: list[list[torch.Tensor]], keep: bool) -> list[list[torch.Tensor]]:
+        if not self.states.holds_grads:
+            return super().take_grads(grad_chunks, keep)
+        self.states.seal_grads()  # the step reads what the backward wrote; the next backward the other side
+        return grad_chunks  # placeholders: the step reads the files
+
+    def measure_grads_with(self, square_sum: Callable[[int, int, torch.Tensor], torch.Tensor]) -> None:
+        super().measure_grads_with(square_sum)
+        self.states.square_sum = square_sum  # taken as each chunk is written
+
+    def grad_square_sums(self, grad_chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if not self.states.holds_grads:
+            return super().grad_square_sums(grad_chunks)
+        return [self.states.grad_square_sum(g, k) for g, grads in enumerate(grad_chunks) for k in range(len(grads))]
 
     def publish(self) -> None:
         if self.outputs is None:
@@ -267,24 +345,28 @@ class ParamReader:
 
     A chunk is read into a buffer that stays lent until its unit's all-gather has finished and is given back
     with the copy that still reads it to the device (`release`); it is refilled only once that copy has landed.
-    Buffers are reused, so the pool grows to the number of chunks in flight at once (the unit in use and
-    those prefetched, bounded by prefetch_bucket_size), not to the shard."""
+    Buffers are reused: a read takes the longest released buffer that is large enough, else a new one of the
+    chunk's own size. The pool therefore grows to the chunks in flight at once (the unit in use and those
+    prefetched, bounded by prefetch_bucket_size), not to the shard, and a model whose root chunk (a vocabulary
+    embedding) is several blocks large does not make every buffer that large."""
 
     def __init__(self, states: NvmeAdamStates) -> None:
         self.states = states
-        self.buffer_numel = max((n for numels in states.chunk_numels for n in numels), default=0)
         self.free: list[tuple[torch.Tensor, Copy]] = []
-        self.created = 0
+        self.buffers: list[torch.Tensor] = []  # every buffer created
 
     def read(self, g: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(chunk k of group g, the pool buffer it lies in: give it back with `release`)."""
-        if self.free:
-            buffer, copy = self.free.pop(0)  # the longest released: its copy is the likeliest to have landed
+        numel = self.states.chunk_numels[g][k]
+        # The longest released first: its copy is the likeliest to have landed.
+        fits = next((i for i, (buffer, _) in enumerate(self.free) if buffer.numel() >= numel), None)
+        if fits is not None:
+            buffer, copy = self.free.pop(fits)
             copy.wait()
         else:
-            buffer = host_empty(self.buffer_numel, self.states.dtypes["param"])
-            self.created += 1
-        chunk = buffer[:self.states.chunk_numels[g][k]]
+            buffer = host_empty(numel, self.states.dtypes["param"])
+            self.buffers.append(buffer)
+        chunk = buffer[:numel]
         self.states.read_param(g, k, chunk)
         return chunk, buffer
 
@@ -293,4 +375,4 @@ class ParamReader:
         self.free.append((buffer, copy))
 
     def pool_bytes(self) -> int:
-        return self.created * self.buffer_numel * self.states.dtypes["param"].itemsize
+        return sum(b.numel() * b.element_size() for b in self.buffers)

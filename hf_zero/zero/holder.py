@@ -101,7 +101,11 @@ class ParamHolder(ABC):
         """Raises when the model's parameters no longer view the holder's buffers."""
 
     def attach(self, backend: Any) -> None:
-        """Called once the update backend exists (stage 3 reads its shards from NVMe when the backend holds them)."""
+        """Called once the update backend exists: with NVMe states, the reduced gradients of stages 2-3 go to
+        its files (and stage 3 reads its shards from there when the parameters live there too)."""
+        files = backend.gradient_files()
+        if files is not None:
+            self.grads.write_to(files, self.chunk_keys())
 
     def reset(self) -> None:
         """After the masters were set from a checkpoint: free what is gathered and share the new values."""

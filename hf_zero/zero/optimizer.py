@@ -25,15 +25,20 @@ from hf_zero.zero.update import DeviceUpdate, UpdateBackend, is_elementwise
 
 def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                    grad_chunks: list[list[torch.Tensor]], fp32_init: list[list[torch.Tensor]] | None,
-                   config: ZeroConfig, rank: int, chunks_lent: LatestCopy | None) -> UpdateBackend:
+                   config: ZeroConfig, rank: int, chunks_lent: LatestCopy | None,
+                   grads_partitioned: bool) -> UpdateBackend:
     """The backend for where `offload_optimizer` puts the states.
     param_chunks[g][k]: compute-dtype tensor this rank updates (chunk k of param group g).
     grad_chunks[g][k]: the reduced gradient of the same elements.
     fp32_init[g][k]: their fp32 starting values (mixed precision only: the masters' initial values).
-    chunks_lent: what the backend waits on before writing param_chunks that queued copies still read."""
+    chunks_lent: what the backend waits on before writing param_chunks that queued copies still read.
+    grads_partitioned: the gradients are a shard of their own (stages 2-3), not views of whole gradients."""
     if config.offload_optimizer == "nvme":
+        # Stages 2-3 hold a gradient shard, which goes to the files too; stage 1's gradients are whole.
+        grad_dtype = next((g.dtype for grads in grad_chunks for g in grads), None) if grads_partitioned else None
         return NvmeUpdate(optimizer, param_chunks, fp32_init, config.nvme_path, rank, config.nvme_tile_numel,
-                          params_on_nvme=config.offload_param == "nvme", chunks_lent=chunks_lent)
+                          params_on_nvme=config.offload_param == "nvme", chunks_lent=chunks_lent,
+                          grad_dtype=grad_dtype)
     if config.offload_optimizer == "cpu":
         # The update writes straight into the parameter chunks when they are in host memory and nothing reads
         # them meanwhile; a delayed update runs while the next forward reads them.
@@ -61,6 +66,7 @@ class ShardedOptimizer:
         self.gradient_clipping = config.gradient_clipping
         self.grads_replicated = grads_replicated
         self.delayed = delayed
+        backend.measure_grads_with(self.chunk_square_sum)
         self.global_grad_norm: float | None = None
         self.norm_is_current = False  # computed for the gradients the next step() applies
 
@@ -70,13 +76,7 @@ class ShardedOptimizer:
         inf or NaN when any rank's shard overflowed. Squares are summed in fp64 on the gradients' own device
         (fp32 sums over millions of elements drift by 1e-4 relative, which moves clipping), and reach the
         collective's device once."""
-        local_sq = sum((_square_sum(grad) for grads in self.grad_chunks for grad in grads),
-                       torch.zeros((), dtype=torch.float64))
-        if self.tp_comm is not None:  # summed over tp below: count each replicated element once, not tp times
-            for ranges, grads in zip(self.tp_replicated, self.grad_chunks):
-                for chunk_ranges, grad in zip(ranges, grads):
-                    for lo, hi in chunk_ranges:
-                        local_sq = local_sq - (1 - 1 / self.tp_comm.world_size) * _square_sum(grad[lo:hi])
+        local_sq = sum(self.backend.grad_square_sums(self.grad_chunks), torch.zeros((), dtype=torch.float64))
         local_sq = local_sq.reshape(1).to(self.comm.device)
         if not self.grads_replicated:
             self.comm.all_reduce_(local_sq)
@@ -85,6 +85,16 @@ class ShardedOptimizer:
         self.global_grad_norm = math.sqrt(local_sq.item()) / self.scaler.scale
         self.norm_is_current = True
         return self.global_grad_norm
+
+    def chunk_square_sum(self, g: int, k: int, grad: torch.Tensor) -> torch.Tensor:
+        """The fp64 sum of squares of chunk k of group g's gradient as this rank adds it to the global norm:
+        with tensor parallelism the norm is summed over tp too, so an element every tp rank holds alike counts
+        1/tp here."""
+        square_sum = _square_sum(grad)
+        if self.tp_comm is not None:
+            for lo, hi in self.tp_replicated[g][k]:
+                square_sum = square_sum - (1 - 1 / self.tp_comm.world_size) * _square_sum(grad[lo:hi])
+        return square_sum
 
     @torch.no_grad()
     def step(self, step_number: int = 0, untouched: list[list[list[tuple[int, int]]]] | None = None) -> bool:
@@ -101,15 +111,14 @@ class ShardedOptimizer:
         coef = 1.0 / scale
         if self.gradient_clipping > 0:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
+        self.finish_pending()
         if self.delayed is not None and self.delayed.overlaps(step_number):
-            # The next backward refills the gradient buffers while this update runs: it gets a copy.
-            grads = [[grad.to(HOST, copy=True) for grad in grads] for grads in self.grad_chunks]
-            self.finish_pending()
+            # The next backward refills the gradient shards while this update runs: it keeps its own.
+            grads = self.backend.take_grads(self.grad_chunks, keep=True)
             self.delayed.launch(lambda: self.backend.step(coef, grads))
         else:
-            self.finish_pending()
             kept = self._copy_ranges(untouched or [])
-            self.backend.step(coef, self.grad_chunks)
+            self.backend.step(coef, self.backend.take_grads(self.grad_chunks, keep=False))
             self.backend.publish()
             for tensor, lo, hi, values in kept:
                 tensor[lo:hi].copy_(values)

@@ -9,11 +9,14 @@ there by a non-blocking copy while backward goes on, added in when the next chun
 this path with one bucket per unit.
 
 The grad shards take no memory until the first backward: a model built shard by shard at stage 3
-should not pay for its gradients while it is being constructed (or only evaluated).
+should not pay for its gradients while it is being constructed (or only evaluated). With the optimizer
+states on NVMe they take none at all: each landed chunk is added into the NVMe files (`write_to`) by an
+I/O thread while backward goes on, one write in flight.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -22,6 +25,9 @@ from hf_zero.comm import Communicator
 from hf_zero.device import to_host
 from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
 from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, BucketReduction, GradientReducer
+
+if TYPE_CHECKING:
+    from hf_zero.offload.nvme import NvmeAdamStates
 
 
 EARLY_SHARE = 16  # a bucket takes memory once its pieces would fill 1/EARLY_SHARE of it (see write_piece)
@@ -46,6 +52,11 @@ class PartitionedGradients(GradientReducer):
         device = shard_device or flat_params[0].data.device
         self.offloaded = shard_device is not None
         self.landing: tuple | None = None  # offload: the last reduced chunk on its way to the host
+        # Optimizer states on NVMe: where landed chunks go instead of grad_shards (NvmeAdamStates), the
+        # (param group, chunk) of each bucket there, and the write in flight with the bucket it reads.
+        self.grad_files: NvmeAdamStates | None = None
+        self.file_chunk: dict[BucketKey, tuple[int, int]] = {}
+        self.writing: tuple[Future, torch.Tensor | None] | None = None
         # Each bucket's owned chunk: a view into its group's grad shard.
         self.owned_grads: dict[BucketKey, torch.Tensor] = {}
         self.grad_shards: list[torch.Tensor] = []
@@ -64,7 +75,15 @@ class PartitionedGradients(GradientReducer):
         self.spare_buffers: dict[int, list[torch.Tensor]] = {}
         self.peak_buffer_bytes = 0
 
+    def write_to(self, grad_files: NvmeAdamStates, chunk_keys: list[list[BucketKey]]) -> None:
+        """From now on the reduced chunks go to `grad_files`; `chunk_keys[g][k]`: the bucket of its chunk k of
+        param group g. The grad shards never take memory."""
+        self.grad_files = grad_files
+        self.file_chunk = {key: (g, k) for g, keys in enumerate(chunk_keys) for k, key in enumerate(keys)}
+
     def allocate(self) -> None:
+        if self.grad_files is not None:
+            return
         for grad_shard in self.grad_shards:
             if allocate_storage(grad_shard):
                 grad_shard.zero_()
@@ -132,14 +151,32 @@ class PartitionedGradients(GradientReducer):
         host, copy = to_host(owned, f"the reduced gradient chunk of bucket {key}")
         if self.landing:
             self._add_landed()
-        self.landing = (host, copy, self.owned_grad(*key), buf)
+        self.landing = (host, copy, key, buf)
 
     def _add_landed(self) -> None:
-        host, copy, grad_shard, buf = self.landing
+        host, copy, key, buf = self.landing
         self.landing = None
         copy.wait()
-        grad_shard.add_(host)
-        self._recycle(buf)
+        if self.grad_files is None:
+            self.owned_grad(*key).add_(host)
+            self._recycle(buf)
+            return
+        self._wait_for_write()
+        write = self.grad_files.accumulate_grad(*self.file_chunk[key], host)
+        if host.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            self.writing = (write, buf)  # the chunk is still in its bucket (host memory): lent to the write
+        else:
+            self.writing = (write, None)
+            self._recycle(buf)
+
+    def _wait_for_write(self) -> None:
+        """The gradient write in flight has finished (its error raised here); a bucket it read goes back."""
+        if self.writing is not None:
+            write, buf = self.writing
+            self.writing = None
+            write.result()
+            if buf is not None:
+                self._recycle(buf)
 
     def _recycle(self, buf: torch.Tensor) -> None:
         if self.reuse_buffers:
@@ -152,11 +189,14 @@ class PartitionedGradients(GradientReducer):
         super().finish()
         if self.landing:
             self._add_landed()
+        self._wait_for_write()
 
     def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
         return self.owned_grads[(fi, bi)]
 
     def zero_grad(self) -> None:
+        if self.grad_files is not None:
+            self.grad_files.clear_grads()
         for grad_shard in self.grad_shards:
             if grad_shard.untyped_storage().nbytes():
                 grad_shard.zero_()

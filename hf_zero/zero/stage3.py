@@ -34,7 +34,6 @@ from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
 from hf_zero.ops.quantize import dequantize, quantize, senders_parts
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data
-from hf_zero.zero.reducer import BucketKey, BucketReduction
 from hf_zero.zero.stage2 import PartitionedGradients
 from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
 
@@ -431,6 +430,7 @@ class Stage3Params(ParamHolder):
         return [[(fi, 0) for fi in flats] for flats in self.chunk_flats]
 
     def attach(self, backend: Any) -> None:
+        super().attach(backend)
         reader = backend.param_reader()
         if reader is not None:
             self.read_shards_from(reader)
@@ -595,24 +595,26 @@ class Stage3Params(ParamHolder):
 
 
 class Stage3Gradients(PartitionedGradients):
-    """Stage 2's bucketed reduce-scatter with one bucket per unit and param group; a unit is freed as soon
-    as its last gradient has been copied into its bucket."""
+    """Stage 2's bucketed reduce-scatter with one bucket per unit and param group. A unit is freed as soon as
+    the last of its parameters has its gradient, before that gradient is copied into the bucket: the node
+    that computed it was the last to read the unit's weights, and the root's last gradient (a tied
+    vocabulary embedding) would otherwise hold the gathered weights, the gradient and the bucket at once.
+    Units with parameters no gradient reached are freed at the end of backward."""
 
     def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool, reduce_dtype: torch.dtype,
                  shard_device: torch.device | None) -> None:
         super().__init__(params.flats, comm, overlap_comm, params.position, reduce_dtype, reuse_buffers=False,
                          shard_device=shard_device, max_in_flight=1)
         self.params = params
-        self.unit_pending: dict[int, int] = {}
+        self.unit_of_param = {s.param: unit for unit in params.units for flat in unit.flats for s in flat.slices}
+        self.params_waiting: dict[int, int] = {}  # per unit: its parameters whose gradient has not come yet
 
     def begin(self, reduce: bool) -> None:
         super().begin(reduce)
-        self.unit_pending = {id(u): len(u.flats) for u in self.params.units}
+        self.params_waiting = {id(u): sum(len(f.slices) for f in u.flats) for u in self.params.units}
 
-    def reduce_bucket(self, key: BucketKey) -> BucketReduction:
-        result = super().reduce_bucket(key)
-        unit = self.params.unit_of_flat[key[0]]
-        self.unit_pending[id(unit)] -= 1
-        if self.unit_pending[id(unit)] == 0:
+    def accumulate(self, param: nn.Parameter) -> None:
+        unit = self.unit_of_param[param]
+        self.params_waiting[id(unit)] -= 1
+        if self.params_waiting[id(unit)] == 0:
             unit.free()
-        return result

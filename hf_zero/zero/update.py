@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_zero.device import LatestCopy
+from hf_zero.device import HOST, LatestCopy
 
 
 def is_elementwise(value: Any, master: torch.Tensor) -> bool:
@@ -69,6 +69,24 @@ class UpdateBackend(ABC):
         optimizer's own load_state_dict (a backend keeping it elsewhere takes it here)."""
         self.masters[g][k].copy_(master)
         self._writable_chunks()[g][k].copy_(master)
+
+    def gradient_files(self) -> Any:
+        """Where stages 2-3 write the reduced gradients instead of memory (NVMe), or None."""
+        return None
+
+    def take_grads(self, grad_chunks: list[list[torch.Tensor]], keep: bool) -> list[list[torch.Tensor]]:
+        """The gradients the next step() applies. `keep`: they must outlive the next backward, which refills
+        the gradient shards while a delayed update runs (copies in host memory)."""
+        return [[grad.to(HOST, copy=True) for grad in grads] for grads in grad_chunks] if keep else grad_chunks
+
+    def measure_grads_with(self, square_sum: Callable[[int, int, torch.Tensor], torch.Tensor]) -> None:
+        """How `grad_square_sums` measures chunk k of group g's gradient (the optimizer's, which knows
+        tensor parallelism's replicas)."""
+        self.square_sum = square_sum
+
+    def grad_square_sums(self, grad_chunks: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The fp64 sum of squares of every chunk's reduced gradient, in chunk order."""
+        return [self.square_sum(g, k, grad) for g, grads in enumerate(grad_chunks) for k, grad in enumerate(grads)]
 
     def held_bytes(self) -> int:
         """Masters kept besides the parameters, and every tensor of the optimizer's state, in memory."""

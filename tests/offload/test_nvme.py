@@ -52,6 +52,11 @@ def nvme_matches_cpu_offload(tmp_path) -> dict[str, float]:
     delayed = {"delayed_param_update": True, "delayed_param_update_warmup": 2}
     cases += [(f"s3_{dtype}_param{'_delayed' if more else ''}", {"zero_stage": 3, "dtype": dtype, **more},
                {"offload_param": "nvme"}) for dtype in ("fp32", "bf16") for more in ({}, delayed)]
+    # Stages 2-3 keep the gradient shard in the files: accumulated over micro-batches there, and clipped
+    # with a norm taken as the chunks were written (a clipping threshold this low always clips).
+    accumulated = {"gradient_accumulation_steps": 2, "gradient_clipping": 0.05}
+    cases += [(f"s{stage}_fp32_accumulated", {"zero_stage": stage, "dtype": "fp32", **accumulated}, {})
+              for stage in (2, 3)]
     gaps = {}
     for name, base, nvme_param in cases:
         cpu = train({**base, "offload_optimizer": "cpu", "offload_param": "cpu" if nvme_param else "none",
@@ -69,7 +74,7 @@ def test_nvme_offload_trains_exactly_as_cpu_offload(tmp_path, world):
     for gaps in results:
         # Same kernel, same order of operations, only the states' home differs: bitwise. (CPU offload
         # against no offload is tests/offload/test_offload.py.)
-        assert len(gaps) == 10 and all(gap == 0.0 for gap in gaps.values()), gaps
+        assert len(gaps) == 12 and all(gap == 0.0 for gap in gaps.values()), gaps
 
 
 def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_path, copies):
@@ -91,9 +96,82 @@ def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_p
     psi = sum(p.numel() for p in model.parameters())
     print(f"step grew RSS by {grown / 2**20:.1f} MiB; pool {states.pool_bytes() / 2**20:.1f} MiB; states on NVMe "
           f"{12 * psi / 2**20:.1f} MiB (x2 files)")
-    assert states.pool_bytes() == 3 * 12 * tile
+    assert states.pool_bytes() == 3 * (12 + 4) * tile  # master, moments and the gradient (stage 2: in the files)
     assert grown < states.pool_bytes() + 4 * 2**20   # the pool (touched here first) and small temporaries
     assert grown < 0.25 * 12 * psi                    # far from the states' size: they stayed on disk
+
+
+def gradients_after_two_micro_batches(config: dict) -> dict:
+    """Stage 2 or 3, one rank: the reduced gradient of every chunk after two micro-batches, its norm, and
+    whether the in-memory gradient shards took any memory. With NVMe states the chunks are read back from
+    the files."""
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()),
+                                {**config, "gradient_accumulation_steps": 2, **SMALL_BUCKETS})
+    for micro_batch in range(2):
+        engine.backward(engine(**batch("gpt2", micro_batch, 4)).loss)
+    backend = engine.sharded_optimizer.backend
+    if config["offload_optimizer"] == "nvme":
+        states = backend.states
+        grads = []
+        for g, numels in enumerate(states.chunk_numels):
+            for k, numel in enumerate(numels):
+                grad = torch.empty(numel)
+                states._io(True, g, "grad", states.grad_write_side, states.chunk_starts[g][k], grad)
+                grads.append(grad)
+    else:
+        grads = [grad.clone() for grads in engine.params.grad_chunks() for grad in grads]
+    return {"grads": grads, "norm": engine.compute_grad_norm(),
+            "shard_bytes": sum(g.untyped_storage().nbytes() for g in engine.params.grads.grad_shards),
+            "ledger_gradients": engine.ledger.state_bytes["gradients"]}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_and_3_accumulate_the_gradient_shard_in_the_files_not_in_memory(tmp_path, stage):
+    in_memory = gradients_after_two_micro_batches({"zero_stage": stage, "offload_optimizer": "cpu"})
+    in_files = gradients_after_two_micro_batches({"zero_stage": stage, "offload_optimizer": "nvme",
+                                                  "nvme_path": str(tmp_path), "nvme_tile_numel": TILE})
+    assert in_memory["shard_bytes"] > 0 and in_files["shard_bytes"] == 0 and in_files["ledger_gradients"] == 0
+    # The sum of both micro-batches, bit for bit, and the same norm (one fp64 sum per chunk, in chunk order).
+    assert len(in_files["grads"]) == len(in_memory["grads"])
+    assert all(torch.equal(a, b) for a, b in zip(in_files["grads"], in_memory["grads"]))
+    assert in_files["norm"] == in_memory["norm"] > 0
+
+
+def backward_and_step_memory(path: str, offload_optimizer: str) -> dict[str, int]:
+    """Stage 2, 64 layers of 512 x 512: how much two backwards and steps grow the peak RSS over the built
+    engine (fresh process: allocator history moves peaks by MiB), against the gradient shard's size. The
+    optimizer states are on the host already (cpu) or in files (nvme)."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(64)))
+    config = {"zero_stage": 2, "offload_optimizer": offload_optimizer, "reduce_bucket_size": 65_536}
+    if offload_optimizer == "nvme":
+        config.update(nvme_path=path, nvme_tile_numel=65_536)
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine = hf_zero.initialize(model, optimizer, config)
+    if offload_optimizer == "cpu":  # Adam's moments exist before the first step, as they do in the files
+        for master in (m for masters in engine.sharded_optimizer.backend.masters for m in masters):
+            optimizer.state[master].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(master),
+                                           exp_avg_sq=torch.zeros_like(master))
+    x = torch.randn(4, 512)
+    reset_peak_rss()
+    before = peak_rss()
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return {"grown": peak_rss() - before, "shard_bytes": 4 * sum(p.numel() for p in model.parameters())}
+
+
+@pytest.mark.parametrize("offload_optimizer", ["cpu", "nvme"])
+def test_the_gradient_shard_on_nvme_takes_no_host_memory(tmp_path, copies, offload_optimizer):
+    if copies == "simulated_async":
+        pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
+    m = spawn_gloo(backward_and_step_memory, 1, str(tmp_path), offload_optimizer, start_method="spawn")[0]
+    print(f"{offload_optimizer}: backward + step grew RSS by {m['grown'] / 2**20:.1f} MiB; gradient shard "
+          f"{m['shard_bytes'] / 2**20:.1f} MiB")
+    if offload_optimizer == "cpu":  # the reference: the shard comes into memory during the backward
+        assert m["grown"] >= m["shard_bytes"]
+    else:  # buckets (2 x 256 KiB), the tile pool (3 MiB), one layer's gradient at a time: not the shard
+        assert m["grown"] < 0.5 * m["shard_bytes"]
 
 
 class Blocks(torch.nn.Module):
@@ -129,7 +207,7 @@ def parameters_on_nvme_memory(path: str) -> dict[str, int | bool]:
         "shards_released": engine.params.param_shards == [],
         "file_bytes": os.path.getsize(os.path.join(path, "rank00000", "group0.param.A")),
         "shard_bytes": 4 * 16 * block_numel, "unit_bytes": 4 * block_numel,
-        "buffers_created": reader.created, "pool_bytes": reader.pool_bytes(),
+        "buffers_created": len(reader.buffers), "pool_bytes": reader.pool_bytes(),
         "ledger_parameters": engine.ledger.state_bytes["parameters"],
     }
     reset_peak_rss()
