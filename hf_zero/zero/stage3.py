@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
@@ -68,6 +69,8 @@ class Unit:
         self.gathered = False
         self.works: list = []
         self.empty = torch.empty(0, dtype=flats[0].data.dtype, device=flats[0].data.device)
+        # After free_early: each parameter's shape over one NaN (no memory), until free() or the next gather.
+        self.placeholders = False
         # ZeRO++ qwZ: the quantization block size when training gathers go quantized (None: they do not), and
         # a quantized gather's received values and scales per flat buffer, dequantized once it has landed.
         self.quantize_block: int | None = None
@@ -101,7 +104,7 @@ class Unit:
         for flat in self.flats:
             for s in flat.slices:
                 set_data(s.param, flat.view_of(s))
-        self.gathered = True
+        self.gathered, self.placeholders = True, False
 
     def _shard_on_device(self, i: int) -> torch.Tensor:
         shard = self.shards[i] if self.reader is None else self._read(i)
@@ -214,16 +217,35 @@ class Unit:
         ledger.hold("bytes of gathered units", sign * self.nbytes)
 
     def free(self) -> None:
+        if self.placeholders:
+            self._set_params(lambda s: self.empty)
+            self.placeholders = False
         if self.persistent or not self.gathered:
             return
         self._tally(-1)
         self._release_buffers()
 
-    def _release_buffers(self) -> None:
-        self.wait()
+    def free_early(self) -> None:
+        """Frees the buffers while gradients of the unit's parameters are still to come. Autograd checks each
+        gradient against its parameter's shape when it arrives, so until then each parameter keeps its shape
+        over a single NaN: no memory, and a stray read shows as NaN instead of passing for a weight."""
+        if self.persistent or not self.gathered:
+            return
+        self._tally(-1)
+        self._release_buffers()
+        nan = torch.full((1,), float("nan"), dtype=self.empty.dtype, device=self.empty.device)
+        self._set_params(lambda s: nan.expand(s.shape))
+        self.placeholders = True
+
+    def _set_params(self, data) -> None:
         for flat in self.flats:
             for s in flat.slices:
-                set_data(s.param, self.empty)
+                set_data(s.param, data(s))
+
+    def _release_buffers(self) -> None:
+        self.wait()
+        self._set_params(lambda s: self.empty)
+        for flat in self.flats:
             flat.release_storage()
         self.gathered = False
 
@@ -335,6 +357,12 @@ class Stage3Params(ParamHolder):
                                     f"{', '.join(repr(u) if u else 'the root' for u in sorted(used_by))})")
                 members.setdefault(key, []).append((name, p))
         self.comm.ledger.shared_weights = shared
+        # The root is freed once backward has read back what the forward saved of it (_count_root_saves_in),
+        # unless a block reads one of its weights (a layer shared by blocks, read again by a block's
+        # recomputation in backward, where no saved tensor says so) or its parameters are DTensors (whose saved
+        # tensors are wrappers without the storage to recognise).
+        self.root_frees_early = bool(members[""]) and not any(
+            unit != "" or isinstance(p, DTensor) for _, p in members[""] for unit in users[id(p)])
         modules = dict(unit_modules) | {"": model, PERSISTENT: model}
         units = []
         for uname, named in members.items():
@@ -468,6 +496,10 @@ class Stage3Params(ParamHolder):
 
     # ---- hooks -------------------------------------------------------------------------------
     def _install_hooks(self, model: nn.Module) -> None:
+        self.root = next((u for u in self.units if u.is_root), None)
+        self.root_saves_waiting = 0  # tensors of the root's buffers the forward saved and backward has not read
+        if self.root is not None and self.root_frees_early:
+            self._count_root_saves_in(model)
         for unit in self.units:
             if not unit.persistent:
                 unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
@@ -476,6 +508,40 @@ class Stage3Params(ParamHolder):
         model.register_forward_hook(lambda m, a, out: self._free_all_but_root())
         if callable(getattr(model, "generate", None)):
             self._gather_root_around(model, "generate")
+
+    def _count_root_saves_in(self, model: nn.Module) -> None:
+        """The root (embeddings and head: in a language model, a vocabulary-sized tied weight) is used first in
+        backward and, in GPT-2 and its kind, not again, yet it would stay gathered until its last gradient
+        comes at the very end. So during the model's forward each tensor autograd saves is looked at; those
+        that view the root's buffers are counted, and once backward has read all of them back the root is
+        freed (free_early), at the next unit's backward gather. Reading one back after that gathers the
+        root again first (its storage is refilled in place), so a model that does use it later gets its
+        weights."""
+        context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+        def enter(module: nn.Module, args: Any) -> None:
+            if not self.in_backward:  # a new forward: the saves of one without a backward went with its graph
+                self.root_saves_waiting = 0
+            context.__enter__()
+
+        model.register_forward_pre_hook(enter)
+        model.register_forward_hook(lambda m, a, out: context.__exit__(None, None, None), always_call=True)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if (self.root.gathered and tensor.layout == torch.strided and not isinstance(tensor, DTensor)
+                and any(tensor.untyped_storage().data_ptr() == f.data.untyped_storage().data_ptr()
+                        for f in self.root.flats)):
+            self.root_saves_waiting += 1
+            return _RootSaved(tensor)
+        return tensor
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _RootSaved):
+            return saved
+        if not self.root.gathered:  # freed early yet read again
+            self._fetch(self.root, backward=True)
+        self.root_saves_waiting -= 1
+        return saved.tensor
 
     def _gather_root_around(self, model: nn.Module, method: str) -> None:
         """Runs model.<method> with the root unit gathered, as a forward would be. generate() calls parts
@@ -520,6 +586,9 @@ class Stage3Params(ParamHolder):
         budget, and without it every all-gather would be exposed), then more up to `prefetch_bucket_size`
         elements in all."""
         order, purpose = (self.backward_order, "backward") if backward else (self.forward_order, "forward")
+        if backward and self.in_backward and unit is not self.root and self.root_frees_early \
+                and self.root_saves_waiting <= 0:
+            self.root.free_early()  # backward has read back all the forward saved of it
         if unit not in order:
             order.append(unit)
         unit.gather(purpose)
@@ -592,6 +661,13 @@ class Stage3Params(ParamHolder):
         gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)
         pool = self.reader.pool_bytes() if self.reader is not None else 0
         return gathered + pool + sum(s.numel() * s.element_size() for s in self.param_shards)
+
+
+class _RootSaved:
+    """A tensor autograd saved that views the root unit's buffers (Stage3Params._pack)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class Stage3Gradients(PartitionedGradients):

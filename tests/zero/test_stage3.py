@@ -164,3 +164,99 @@ def test_the_roots_bucket_takes_memory_only_when_its_large_gradients_come():
     for result in spawn_gloo(bucket_peak_of_the_tied_gpt2, 2):
         block = max(size for name, size in result["units"].items() if name.startswith("transformer.h."))
         assert result["units"][""] > 0 and result["peak"] == 2 * block
+
+
+def root_during_backward(frees_early: bool) -> dict:
+    """2 SGD steps of the 8-block GPT-2 on 2 ranks (its tied wte is the head too, so the root's last gradient
+    comes at the very end): whether the root was gathered as each block's backward gather began."""
+    model = tiny_model("gpt2-deep")
+    engine = sgd_steps(model, 0, {})
+    params, seen = engine.params, []
+    params.root_frees_early = frees_early
+    fetch = params._fetch
+
+    def observed(unit, backward: bool) -> None:
+        fetch(unit, backward)
+        if backward and unit is not params.root:
+            seen.append(params.root.gathered)
+
+    params._fetch = observed
+    for step in range(2):
+        engine.backward(engine(**local_part(lm_batch("gpt2", step, 8), engine.comm.rank, 2)).loss)
+        engine.step()
+    with engine.gathered_parameters():
+        return {"params": named_copy(model), "root_gathered": seen, "gathers": engine.ledger.last_step_events}
+
+
+def test_the_root_is_freed_once_backward_has_read_back_what_the_forward_saved_of_it():
+    """GPT-2's root (embeddings, final norm, tied head) is read in backward by the head and the final norm only,
+    which run first: from the last block's backward on it is freed, instead of staying gathered to the end
+    for the embeddings' gradients (which need no weights). Training is bitwise what keeping it gives."""
+    expected = train_deep(0)
+    for early, kept in zip(spawn_gloo(root_during_backward, 2, True), spawn_gloo(root_during_backward, 2, False)):
+        assert len(early["root_gathered"]) == 2 * 8 and not any(early["root_gathered"])
+        assert all(kept["root_gathered"])  # the reference: the root held through every block's backward
+        assert all(torch.equal(early["params"][n], kept["params"][n]) for n in kept["params"])
+        assert max((early["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
+        assert early["gathers"]["unit all-gathers"] == kept["gathers"]["unit all-gathers"]  # no gather again
+
+
+class RootWeightReadLate(nn.Module):
+    """A root weight that backward reads last: `scale` multiplies the embeddings before the blocks, so the
+    gradient of that product (which reads `scale`) comes after every block's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.scale = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) * self.scale
+        for block in self.blocks:
+            x = block(x)
+        logits = x @ self.embed.weight.t()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def train_root_read_late() -> dict:
+    model = RootWeightReadLate()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if not torch.distributed.is_initialized():
+        for step in range(STEPS):
+            model(**lm_batch("gpt2", step, 8)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return named_copy(model)
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0})
+    for step in range(STEPS):
+        engine.backward(engine(**local_part(lm_batch("gpt2", step, 8), engine.comm.rank, 2)))
+        engine.step()
+    with engine.gathered_parameters():
+        return named_copy(model)
+
+
+def test_a_root_weight_backward_reads_last_keeps_the_root_until_it_is_read():
+    expected = train_root_read_late()
+    assert (expected["scale"] - RootWeightReadLate().scale.detach()).abs().max() > 1e-3  # it trained
+    for result in spawn_gloo(train_root_read_late, 2):
+        assert max((result[n] - expected[n]).abs().max().item() for n in expected) < 1e-6
+
+
+def train_shared_checkpointed() -> dict:
+    """The module two blocks share lives in the root; with activation checkpointing each block's
+    recomputation reads it again in backward, where autograd saved nothing of it."""
+    model = model_with_shared_weights("module_shared_by_two_blocks")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = sgd_steps(model, STEPS, {})
+    if engine is None:
+        return named_copy(model)
+    with engine.gathered_parameters():
+        return named_copy(model)
+
+
+def test_a_layer_blocks_share_stays_gathered_for_their_recomputation():
+    expected = train_shared_checkpointed()
+    for result in spawn_gloo(train_shared_checkpointed, 2):
+        assert max((result[n] - expected[n]).abs().max().item() for n in expected) < 1e-6
