@@ -97,23 +97,32 @@ def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with
         assert max_diff(result["from_config"], expected_from_config) == 0
 
 
-def peak_while_building(folder: Path, output_dir: Path, partitioned: bool) -> dict:
+def peak_growth(folder: Path, output_dir: Path, partitioned: bool = True, nvme_path: str | None = None,
+                steps: int = 0) -> dict:
     """Peak RSS growth of this rank from before from_pretrained until the engine holds the model (the Trainer
-    built, its optimizer created): what a rank needs before the first step."""
+    built, its optimizer created: what a rank needs before the first step), then through `steps` training
+    steps, with the parameters, optimizer states and gradients on NVMe when `nvme_path` is given."""
     from hf_zero import ZeroTrainer
     from hf_zero.memory import current_rss, peak_rss, reset_peak_rss
 
     import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (its import is not the model's memory)
 
-    args = arguments(output_dir, partitioned)
+    nvme = {} if nvme_path is None else {"zero_offload_param": "nvme", "zero_offload_optimizer": "nvme",
+                                         "zero_nvme_path": nvme_path, "zero_nvme_tile_numel": 65_536}
+    args = arguments(output_dir, partitioned, **nvme)
     gc.collect()
     reset_peak_rss()
     before = current_rss()
     model = AutoModelForCausalLM.from_pretrained(folder)
     trainer = ZeroTrainer(model=model, args=args)
     trainer.create_optimizer()
-    return {"growth": peak_rss() - before, "holds": sum(s.numel() * s.element_size()
-                                                        for s in trainer.engine.params.param_shards)}
+    engine = trainer.engine
+    for step in range(steps):
+        ids = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    return {"growth": peak_rss() - before, "offload": (engine.config.offload_param, engine.config.offload_optimizer),
+            "holds": sum(s.numel() * s.element_size() for s in engine.params.param_shards)}
 
 
 @pytest.mark.slow
@@ -122,38 +131,12 @@ def test_no_rank_holds_the_whole_model_while_it_loads_and_the_whole_model_path_d
     0.40x the whole model per rank (its shard 0.25x, one unit being filled, the allocator's free memory),
     and 1.34x on the whole-model path."""
     model_bytes = save_gpt2(tmp_path / "ckpt", n_layer=32, n_embd=384, vocab_size=4096)
-    partitioned = spawn_gloo(peak_while_building, 4, tmp_path / "ckpt", tmp_path / "a", True, start_method="spawn")
-    whole = spawn_gloo(peak_while_building, 4, tmp_path / "ckpt", tmp_path / "b", False, start_method="spawn")
+    partitioned = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "a", True, start_method="spawn")
+    whole = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "b", False, start_method="spawn")
     for rank in range(4):
         assert partitioned[rank]["holds"] == whole[rank]["holds"] < 0.26 * model_bytes
         assert partitioned[rank]["growth"] < 0.6 * model_bytes, (rank, partitioned[rank]["growth"] / model_bytes)
         assert whole[rank]["growth"] >= model_bytes, (rank, whole[rank]["growth"] / model_bytes)
-
-
-def peak_while_training(folder: Path, output_dir: Path, nvme_path: str | None) -> dict:
-    """Peak RSS growth of this rank from before from_pretrained through two training steps (engine built from
-    the Trainer, as an unmodified script gets it), with the parameters, optimizer states and gradients on NVMe
-    or in memory."""
-    from hf_zero import ZeroTrainer
-    from hf_zero.memory import current_rss, peak_rss, reset_peak_rss
-
-    import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (its import is not the model's memory)
-
-    nvme = {} if nvme_path is None else {"zero_offload_param": "nvme", "zero_offload_optimizer": "nvme",
-                                         "zero_nvme_path": nvme_path, "zero_nvme_tile_numel": 65_536}
-    args = arguments(output_dir, **nvme)
-    gc.collect()
-    reset_peak_rss()
-    before = current_rss()
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    trainer = ZeroTrainer(model=model, args=args)
-    trainer.create_optimizer()
-    engine = trainer.engine
-    for step in range(2):
-        ids = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-    return {"growth": peak_rss() - before, "offload": (engine.config.offload_param, engine.config.offload_optimizer)}
 
 
 @pytest.mark.slow
@@ -170,9 +153,9 @@ def test_with_nvme_offload_no_rank_holds_the_whole_model_over_training_and_witho
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))  # read by the spawned ranks' glibc at start
     model_bytes = save_gpt2(tmp_path / "ckpt", n_layer=32, n_embd=384, vocab_size=4096)
     (tmp_path / "nvme").mkdir()
-    on_nvme = spawn_gloo(peak_while_training, 4, tmp_path / "ckpt", tmp_path / "a", str(tmp_path / "nvme"),
+    on_nvme = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "a", True, str(tmp_path / "nvme"), 2,
                          start_method="spawn")
-    in_memory = spawn_gloo(peak_while_training, 4, tmp_path / "ckpt", tmp_path / "b", None, start_method="spawn")
+    in_memory = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "b", True, None, 2, start_method="spawn")
     assert on_nvme[0]["offload"] == ("nvme", "nvme") and in_memory[0]["offload"] == ("none", "none")
     for rank in range(4):
         print(f"rank {rank}: {on_nvme[rank]['growth'] / model_bytes:.2f}x the model with NVMe, "
