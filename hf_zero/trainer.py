@@ -11,6 +11,8 @@ callbacks, evaluation); the engine takes over at these points, in the order a st
   _clip_grad_norm       the engine's global norm (one all-reduce over the shards); clipping to
                         --max_grad_norm happens inside the engine's step
   optimizer.step        the engine's step; lr schedulers act on the user optimizer's param groups
+  parameter count       the Trainer's "Number of trainable parameters" counts stage-3 parameters whole, though
+                        they are empty between uses (transformers reads DeepSpeed's ds_numel only)
   save_model            a normal transformers folder; at stage 3 gathered and written one unit at a time;
                         with tensor parallelism the whole tensors are gathered and the main process writes them
   checkpoints           each rank's optimizer shard and fp32 masters go to <checkpoint>/zero_checkpoint,
@@ -24,6 +26,7 @@ tensors) and takes every weight from the engine checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -36,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import Seq2SeqTrainer, Trainer
+from transformers import trainer as transformers_trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, logger
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -44,6 +48,24 @@ from hf_zero.checkpoint import TRAINER_SUBFOLDER, newest_complete
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
+
+
+def _counting_partitioned_params(count: Callable[..., int]) -> Callable[..., int]:
+    """transformers' get_model_param_count (the Trainer logs "Number of trainable parameters" with it) counts
+    `p.numel()`, and a stage-3 parameter is empty between uses: DeepSpeed's carry `ds_numel`, which it reads only
+    under DeepSpeed. Each stage-3 parameter carries its whole size (Stage3Params), and what numel() misses is
+    added."""
+
+    @functools.wraps(count)
+    def with_partitioned(model: nn.Module, trainable_only: bool = False) -> int:
+        missing = sum(p.hf_zero_numel - p.numel() for p in model.parameters()
+                      if hasattr(p, "hf_zero_numel") and (p.requires_grad or not trainable_only))
+        return count(model, trainable_only) + missing
+
+    return with_partitioned
+
+
+transformers_trainer.get_model_param_count = _counting_partitioned_params(transformers_trainer.get_model_param_count)
 
 
 class ZeroOptimizer(AcceleratedOptimizer):

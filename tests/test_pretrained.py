@@ -188,6 +188,9 @@ def test_an_unmodified_script_fine_tunes_a_checkpoint_built_partitioned_as_when_
     read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs[True][1])]
     assert len(read) == 2 and all(mib * 2**20 < 0.6 * model_bytes for mib in read)  # each rank its slices only
     assert "built the model partitioned" not in runs[False][1]
+    for name, (_, log) in runs.items():  # the Trainer's count is the model's, though stage-3 parameters are empty
+        counts = re.findall(r"Number of trainable parameters = ([\d,]+)", log)
+        assert counts and all(int(count.replace(",", "")) == model_bytes // 4 for count in counts), (name, counts)
     losses = {k: [entry["loss"] for entry in history if "loss" in entry] for k, (history, _) in runs.items()}
     assert len(losses[True]) == 6
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -317,6 +317,8 @@ class Stage3Params(ParamHolder):
                 unit.secondary = secondary
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
+        for s in (s for flat in self.flats for s in flat.slices if not isinstance(s.param, DTensor)):
+            s.param.hf_zero_numel = s.numel  # its size when gathered, for counts (a DTensor knows its own)
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
         self.position = model_order(model)
         self.grads = Stage3Gradients(self, comm, config.overlap_comm, config.torch_reduce_dtype,
