@@ -231,8 +231,7 @@ class Unit:
         over a single NaN: no memory, and a stray read shows as NaN instead of passing for a weight."""
         if self.persistent or not self.gathered:
             return
-        self._tally(-1)
-        self._release_buffers()
+        self.free()
         nan = torch.full((1,), float("nan"), dtype=self.empty.dtype, device=self.empty.device)
         self._set_params(lambda s: nan.expand(s.shape))
         self.placeholders = True
