@@ -87,12 +87,7 @@ def _post_init(self: Any) -> None:
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"
     if self.zero_engine_config.zero_stage == 3 and self.zero_init_partitioned:
-        if self.tensor_parallel_size > 1:
-            logger.warning("--tensor_parallel_size with --zero_stage 3: from_pretrained and from_config build the "
-                           "whole model on every rank first (partitioned construction is not available with "
-                           "tensor parallelism yet)")
-        else:
-            pretrained.enable(self, self.seed)
+        pretrained.enable(self, self.seed)
 
 
 def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:

@@ -20,19 +20,23 @@ this rank's shard plus one unit, never the model.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hf_zero.device import HOST
 from hf_zero.export import TORCH_DTYPES
+from hf_zero.tensor_parallel import local_ranges
+from hf_zero.zero.partition import is_tp_replicated, local, wrap_like
 
 if TYPE_CHECKING:
     from hf_zero.zero.stage3 import Unit
@@ -41,10 +45,30 @@ if TYPE_CHECKING:
 def _init_module(seed: int, name: str, module: nn.Module, owner: nn.Module) -> None:
     """owner._init_weights(module) drawing from a generator seeded by (seed, module name); the global
     RNG is left as it was."""
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _dtensors_whole(module):
         torch.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
                           & (2**63 - 1))
         owner._init_weights(module)
+
+
+@contextlib.contextmanager
+def _dtensors_whole(module: nn.Module) -> Iterator[None]:
+    """While a module's init runs, the DTensor parameters it may write (its own and its children's)
+    stand as whole plain tensors holding their current values; each rank then keeps its part, cut as
+    apply_tensor_parallel cuts. A DTensor's own random ops would draw differently from the whole model's
+    init (and from one tp size to another); one module's whole weight at a time is small beside the model."""
+    split = [(owner, name, p) for owner in (module, *module.children())
+             for name, p in owner._parameters.items() if isinstance(p, DTensor)]
+    for owner, name, p in split:
+        owner._parameters[name] = nn.Parameter(p.detach().full_tensor(), p.requires_grad)
+    try:
+        yield
+        for owner, name, p in split:
+            whole = owner._parameters[name].detach()
+            local(p).copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local())
+    finally:
+        for owner, name, p in split:
+            owner._parameters[name] = p
 
 
 def _init_order(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
@@ -169,15 +193,22 @@ class PretrainedWeights:
     def shape_of(self, model: nn.Module, name: str) -> tuple[int, ...]:
         return self.header_of[self.key_of(model, name)][0]
 
-    def _read(self, model: nn.Module, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Elements [lo, hi) of the flattened tensor `name`, reading only the rows that hold them."""
+    def _read(self, model: nn.Module, name: str, param: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of this rank's part of `param` (called `name`) flattened, reading only the rows that
+        hold them (of a tensor-parallel split, only this tp rank's columns or rows of them)."""
         key = self.key_of(model, name)
         with safe_open(str(self.file_of[key]), framework="pt") as f:
             tensor = f.get_slice(key)
-            shape = tensor.get_shape()
+            shape = list(tensor.get_shape())
+            split = None if is_tp_replicated(param) else local_ranges(param)
+            if split is not None:
+                shape[split[0]] = sum(b - a for a, b in split[1])
             row = math.prod(shape[1:])  # 1 for a vector: then rows are elements
             first, last = lo // row, -(-hi // row)  # rows [first, last) cover [lo, hi)
-            rows = tensor[first:last] if shape else f.get_tensor(key).reshape(1)  # a 0-dim tensor has no rows
+            if not shape:  # a 0-dim tensor has no rows
+                rows = f.get_tensor(key).reshape(1)
+            else:
+                rows = tensor[first:last] if split is None else _rows_of_part(tensor, *split, first, last)
         self.bytes_read += rows.numel() * rows.element_size()
         out.copy_(rows.reshape(-1)[lo - first * row:hi - first * row])
 
@@ -191,7 +222,7 @@ class PretrainedWeights:
             if name not in on_meta:
                 continue
             try:
-                self._read(model, name, 0, tensor.numel(), tensor.view(-1))
+                self._read(model, name, tensor, 0, local(tensor).numel(), local(tensor).view(-1))
             except KeyError:
                 missing_owners.add(name.rpartition(".")[0])
         init_weights(model, 0, missing_owners)
@@ -202,8 +233,8 @@ class PretrainedWeights:
         every rank holds whole) into the unit's buffers."""
         for unit in units:
             # Parameters left on meta have no elements now; the others were initialised by transformers.
-            held = {id(s.param): s.param.data.reshape(-1) for flat in unit.flats for s in flat.slices
-                    if s.param.numel()}
+            held = {id(s.param): local(s.param).detach().reshape(-1) for flat in unit.flats for s in flat.slices
+                    if local(s.param).numel()}
             for flat, buffer in zip(unit.flats, open_unit(unit)):
                 lo, hi = (0, flat.padded_numel) if unit.persistent else flat.buckets[0].owned_range(rank)
                 for piece in flat.pieces_between(lo, hi):
@@ -212,8 +243,23 @@ class PretrainedWeights:
                     if id(piece.slice.param) in held:
                         out.copy_(held[id(piece.slice.param)][piece.param_lo:piece.param_hi])
                     else:
-                        self._read(model, piece.slice.name, piece.param_lo, piece.param_hi, out)
+                        self._read(model, piece.slice.name, piece.slice.param, piece.param_lo, piece.param_hi, out)
             close_unit(unit)
+
+
+def _rows_of_part(tensor: Any, dim: int, ranges: list[tuple[int, int]], first: int, last: int) -> torch.Tensor:
+    """Rows [first, last) of a tp rank's part of a safetensors tensor, the part being the whole tensor's `ranges`
+    along `dim` laid end to end (`tensor_parallel.local_ranges`)."""
+    if dim > 0:
+        rows = (slice(first, last),) + (slice(None),) * (dim - 1)
+        return torch.cat([tensor[rows + (slice(a, b),)] for a, b in ranges], dim)
+    pieces, at = [], 0
+    for a, b in ranges:  # the part's rows [at, at + b - a) are the tensor's rows [a, b)
+        lo, hi = max(first, at), min(last, at + b - a)
+        if lo < hi:
+            pieces.append(tensor[a + lo - at:a + hi - at])
+        at += b - a
+    return torch.cat(pieces)
 
 
 def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -239,7 +285,7 @@ def _replace_rest(model: nn.Module, new_value: Callable[[torch.Tensor], torch.Te
     """Each frozen parameter and buffer takes `new_value(tensor)`, where that is not None."""
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            if not p.requires_grad and (value := new_value(p.data)) is not None:
+            if not p.requires_grad and (value := new_value(local(p).detach())) is not None:
                 _swap_frozen(p, value)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and (value := new_value(b)) is not None:
@@ -247,6 +293,6 @@ def _replace_rest(model: nn.Module, new_value: Callable[[torch.Tensor], torch.Te
 
 
 def _swap_frozen(param: nn.Parameter, values: torch.Tensor) -> None:
-    """`param` takes `values`, keeping its Parameter object (tied modules hold it); `.data =` cannot move a
-    tensor from meta (or between device types)."""
-    torch.utils.swap_tensors(param, nn.Parameter(values, requires_grad=False))
+    """`param` takes `values` (its local part, for a DTensor), keeping its Parameter object (tied modules hold
+    it); `.data =` cannot move a tensor from meta (or between device types)."""
+    torch.utils.swap_tensors(param, nn.Parameter(wrap_like(param, values), requires_grad=False))

@@ -70,7 +70,7 @@ def check_model(model: nn.Module, init_from: Any) -> None:
         raise ValueError("the model has no parameters to train")
 
 
-def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | None, init_from: Any
+def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | None
                ) -> tuple[torch.distributed.ProcessGroup | None, torch.distributed.ProcessGroup | None]:
     """The data-parallel and tensor-parallel process groups of a ("dp", "tp") mesh."""
     if mesh is None:
@@ -83,9 +83,6 @@ def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | 
     if mesh.size() != torch.distributed.get_world_size():
         raise ValueError(f"the mesh must span every process ({torch.distributed.get_world_size()}), not "
                          f"{mesh.size()}: hf_zero.tensor_parallel.init_mesh builds such a mesh")
-    if init_from is not None:
-        raise ValueError("init_from with a tensor-parallel mesh is not available yet; build the model, apply "
-                         "hf_zero.tensor_parallel.apply_tensor_parallel, then initialize without init_from")
     return mesh["dp"].get_group(), mesh["tp"].get_group()
 
 
@@ -126,7 +123,7 @@ def check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zer
     anything the engine cannot train is refused here, before any work."""
     check_model(model, init_from)
     check_builds_from(init_from, config)
-    dp_group, tp_group = check_mesh(mesh, group, init_from)
+    dp_group, tp_group = check_mesh(mesh, group)
     if config.partition_activations or config.cpu_checkpointing:
         check_supports_checkpointing(model)
     check_optimizer(optimizer, config)

@@ -58,11 +58,12 @@ def init_mesh(tensor_parallel_size: int, across_nodes: bool = False) -> DeviceMe
 
 
 def _distribute_weight_and_bias(name: str, module: nn.Module, mesh: DeviceMesh,
-                                placements: tuple[Placement, Placement]) -> None:
+                                placements: tuple[Placement, Placement], src_data_rank: int | None) -> None:
     """distribute_module's partition function: the module's weight and bias become DTensors so placed."""
     for pname, placement in zip(("weight", "bias"), placements):
         param = getattr(module, pname)
-        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement]),
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [placement],
+                                                                        src_data_rank=src_data_rank),
                                                       requires_grad=param.requires_grad))
 
 
@@ -78,7 +79,8 @@ class Conv1DColwise(ParallelStyle):
         assert isinstance(module, Conv1D), f"Conv1DColwise shards transformers' Conv1D, not {type(module).__name__}"
         # The output stays this rank's columns as a plain tensor: no redistribution (it would undo the
         # strided layout that keeps each head's Q, K and V on one rank).
-        partition = partial(_distribute_weight_and_bias, placements=(self.placement, self.bias_placement))
+        partition = partial(_distribute_weight_and_bias, placements=(self.placement, self.bias_placement),
+                            src_data_rank=self.src_data_rank)
         return distribute_module(module, device_mesh, partition,
                                  partial(ColwiseParallel._prepare_input_fn, (Replicate(),), (Replicate(),)),
                                  lambda mod, outputs, mesh: outputs.to_local())
@@ -89,7 +91,8 @@ class Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         assert isinstance(module, Conv1D), f"Conv1DRowwise shards transformers' Conv1D, not {type(module).__name__}"
-        partition = partial(_distribute_weight_and_bias, placements=(Shard(0), Replicate()))
+        partition = partial(_distribute_weight_and_bias, placements=(Shard(0), Replicate()),
+                            src_data_rank=self.src_data_rank)
         return distribute_module(module, device_mesh, partition,
                                  partial(self._prepare_input_fn, (Shard(-1),), (Shard(-1),)),
                                  partial(self._prepare_output_fn, (Replicate(),), True))
@@ -114,15 +117,33 @@ def join_parts(parts: list[torch.Tensor], dim: int, split_factor: int) -> torch.
     return torch.cat([torch.cat([rank_pieces[m] for rank_pieces in pieces], dim) for m in range(split_factor)], dim)
 
 
+def local_ranges(param: DTensor) -> tuple[int, list[tuple[int, int]]]:
+    """Which ranges of the whole tensor along which dimension make this rank's local part of a split
+    parameter, in order (one per concatenated matrix): what reading the part from a file needs, without the
+    whole tensor."""
+    split = split_of(param)
+    tp, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+    matrix = split["shape"][split["dim"]] // split["split_factor"]
+    width = matrix // tp
+    return split["dim"], [(m * matrix + rank * width, m * matrix + (rank + 1) * width)
+                          for m in range(split["split_factor"])]
+
+
 def _check_divisible(what: str, count: int, tp: int) -> None:
     if count % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {what} ({count}); choose a "
                          f"tensor_parallel_size that divides it")
 
 
+def _source_rank(block: nn.Module) -> int | None:
+    """Rank 0's values are scattered to the tp group; a block on meta has none, and each rank cuts its own."""
+    return None if any(p.is_meta for p in block.parameters()) else 0
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shards every transformer block of a GPT-2 or BERT model over `tp_mesh` (in place; returns it).
-    Call it on the full model, the same on every rank, before hf_zero.initialize."""
+    Call it on the full model, the same on every rank, before hf_zero.initialize. A block still on meta (built
+    for `init_from`) is cut without communication: its values come later, each rank's part its own."""
     tp = tp_mesh.size()
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -134,7 +155,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         _check_divisible("MLP width", config.n_inner or 4 * config.n_embd, tp)
         for block in model.transformer.h:
             parallelize_module(block, tp_mesh, {"attn.c_attn": Conv1DColwise(fused=3), "attn.c_proj": Conv1DRowwise(),
-                                                "mlp.c_fc": Conv1DColwise(), "mlp.c_proj": Conv1DRowwise()})
+                                                "mlp.c_fc": Conv1DColwise(), "mlp.c_proj": Conv1DRowwise()},
+                               src_data_rank=_source_rank(block))
             block.attn.split_size //= tp  # the local width of each of Q, K, V
             block.attn.num_heads //= tp
     elif model_type == "bert":
@@ -144,7 +166,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             parallelize_module(layer, tp_mesh, {
                 "attention.self.query": ColwiseParallel(), "attention.self.key": ColwiseParallel(),
                 "attention.self.value": ColwiseParallel(), "attention.output.dense": RowwiseParallel(),
-                "intermediate.dense": ColwiseParallel(), "output.dense": RowwiseParallel()})
+                "intermediate.dense": ColwiseParallel(), "output.dense": RowwiseParallel()},
+                src_data_rank=_source_rank(layer))
             layer.attention.self.num_attention_heads //= tp
             layer.attention.self.all_head_size //= tp
     else:

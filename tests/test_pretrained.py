@@ -52,13 +52,13 @@ def gathered(trainer) -> dict[str, torch.Tensor]:
         return named_copy(trainer.model)
 
 
-def build_three_ways(folders: dict[str, Path], output_dir: Path) -> dict:
+def build_three_ways(folders: dict[str, Path], output_dir: Path, tensor_parallel_size: int) -> dict:
     """On each rank, under stage-3 arguments: GPT-2 from_pretrained, BERT for sequence classification from a
     masked-LM checkpoint (a new head) and GPT-2 from_config, each handed to ZeroTrainer; the values the
     engine then holds, gathered, and what the models held before the Trainer."""
     from hf_zero import ZeroTrainer
 
-    args = arguments(output_dir)
+    args = arguments(output_dir, tensor_parallel_size=tensor_parallel_size)
     results = {}
     set_seed(SEED)
     gpt2 = AutoModelForCausalLM.from_pretrained(folders["gpt2"])
@@ -75,7 +75,10 @@ def build_three_ways(folders: dict[str, Path], output_dir: Path) -> dict:
     return results
 
 
-def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with_the_whole_builds_values(tmp_path):
+@pytest.mark.parametrize("ranks, tensor_parallel_size", [(2, 1), pytest.param(4, 2, marks=pytest.mark.slow)],
+                         ids=["dp2", "tp2_dp2"])
+def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with_the_whole_builds_values(
+        tmp_path, ranks, tensor_parallel_size):
     folders = {"gpt2": tmp_path / "gpt2", "bert": tmp_path / "bert"}
     save_gpt2(folders["gpt2"])
     save_bert(folders["bert"])
@@ -85,7 +88,7 @@ def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with
     expected_bert = named_copy(BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3))
     config = AutoConfig.from_pretrained(folders["gpt2"])
     expected_from_config = named_copy(build_seeded(lambda: AutoModelForCausalLM.from_config(config), SEED))
-    for result in spawn_gloo(build_three_ways, 2, folders, tmp_path / "out"):
+    for result in spawn_gloo(build_three_ways, ranks, folders, tmp_path / "out", tensor_parallel_size):
         assert result["gpt2_on_meta"]
         assert max_diff(result["gpt2"], expected_gpt2) == 0
         # The new head (and the pooler, which a masked-LM model lacks) is initialised by transformers from the
@@ -164,9 +167,9 @@ def test_with_nvme_offload_no_rank_holds_the_whole_model_over_training_and_witho
         assert in_memory[rank]["growth"] >= model_bytes, (rank, in_memory[rank]["growth"] / model_bytes)
 
 
-def hf_zero_run(*args: str) -> subprocess.CompletedProcess:
-    """The script on 2 ranks at stage 3 for 6 steps; `args` come last, so they win over these."""
-    return subprocess.run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(SCRIPT),
+def hf_zero_run(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    """The script on `ranks` ranks at stage 3 for 6 steps; `args` come last, so they win over these."""
+    return subprocess.run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", str(ranks), str(SCRIPT),
                            "--zero_stage", "3", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
                            "--save_strategy", "no", "--max_steps", "6", "--logging_steps", "1",
                            "--learning_rate", "3e-3", "--do_train", "--do_eval", "--log_level", "info",
@@ -204,6 +207,30 @@ def test_an_unmodified_script_fine_tunes_a_checkpoint_built_partitioned_as_when_
         with torch.no_grad():
             logits[partitioned] = AutoModelForCausalLM.from_pretrained(tmp_path / f"out_{partitioned}")(ids).logits
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_with_tensor_parallelism_each_rank_reads_its_tp_parts_dp_chunk_and_trains_as_when_built_whole(tmp_path):
+    model_bytes = save_gpt2(tmp_path / "ckpt")
+    runs = {}
+    for partitioned in ("true", "false"):
+        out = tmp_path / f"out_{partitioned}"
+        done = hf_zero_run("--model_name_or_path", str(tmp_path / "ckpt"), "--output_dir", str(out),
+                           "--tensor_parallel_size", "2", "--zero_init_partitioned", partitioned, ranks=4)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[partitioned] = (json.loads((out / "log_history.json").read_text()), done.stderr + done.stdout)
+    read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs["true"][1])]
+    # tp 2 x dp 2: about a quarter of the block weights, half of the embeddings (0.27 by hand); reading the
+    # split weights' whole tensors and cutting them would take about 0.5.
+    assert len(read) == 4 and all(mib * 2**20 < 0.4 * model_bytes for mib in read), read
+    assert "built the model partitioned" not in runs["false"][1]
+    for key in ("loss", "eval_loss"):
+        values = {k: [entry[key] for entry in history if key in entry] for k, (history, _) in runs.items()}
+        assert values["true"] and values["true"] == pytest.approx(values["false"], rel=1e-5), key
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = {k: AutoModelForCausalLM.from_pretrained(tmp_path / f"out_{k}")(ids).logits for k in runs}
+    torch.testing.assert_close(logits["true"], logits["false"], atol=1e-5, rtol=0)
 
 
 def test_a_checkpoint_that_cannot_be_read_in_slices_is_refused_naming_the_file(tmp_path):

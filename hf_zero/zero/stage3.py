@@ -34,7 +34,7 @@ from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
 from hf_zero.ops.quantize import dequantize, quantize, senders_parts
 from hf_zero.zero.holder import ParamHolder
-from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
 from hf_zero.zero.stage2 import PartitionedGradients
 from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
 
@@ -477,12 +477,13 @@ class Stage3Params(ParamHolder):
 
     def _leave_meta(self, device: torch.device) -> None:
         """Turns each meta parameter into an empty one on `device`, keeping the Parameter object (the
-        optimizer and tied modules hold it): `.data =` cannot change a tensor's device type."""
+        optimizer and tied modules hold it): `.data =` cannot change a tensor's device type, nor the device a
+        DTensor reports (it is fixed when the wrapper is made), so a DTensor becomes a new one of empty parts."""
         for flat in self.flats:
             for s in flat.slices:
                 if s.param.is_meta:
-                    empty = nn.Parameter(torch.empty(0, dtype=s.param.dtype, device=device), s.param.requires_grad)
-                    torch.utils.swap_tensors(s.param, empty)
+                    empty = wrap_like(s.param, torch.empty(0, dtype=s.param.dtype, device=device))
+                    torch.utils.swap_tensors(s.param, nn.Parameter(empty, s.param.requires_grad))
 
     @staticmethod
     def _stage(flat: FlatParamBuffer) -> torch.Tensor:
