@@ -9,7 +9,7 @@ from typing import NoReturn
 from hf_zero import ZeroConfigError
 from hf_zero.config import DTYPES, did_you_mean, offload_conflict
 from hf_zero.checkpoint import CheckpointError
-from hf_zero.launch import free_port
+from hf_zero.launch import free_port, use_mmap_for_large_allocations
 
 
 class Parser(argparse.ArgumentParser):
@@ -76,6 +76,7 @@ def _train(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
     train_lm.check_args(args, processes, args.nproc_per_node)  # bad settings stop here, before any process starts
+    use_mmap_for_large_allocations()
     if processes == 1:
         train_lm.main(args)
         return 0
@@ -92,6 +93,7 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
+    use_mmap_for_large_allocations()
     if processes == 1:
         return run.main([args.script, *args.script_args])
     if not Path(args.script).is_file():
