@@ -33,7 +33,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hf_zero.device import HOST
+from hf_zero.device import HOST, compute_device, to_device, to_host
 from hf_zero.export import TORCH_DTYPES
 from hf_zero.tensor_parallel import local_ranges
 from hf_zero.zero.partition import is_tp_replicated, local, wrap_like
@@ -60,7 +60,7 @@ def _dtensors_whole(module: nn.Module) -> Iterator[None]:
     split = [(owner, name, p) for owner in (module, *module.children())
              for name, p in owner._parameters.items() if isinstance(p, DTensor)]
     for owner, name, p in split:
-        owner._parameters[name] = nn.Parameter(p.detach().full_tensor(), p.requires_grad)
+        owner._parameters[name] = nn.Parameter(_gather_on_host(p, name), p.requires_grad)
     try:
         yield
         for owner, name, p in split:
@@ -69,6 +69,16 @@ def _dtensors_whole(module: nn.Module) -> Iterator[None]:
     finally:
         for owner, name, p in split:
             owner._parameters[name] = p
+
+
+def _gather_on_host(param: DTensor, name: str) -> torch.Tensor:
+    """The whole of a DTensor whose parts are staged in host memory: gathered on the compute device, where the
+    mesh's collectives run (NCCL takes no host tensors), and brought back to the host."""
+    part, copy = to_device(local(param).detach(), compute_device(), f"{name}'s part")
+    copy.wait()
+    whole, copy = to_host(wrap_like(param, part).full_tensor(), f"whole {name}")
+    copy.wait()
+    return whole
 
 
 def _init_order(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
