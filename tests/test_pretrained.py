@@ -249,17 +249,20 @@ def test_a_checkpoint_that_cannot_be_read_in_slices_is_refused_naming_the_file(t
 
 
 @pytest.mark.slow
-def test_a_model_built_partitioned_checkpoints_resumes_and_consolidates_as_any_stage3_model(tmp_path):
+@pytest.mark.parametrize("ranks, tensor_parallel_size", [(2, 1), (4, 2)], ids=["dp2", "tp2_dp2"])
+def test_a_model_built_partitioned_checkpoints_resumes_and_consolidates_as_any_stage3_model(
+        tmp_path, ranks, tensor_parallel_size):
     from hf_zero.consolidate import consolidate
 
     save_gpt2(tmp_path / "ckpt")
+    layout = ("--tensor_parallel_size", str(tensor_parallel_size))
     first = hf_zero_run("--model_name_or_path", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "a"),
-                        "--save_strategy", "steps", "--save_steps", "3")
+                        "--save_strategy", "steps", "--save_steps", "3", *layout, ranks=ranks)
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = hf_zero_run("--model_name_or_path", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "b"),
-                          "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-3"))
+                          "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-3"), *layout, ranks=ranks)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stderr.count("built the model partitioned") == 2
+    assert resumed.stderr.count("built the model partitioned") == ranks
     losses = {run: {e["step"]: e["loss"] for e in json.loads((tmp_path / run / "log_history.json").read_text())
                     if "loss" in e} for run in ("a", "b")}
     assert sorted(losses["b"]) == [1, 2, 3, 4, 5, 6]  # 1-3 from the checkpoint's trainer state, 4-6 trained again
