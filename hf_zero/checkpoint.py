@@ -36,13 +36,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
 
 from hf_zero.comm import Communicator
 from hf_zero.device import LatestCopy, to_host
 from hf_zero.export import weights_to_save
 from hf_zero.tensor_parallel import split_of
-from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, is_tp_replicated, local
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, copy_cut_into, is_tp_replicated, local
 from hf_zero.zero.update import is_elementwise
 
 if TYPE_CHECKING:
@@ -266,11 +265,7 @@ def restore_module_state(layout: ShardLayout, module_state: dict[str, torch.Tens
     """Copies the stored module state into the model; a split frozen parameter takes its own tp part of the
     stored whole tensor (cut locally, as `distribute_tensor` cut it when the model was made parallel)."""
     for name, value in module_state.items():
-        target = layout.module_state[name]
-        if not is_tp_replicated(target):
-            value = distribute_tensor(value.to(local(target).device), target.device_mesh, target.placements,
-                                      src_data_rank=None).to_local()
-        local(target).copy_(value)
+        copy_cut_into(layout.module_state[name], value)
 
 
 def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from hf_zero.device import HOST, compute_device, to_device, to_host
 from hf_zero.export import TORCH_DTYPES
 from hf_zero.tensor_parallel import local_ranges
-from hf_zero.zero.partition import is_tp_replicated, local, wrap_like
+from hf_zero.zero.partition import copy_cut_into, is_tp_replicated, local, wrap_like
 
 if TYPE_CHECKING:
     from hf_zero.zero.stage3 import Unit
@@ -64,8 +64,7 @@ def _dtensors_whole(module: nn.Module) -> Iterator[None]:
     try:
         yield
         for owner, name, p in split:
-            whole = owner._parameters[name].detach()
-            local(p).copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local())
+            copy_cut_into(p, owner._parameters[name].detach())
     finally:
         for owner, name, p in split:
             owner._parameters[name] = p

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,6 +46,16 @@ def wrap_like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     return DTensor.from_local(tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+@torch.no_grad()
+def copy_cut_into(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """`param`'s local part takes its cut of `whole`, the tensor `param` stands for: cut as `distribute_tensor`
+    cut it when the model was made parallel, locally, without communication."""
+    if not is_tp_replicated(param):
+        whole = distribute_tensor(whole.to(local(param).device), param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
+    local(param).copy_(whole)
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor:
