@@ -316,10 +316,10 @@ class ZeroEngine(nn.Module):
                     f"finite (last global norm {self.global_grad_norm}); stopping rather than training nothing. "
                     f"Look for inf or NaN in the loss or the data, or lower the learning rate; "
                     f"max_skipped_steps_in_a_row sets how many skipped steps in a row are allowed (0: no limit)")
+        self._update_state_bytes()  # at the step, while the gradient shards exist
         self.params.grads.zero_grad()
         self.global_steps += 1
         self.ledger.close_step()
-        self._update_state_bytes()
         if self.global_steps == 1:  # the first step is when gradients, optimizer states and traffic exist
             logger.info(self.ledger.report(self.comm.rank))
 

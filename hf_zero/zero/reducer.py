@@ -77,9 +77,9 @@ class GradientReducer:
         first = {key: min((position[piece.slice.param] for piece in flat_params[key[0]].pieces[key[1]]), default=-1)
                  for key in self.expected}
         self.launch_order = sorted(self.expected, key=lambda key: (-first[key], key))
-        rank_of = {key: i for i, key in enumerate(self.launch_order)}
+        self.launch_rank = {key: i for i, key in enumerate(self.launch_order)}
         for pieces in self.param_pieces.values():
-            pieces.sort(key=lambda key_piece: rank_of[key_piece[0]])
+            pieces.sort(key=lambda key_piece: self.launch_rank[key_piece[0]])
         self.pending: dict[BucketKey, int] = {}
         self.ready: set[BucketKey] = set()
         self.launched = 0  # buckets of launch_order launched in this backward

@@ -8,10 +8,13 @@ steps (M_D); with offload_optimizer that buffer is in host memory, and each buck
 there by a non-blocking copy while backward goes on, added in when the next chunk comes. Stage 3 reuses
 this path with one bucket per unit.
 
-The grad shards take no memory until the first backward: a model built shard by shard at stage 3
-should not pay for its gradients while it is being constructed (or only evaluated). With the optimizer
-states on NVMe they take none at all: each landed chunk is added into the NVMe files (`write_to`) by an
-I/O thread while backward goes on, one write in flight.
+The grad shards take memory only from the moment their first reduced chunk lands until the step has
+used them (`zero_grad` gives it back, as torch's set_to_none does): a model built shard by shard at
+stage 3 does not pay for its gradients while it is constructed or evaluated, and during a forward and
+most of a backward a rank holds only the shards of the units backward has reached. At stage 3 that
+is what leaves room for the root's backward, the first to come, where the gathered vocabulary weight
+and its whole gradient meet. With the optimizer states on NVMe they take none at all: each landed chunk
+is added into the NVMe files (`write_to`) by an I/O thread while backward goes on, one write in flight.
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ class PartitionedGradients(GradientReducer):
             self.grad_shards.append(grad_shard)
         self.bucket_buffers: dict[BucketKey, torch.Tensor] = {}
         self.early_pieces: dict[BucketKey, list[tuple[int, torch.Tensor]]] = {}  # (offset, gradient) before a buffer
+        self.kept_contributions: set[BucketKey] = set()  # buckets whose early pieces hold a tied use's gradient
         self.spare_buffers: dict[int, list[torch.Tensor]] = {}
         self.peak_buffer_bytes = 0
 
@@ -82,15 +86,23 @@ class PartitionedGradients(GradientReducer):
         self.file_chunk = {key: (g, k) for g, keys in enumerate(chunk_keys) for k, key in enumerate(keys)}
 
     def allocate(self) -> None:
+        """Every grad shard has its memory (zeros where no chunk has landed): the step and the norm read them."""
         if self.grad_files is not None:
             return
-        for grad_shard in self.grad_shards:
-            if allocate_storage(grad_shard):
-                grad_shard.zero_()
+        for fi in range(len(self.grad_shards)):
+            self._grad_shard(fi)
+
+    def _grad_shard(self, fi: int) -> torch.Tensor:
+        """Flat buffer `fi`'s grad shard, given zeroed memory first if it has none (on the compute stream:
+        a chunk's reduction adds into it on the communication stream, after it)."""
+        grad_shard = self.grad_shards[fi]
+        if allocate_storage(grad_shard):
+            grad_shard.zero_()
+        return grad_shard
 
     def begin(self, reduce: bool) -> None:
-        self.allocate()
         self.early_pieces.clear()  # left by a backward that raised
+        self.kept_contributions.clear()
         super().begin(reduce)
 
     def _buffer(self, key: BucketKey) -> torch.Tensor:
@@ -114,8 +126,42 @@ class PartitionedGradients(GradientReducer):
         return sum(b.numel() * b.element_size() for b in live)
 
     def write_piece(self, key: BucketKey, piece: Piece, param: nn.Parameter) -> None:
-        n = piece.param_hi - piece.param_lo
-        grad = local_grad(param).reshape(-1)[piece.param_lo:piece.param_hi]
+        self._add_to_bucket(key, piece, local_grad(param))
+
+    @torch.no_grad()
+    def contribute(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """One use's gradient of a parameter the model reads more than once per forward (a tied weight: see
+        Stage3Params._split_tied_uses), added into the parameter's buckets, or kept as it came until
+        `open_buckets` (no copy beside it while the weights it was computed from are still gathered). The
+        buckets still go out in their turn, once the parameter's own gradient (its first use's) has come."""
+        if not self.active:
+            raise RuntimeError("a gradient arrived outside engine.backward(); call engine.backward(loss) "
+                               "instead of loss.backward() so that ZeRO can reduce it")
+        self.got_grad.add(param)
+        for key, piece in self.param_pieces[param]:
+            if self.launch_rank[key] < self.launched:
+                raise RuntimeError(f"a gradient of a tied weight ({tuple(param.shape)}) came after its bucket was "
+                                   f"reduced: a later use in the forward reached backward after the first one. "
+                                   f"ZeRO stage 3 expects the first use of a tied weight to get its gradient last")
+            if key in self.bucket_buffers:
+                self._add_to_bucket(key, piece, grad)
+            else:
+                part = grad.reshape(-1)[piece.param_lo:piece.param_hi]
+                self.early_pieces.setdefault(key, []).append((piece.range_lo, part.to(self.dtype)))
+                self.kept_contributions.add(key)
+
+    def open_buckets(self) -> None:
+        """Opens the buckets that hold contributions kept as they came, taking them in (stage 3: once the
+        root's weights are freed, the tied head's gradient moves into its bucket)."""
+        for key in self.kept_contributions:
+            if key in self.early_pieces:  # else its bucket has opened already
+                self._buffer(key)
+        self.kept_contributions.clear()
+
+    def _add_to_bucket(self, key: BucketKey, piece: Piece, grad: torch.Tensor) -> None:
+        """Adds `piece` of a parameter's gradient `grad` into its bucket."""
+        grad = grad.reshape(-1)[piece.param_lo:piece.param_hi]
+        n = grad.numel()
         if key not in self.bucket_buffers:
             # A bucket's first small pieces are kept aside until its pieces would fill 1/EARLY_SHARE of it: a
             # stage-3 root whose final norm's gradient comes first and its tied embedding's last would
@@ -142,6 +188,7 @@ class PartitionedGradients(GradientReducer):
 
         if self.offloaded:  # the bucket goes back once its chunk has landed in host memory (_add_landed)
             return BucketReduction(launch, lambda: self._land_in_host_memory(key, owned, buf))
+        self._grad_shard(key[0])
         return BucketReduction(launch, lambda: self.owned_grad(*key).add_(owned), lambda: self._recycle(buf))
 
     def _land_in_host_memory(self, key: BucketKey, owned: torch.Tensor, buf: torch.Tensor) -> None:
@@ -158,6 +205,7 @@ class PartitionedGradients(GradientReducer):
         self.landing = None
         copy.wait()
         if self.grad_files is None:
+            self._grad_shard(key[0])
             self.owned_grad(*key).add_(host)
             self._recycle(buf)
             return
@@ -198,8 +246,7 @@ class PartitionedGradients(GradientReducer):
         if self.grad_files is not None:
             self.grad_files.clear_grads()
         for grad_shard in self.grad_shards:
-            if grad_shard.untyped_storage().nbytes():
-                grad_shard.zero_()
+            release_storage(grad_shard)
 
     def held_bytes(self) -> int:
         return sum(g.untyped_storage().nbytes() for g in self.grad_shards)

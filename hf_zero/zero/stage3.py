@@ -500,8 +500,11 @@ class Stage3Params(ParamHolder):
     def _install_hooks(self, model: nn.Module) -> None:
         self.root = next((u for u in self.units if u.is_root), None)
         self.root_saves_waiting = 0  # tensors of the root's buffers the forward saved and backward has not read
+        self.tied_read: set[int] = set()  # tied root weights read by this forward (see _split_tied_uses)
+        self.read_through: dict[tuple[int, str], nn.Parameter] = {}  # (module, name) reading through a split
         if self.root is not None and self.root_frees_early:
             self._count_root_saves_in(model)
+            self._split_tied_uses(model)
         for unit in self.units:
             if not unit.persistent:
                 unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
@@ -524,6 +527,7 @@ class Stage3Params(ParamHolder):
         def enter(module: nn.Module, args: Any) -> None:
             if not self.in_backward:  # a new forward: the saves of one without a backward went with its graph
                 self.root_saves_waiting = 0
+                self.tied_read.clear()
             context.__enter__()
 
         model.register_forward_pre_hook(enter)
@@ -544,6 +548,48 @@ class Stage3Params(ParamHolder):
             self._fetch(self.root, backward=True)
         self.root_saves_waiting -= 1
         return saved.tensor
+
+    def _split_tied_uses(self, model: nn.Module) -> None:
+        """A root weight that several modules hold (a language model's vocabulary embedding and its head) gets
+        a gradient from each. Autograd sums a leaf's gradients before any hook sees them: the head's, the first
+        of backward, waits through the whole backward and is then summed out of place with the embedding's,
+        three vocabulary-sized tensors at the end. Instead, in a forward that backward follows, the first
+        module to read the weight reads the parameter itself and each later one reads it through _TiedUse,
+        whose backward hands that use's gradient to the reducer (PartitionedGradients.contribute): kept as it
+        came while the root is gathered, moved into the parameter's bucket once the root is freed. Then the
+        end of backward holds the bucket and the embedding's gradient, not three. No collective is added:
+        the bucket goes out in its turn, which every rank shares. The parameter's own gradient (its .grad,
+        and hooks on it) is then only its first use's, so a parameter with a hook registered on it is not
+        split."""
+        root_params = {id(s.param) for flat in self.root.flats for s in flat.slices}
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in root_params:
+                    holders.setdefault(id(p), []).append((module, name))
+        for slots in holders.values():
+            if len(slots) > 1:
+                for module, name in slots:
+                    module.register_forward_pre_hook(lambda m, a, n=name: self._read_tied(m, n))
+                    module.register_forward_hook(lambda m, a, out, n=name: self._end_tied_read(m, n),
+                                                 always_call=True)
+
+    def _read_tied(self, module: nn.Module, name: str) -> None:
+        param = module._parameters[name]
+        # A hook registered on the parameter (a mask on some rows) is to see its whole gradient: not split then.
+        if self.in_backward or param._backward_hooks or not (torch.is_grad_enabled() and param.requires_grad):
+            return
+        if id(param) not in self.tied_read:
+            self.tied_read.add(id(param))
+            return
+        self.read_through[(id(module), name)] = param
+        # Not setattr: a module's parameter slot takes only a Parameter. The forward hook puts it back.
+        module._parameters[name] = _TiedUse.apply(param, self.grads)
+
+    def _end_tied_read(self, module: nn.Module, name: str) -> None:
+        param = self.read_through.pop((id(module), name), None)
+        if param is not None:
+            module._parameters[name] = param
 
     def _gather_root_around(self, model: nn.Module, method: str) -> None:
         """Runs model.<method> with the root unit gathered, as a forward would be. generate() calls parts
@@ -591,6 +637,7 @@ class Stage3Params(ParamHolder):
         if backward and self.in_backward and unit is not self.root and self.root_frees_early \
                 and self.root_saves_waiting <= 0:
             self.root.free_early()  # backward has read back all the forward saved of it
+            self.grads.open_buckets()  # the tied head's gradient, kept until the root's weights went
         if unit not in order:
             order.append(unit)
         unit.gather(purpose)
@@ -663,6 +710,22 @@ class Stage3Params(ParamHolder):
         gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)
         pool = self.reader.pool_bytes() if self.reader is not None else 0
         return gathered + pool + sum(s.numel() * s.element_size() for s in self.param_shards)
+
+
+class _TiedUse(torch.autograd.Function):
+    """A tied weight as one of its later uses in a forward reads it (Stage3Params._split_tied_uses): the same
+    values, and in backward that use's gradient goes into the parameter's bucket instead of being summed with
+    the others' first."""
+
+    @staticmethod
+    def forward(ctx: Any, param: nn.Parameter, grads: Stage3Gradients) -> torch.Tensor:
+        ctx.param, ctx.grads = param, grads
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.grads.contribute(ctx.param, grad)
+        return None, None
 
 
 class _RootSaved:

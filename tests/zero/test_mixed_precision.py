@@ -148,22 +148,35 @@ def accumulated_grad_norm(config: dict) -> float:
     return engine.compute_grad_norm()
 
 
-def reference_norm(accumulate: torch.dtype) -> float:
+def reference_norm(accumulate: torch.dtype, tied_uses_apart: bool = False) -> float:
     """One process: each rank's micro-batch gradients in bf16, as the engine's forward and backward give them,
     averaged over the ranks in fp32, accumulated in `accumulate`: fp32 (a gradient shard in fp32), or bf16
-    per rank before the average, which lands in bf16 again (the parameters' own .grad, as stages 0-1 keep it)."""
+    per rank before the average, which lands in bf16 again (the parameters' own .grad, as stages 0-1 keep it).
+    `tied_uses_apart`: the tied wte's two gradients (the head's and the embedding's) come apart, each in bf16,
+    and are added in fp32, as stage 3 takes them (Stage3Params._split_tied_uses); otherwise autograd adds them
+    in bf16 first."""
     model = tiny_model("gpt2").to(torch.bfloat16)
-    per_rank = [[torch.zeros(p.shape, dtype=accumulate) for p in model.parameters()] for _ in range(WORLD)]
-    total = [torch.zeros(p.shape) for p in model.parameters()]
+    head = model.lm_head
+    if tied_uses_apart:
+        head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
+    params = [p for p in model.parameters() if p is not head.weight or not tied_uses_apart]
+
+    def grad(p: torch.Tensor) -> torch.Tensor:
+        if tied_uses_apart and p is model.transformer.wte.weight:
+            return p.grad.float() + head.weight.grad.float()
+        return p.grad
+
+    per_rank = [[torch.zeros(p.shape, dtype=accumulate) for p in params] for _ in range(WORLD)]
+    total = [torch.zeros(p.shape) for p in params]
     for micro_batch in range(MICRO_BATCHES):
-        averaged = [torch.zeros(p.shape) for p in model.parameters()]
+        averaged = [torch.zeros(p.shape) for p in params]
         for rank in range(WORLD):
             model.zero_grad(set_to_none=True)
             (model(**local_part(batch("gpt2", micro_batch, GLOBAL_BATCH), rank, WORLD)).loss
              * (1 / MICRO_BATCHES)).backward()
-            for acc, avg, p in zip(per_rank[rank], averaged, model.parameters()):
-                acc.copy_(acc + p.grad)
-                avg.add_(p.grad.float() / WORLD)
+            for acc, avg, p in zip(per_rank[rank], averaged, params):
+                acc.copy_(acc + grad(p))
+                avg.add_(grad(p).float() / WORLD)
         for tot, avg in zip(total, averaged):
             tot.add_(avg)
     if accumulate == torch.bfloat16:
@@ -177,7 +190,8 @@ def reference_norm(accumulate: torch.dtype) -> float:
 def test_reduce_dtype_fp32_reduces_and_accumulates_the_bf16_gradients_in_fp32(config):
     """Stages 2-3 accumulate micro-batches into an fp32 gradient shard (in host memory with offload); stages 0-1
     accumulate in the parameters' bf16 .grad, as DDP would, and reduce each bucket through an fp32 copy."""
-    expected = reference_norm(torch.float32 if config["zero_stage"] >= 2 else torch.bfloat16)
+    expected = reference_norm(torch.float32 if config["zero_stage"] >= 2 else torch.bfloat16,
+                              tied_uses_apart=config["zero_stage"] == 3)
     norms = spawn_gloo(accumulated_grad_norm, WORLD, {**config, "reduce_dtype": "fp32"})
     assert all(abs(norm - expected) < 1e-6 * expected for norm in norms), (norms, expected)
 
