@@ -117,11 +117,15 @@ class GradientReducer:
         self.ready.clear()
         self.launched = 0
 
-    @torch.no_grad()
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
+    def check_in_backward(self) -> None:
+        """Raises when a gradient arrives outside engine.backward()."""
         if not self.active:
             raise RuntimeError("a gradient arrived outside engine.backward(); call engine.backward(loss) "
                                "instead of loss.backward() so that ZeRO can reduce it")
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self.check_in_backward()
         self.got_grad.add(param)
         self.accumulate(param)
         if self.reducing:

@@ -134,9 +134,7 @@ class PartitionedGradients(GradientReducer):
         Stage3Params._split_tied_uses), added into the parameter's buckets, or kept as it came until
         `open_buckets` (no copy beside it while the weights it was computed from are still gathered). The
         buckets still go out in their turn, once the parameter's own gradient (its first use's) has come."""
-        if not self.active:
-            raise RuntimeError("a gradient arrived outside engine.backward(); call engine.backward(loss) "
-                               "instead of loss.backward() so that ZeRO can reduce it")
+        self.check_in_backward()
         self.got_grad.add(param)
         for key, piece in self.param_pieces[param]:
             if self.launch_rank[key] < self.launched:

@@ -108,6 +108,15 @@ def sgd_steps(model: nn.Module, steps: int, config: dict) -> hf_zero.ZeroEngine 
     return engine
 
 
+def sgd_trained(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters after STEPS of sgd_steps with the default stage-3 settings (gathered at stage 3)."""
+    engine = sgd_steps(model, STEPS, {})
+    if engine is None:
+        return named_copy(model)
+    with engine.gathered_parameters():
+        return named_copy(model)
+
+
 def train_shared(kind: str) -> dict:
     model = model_with_shared_weights(kind)
     engine = sgd_steps(model, STEPS, {})
@@ -252,11 +261,7 @@ def train_shared_checkpointed() -> dict:
     recomputation reads it again in backward, where autograd saved nothing of it."""
     model = model_with_shared_weights("module_shared_by_two_blocks")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = sgd_steps(model, STEPS, {})
-    if engine is None:
-        return named_copy(model)
-    with engine.gathered_parameters():
-        return named_copy(model)
+    return sgd_trained(model)
 
 
 def test_a_layer_blocks_share_stays_gathered_for_their_recomputation():
@@ -313,11 +318,7 @@ def train_with_rows_frozen_by_a_hook() -> dict:
     mask = torch.ones(VOCAB, 1)
     mask[:FROZEN_ROWS] = 0
     model.transformer.wte.weight.register_hook(lambda grad: grad * mask)
-    engine = sgd_steps(model, STEPS, {})
-    if engine is None:
-        return named_copy(model)
-    with engine.gathered_parameters():
-        return named_copy(model)
+    return sgd_trained(model)
 
 
 def test_a_hook_on_a_tied_weight_sees_its_whole_gradient():
