@@ -9,7 +9,8 @@ from typing import NoReturn
 from hf_zero import ZeroConfigError
 from hf_zero.config import DTYPES, did_you_mean, offload_conflict
 from hf_zero.checkpoint import CheckpointError
-from hf_zero.launch import free_port, use_mmap_for_large_allocations
+from hf_zero.host_memory import use_mmap_for_large_allocations
+from hf_zero.launch import free_port
 
 
 class Parser(argparse.ArgumentParser):

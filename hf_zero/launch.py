@@ -19,26 +19,6 @@ import torch.multiprocessing as mp
 
 from hf_zero.device import has_accelerator, use_local_accelerator
 
-# glibc serves allocations above this from mmap, given back to the system when freed. Left to itself, glibc
-# raises the threshold as large blocks are freed (up to 32 MiB) and keeps later ones in its heap, so a rank's
-# peak follows its allocation history: the gpt2-large-shape stage-3 run peaked at 4.63-4.90 GiB per rank
-# against 4.35-4.37 with the threshold fixed at 1 MiB or 8 MiB. 1 MiB made `hf-zero train` 1.7x slower
-# (every activation an mmap and fresh page faults); at 8 MiB it runs as fast as glibc's default.
-MMAP_THRESHOLD = 8 << 20
-
-
-def use_mmap_for_large_allocations() -> None:
-    """For the processes hf-zero launches (through the environment, read when a process starts) and for
-    this one (mallopt): glibc's mmap threshold fixed at MMAP_THRESHOLD, unless MALLOC_MMAP_THRESHOLD_ is set
-    already, which is how a user chooses another value."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl): nothing to set
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
-
 
 def processes_per_node(world_size: int) -> int:
     """torchrun's LOCAL_WORLD_SIZE: the processes on this node (all `world_size` of them when it is not set)."""

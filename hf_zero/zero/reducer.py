@@ -126,19 +126,23 @@ class GradientReducer:
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         self.check_in_backward()
+        self._take_in(param, lambda key, piece: self.write_piece(key, piece, param))
+        self.release(param)
+
+    def _take_in(self, param: nn.Parameter, write: Callable[[BucketKey, Piece], None]) -> None:
+        """The parameter's gradient has come: `write` puts each piece into its bucket."""
         self.got_grad.add(param)
         self.accumulate(param)
         if self.reducing:
             # Piece by piece in launch order, so that a parameter spanning many buckets never opens them all
             # at once.
             for key, piece in self.param_pieces[param]:
-                self.write_piece(key, piece, param)
+                write(key, piece)
                 self.pending[key] -= 1
                 if self.pending[key] == 0:
                     self.ready.add(key)
                     while self.launched < len(self.launch_order) and self.launch_order[self.launched] in self.ready:
                         self._launch_next()
-        self.release(param)
 
     def take_unused(self) -> list[nn.Parameter]:
         """The parameters no gradient reached on this rank since the last call (one optimizer step's window)."""

@@ -76,6 +76,9 @@ class PartitionedGradients(GradientReducer):
         self.bucket_buffers: dict[BucketKey, torch.Tensor] = {}
         self.early_pieces: dict[BucketKey, list[tuple[int, torch.Tensor]]] = {}  # (offset, gradient) before a buffer
         self.kept_contributions: set[BucketKey] = set()  # buckets whose early pieces hold a tied use's gradient
+        # Tied weights whose first use in this forward gives its gradient as rows (take_rows), at the end of
+        # backward: a gradient from any other use before that is one more contribution.
+        self.rows_to_come: set[nn.Parameter] = set()
         self.spare_buffers: dict[int, list[torch.Tensor]] = {}
         self.peak_buffer_bytes = 0
 
@@ -147,6 +150,34 @@ class PartitionedGradients(GradientReducer):
                 part = grad.reshape(-1)[piece.param_lo:piece.param_hi]
                 self.early_pieces.setdefault(key, []).append((piece.range_lo, part.to(self.dtype)))
                 self.kept_contributions.add(key)
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # every use handed its gradient over apart (take_rows, contribute): none left
+            return
+        if param in self.rows_to_come:
+            self.contribute(param, local_grad(param))
+            self.release(param)
+            return
+        super()._on_grad_ready(param)
+
+    @torch.no_grad()
+    def take_rows(self, param: nn.Parameter, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
+        """The gradient of a tied weight's first use, an embedding lookup (Stage3Params._split_tied_uses), as the
+        rows its tokens picked: `row_grads[i]` is the gradient of row `rows[i]` (distinct), the rest is zero.
+        Added into the parameter's bucket, after the other uses' contributions as a dense gradient would be;
+        then the parameter's gradient has come."""
+        self.check_in_backward()
+        self.rows_to_come.discard(param)
+        assert self.reducing, "rows are taken at stage 3, which reduces every backward"
+
+        def write(key: BucketKey, piece: Piece) -> None:
+            whole = piece.slice  # the parameter may be freed already: its slice knows its shape
+            assert piece.param_lo == 0 and piece.param_hi == whole.numel, "stage 3: one bucket per parameter"
+            region = self._buffer(key)[piece.range_lo:piece.range_lo + whole.numel].view(whole.shape)
+            region[rows] += row_grads.to(self.dtype)  # distinct rows: no two additions into one element
+
+        self._take_in(param, write)
 
     def open_buckets(self) -> None:
         """Opens the buckets that hold contributions kept as they came, taking them in (stage 3: once the

@@ -26,12 +26,15 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
+from hf_zero.host_memory import HeapTrimmer
 from hf_zero.ops.quantize import dequantize, quantize, senders_parts
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
@@ -304,6 +307,7 @@ class Stage3Params(ParamHolder):
         self.param_shard_device = HOST if config.offload_param != "none" else None
         self.reader: ParamReader | None = None
         self.reshard_root_after_forward = config.reshard_root_after_forward
+        self.trim_host_heap = config.trim_host_heap
         self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.flats]
         self.chunks_lent = LatestCopy() if self.param_shard_device is not None else None
@@ -502,6 +506,8 @@ class Stage3Params(ParamHolder):
         self.root_saves_waiting = 0  # tensors of the root's buffers the forward saved and backward has not read
         self.tied_read: set[int] = set()  # tied root weights read by this forward (see _split_tied_uses)
         self.read_through: dict[tuple[int, str], nn.Parameter] = {}  # (module, name) reading through a split
+        self.reading_rows: dict[int, _EmbeddingRows] = {}  # embedding modules in a forward reading rows
+        self.trim_heap = HeapTrimmer() if self.trim_host_heap else None  # see host_memory.py
         if self.root is not None and self.root_frees_early:
             self._count_root_saves_in(model)
             self._split_tied_uses(model)
@@ -528,6 +534,7 @@ class Stage3Params(ParamHolder):
             if not self.in_backward:  # a new forward: the saves of one without a backward went with its graph
                 self.root_saves_waiting = 0
                 self.tied_read.clear()
+                self.grads.rows_to_come.clear()
             context.__enter__()
 
         model.register_forward_pre_hook(enter)
@@ -560,7 +567,14 @@ class Stage3Params(ParamHolder):
         end of backward holds the bucket and the embedding's gradient, not three. No collective is added:
         the bucket goes out in its turn, which every rank shares. The parameter's own gradient (its .grad,
         and hooks on it) is then only its first use's, so a parameter with a hook registered on it is not
-        split."""
+        split.
+
+        When that first use is an embedding lookup (nn.Embedding, the first module of a language model), its
+        backward would make one more dense vocabulary-sized gradient, zero outside the rows the batch's
+        tokens picked, just to add it into the bucket. It reads the weight through _EmbeddingRows instead,
+        whose backward gives only those rows (PartitionedGradients.take_rows), summed by torch's own
+        embedding backward in the same order: the bucket gets the same values, and the end of backward
+        holds the bucket and a few rows."""
         root_params = {id(s.param) for flat in self.root.flats for s in flat.slices}
         holders: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in model.modules():
@@ -581,12 +595,21 @@ class Stage3Params(ParamHolder):
             return
         if id(param) not in self.tied_read:
             self.tied_read.add(id(param))
+            if isinstance(module, nn.Embedding) and name == "weight" and module.max_norm is None \
+                    and not module.sparse:
+                rows = _EmbeddingRows(param, self.grads)
+                rows.__enter__()
+                self.grads.rows_to_come.add(param)
+                self.reading_rows[id(module)] = rows
             return
         self.read_through[(id(module), name)] = param
         # Not setattr: a module's parameter slot takes only a Parameter. The forward hook puts it back.
         module._parameters[name] = _TiedUse.apply(param, self.grads)
 
     def _end_tied_read(self, module: nn.Module, name: str) -> None:
+        rows = self.reading_rows.pop(id(module), None)
+        if rows is not None:
+            rows.__exit__(None, None, None)
         param = self.read_through.pop((id(module), name), None)
         if param is not None:
             module._parameters[name] = param
@@ -634,6 +657,8 @@ class Stage3Params(ParamHolder):
         budget, and without it every all-gather would be exposed), then more up to `prefetch_bucket_size`
         elements in all."""
         order, purpose = (self.backward_order, "backward") if backward else (self.forward_order, "forward")
+        if backward and self.in_backward and self.trim_heap is not None:
+            self.trim_heap()
         if backward and self.in_backward and unit is not self.root and self.root_frees_early \
                 and self.root_saves_waiting <= 0:
             self.root.free_early()  # backward has read back all the forward saved of it
@@ -726,6 +751,59 @@ class _TiedUse(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
         ctx.grads.contribute(ctx.param, grad)
         return None, None
+
+
+class _EmbeddingRows(TorchFunctionMode):
+    """Entered around the forward of the embedding that reads a split tied weight first
+    (Stage3Params._split_tied_uses): its lookup of that weight goes through _EmbeddingLookup."""
+
+    def __init__(self, param: nn.Parameter, grads: Stage3Gradients) -> None:
+        super().__init__()
+        self.param, self.grads = param, grads
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            call = dict(zip(("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                             "sparse"), args)) | kwargs
+            if call["weight"] is self.param and call.get("max_norm") is None and not call.get("sparse"):
+                padding_idx = call.get("padding_idx")
+                if padding_idx is None:
+                    padding_idx = -1
+                elif padding_idx < 0:
+                    padding_idx += self.param.shape[0]
+                # The weight goes in as a new leaf: autograd would otherwise hold the parameter's own
+                # AccumulateGrad until this backward, the last, when the root is freed (a gradient another use
+                # gave it directly would then come only there).
+                return _EmbeddingLookup.apply(call["input"], self.param.detach().requires_grad_(), padding_idx,
+                                              bool(call.get("scale_grad_by_freq")), self)
+        return func(*args, **kwargs)
+
+
+class _EmbeddingLookup(torch.autograd.Function):
+    """torch.embedding whose backward hands the weight's gradient to the reducer as the rows the tokens
+    picked (PartitionedGradients.take_rows). The rows are torch's own embedding backward with the tokens
+    renumbered over the distinct ones: each row is summed in the same order as in the dense gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int, scale_grad_by_freq: bool,
+                reading: _EmbeddingRows) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.scale_grad_by_freq, ctx.reading = padding_idx, scale_grad_by_freq, reading
+        return torch.embedding(weight, ids, padding_idx, scale_grad_by_freq)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        (ids,) = ctx.saved_tensors
+        rows, renumbered = torch.unique(ids, return_inverse=True)  # sorted: renumbering keeps the tokens' order
+        padding = -1
+        if ctx.padding_idx >= 0:
+            at = int(torch.searchsorted(rows, ctx.padding_idx))
+            padding = at if at < rows.numel() and int(rows[at]) == ctx.padding_idx else -1
+        row_grads = torch.ops.aten.embedding_dense_backward(grad, renumbered, rows.numel(), padding,
+                                                            ctx.scale_grad_by_freq)
+        ctx.reading.grads.take_rows(ctx.reading.param, rows, row_grads)
+        return None, None, None, None, None
 
 
 class _RootSaved:
