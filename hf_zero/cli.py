@@ -6,9 +6,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from hf_zero import ZeroConfigError
-from hf_zero.config import DTYPES, did_you_mean, offload_conflict
-from hf_zero.checkpoint import CheckpointError
+from hf_zero.config import DTYPES, ZeroConfigError, did_you_mean, offload_conflict
 from hf_zero.host_memory import use_mmap_for_large_allocations
 from hf_zero.launch import free_port
 
@@ -252,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     try:
         return COMMANDS[command][0](rest)
-    except (ZeroConfigError, CheckpointError) as error:
+    except Exception as error:
+        # Imported here: checkpoint brings DTensor, which the commands that never read one need not load.
+        from hf_zero.checkpoint import CheckpointError
+
+        if not isinstance(error, (ZeroConfigError, CheckpointError)):
+            raise
         print(f"hf-zero {command}: {error}", file=sys.stderr)
         return 2
 

@@ -39,6 +39,34 @@ class _Done:
         return True
 
 
+class CollectiveError(RuntimeError):
+    """A collective that did not complete on this rank, named with its group and its number there: the
+    backend's own error (gloo: "Timed out waiting 30000ms for recv operation to complete") names neither,
+    and the numbers tell a collective that ranks issued in different orders."""
+
+
+def _named(what: str, call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(f"{what} did not complete: {e}") from e
+
+
+class _Named:
+    """A collective's work handle whose wait() names the collective if it fails."""
+
+    def __init__(self, work: Any, what: str) -> None:
+        self.work, self.what = work, what
+
+    def wait(self) -> bool:
+        return _named(self.what, self.work.wait)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class _Pieces:
     """One collective made of one per rank (Communicator.per_rank_pieces): waits on all of them, then runs
     `finish`. Without async_op it has already waited."""
@@ -168,12 +196,22 @@ class Communicator:
         # rank's slice in place and reducing each chunk to its owner in place move the same bytes with none
         # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
         self.per_rank_pieces = backend == "gloo"
+        self.launched = 0  # collectives this rank issued on this group, numbered in its errors
+
+    def _launch(self, op: str, tensor: torch.Tensor | None, launch: Callable[[], Any]) -> Any:
+        """Issues one collective through `launch`; its work handle, if any, names it should it fail."""
+        self.launched += 1
+        size = "" if tensor is None else f" ({tensor.numel():,} {str(tensor.dtype).removeprefix('torch.')} elements)"
+        what = f"rank {rank()}: {op} #{self.launched} of its group of {self.world_size}{size}"
+        work = _named(what, launch)
+        return None if work is None else _Named(work, what)
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:
             return _Done()
         self.ledger.record("all_reduce", 2 * tensor.numel(), tensor.element_size(), self.span)
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        return self._launch("all_reduce", tensor,
+                            lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
 
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Sums `input` over ranks; this rank receives its 1/world_size part in `output` (may alias input)."""
@@ -181,12 +219,17 @@ class Communicator:
             return _copy_locally(output, input)
         self.ledger.record("reduce_scatter", input.numel(), input.element_size(), self.span)
         if not self.per_rank_pieces:
-            return dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+            return self._launch("reduce_scatter", input, lambda: dist.reduce_scatter_single(
+                output, input, group=self.group, async_op=async_op))
         n = output.numel()
-        works = [dist.reduce(input[r * n:(r + 1) * n], group_dst=r, group=self.group, async_op=True)
-                 for r in range(self.world_size)]
         mine = input[self.rank * n:(self.rank + 1) * n]
-        return _Pieces(works, lambda: None if _same_memory(output, mine) else output.copy_(mine), async_op)
+
+        def launch() -> _Pieces:
+            works = [dist.reduce(input[r * n:(r + 1) * n], group_dst=r, group=self.group, async_op=True)
+                     for r in range(self.world_size)]
+            return _Pieces(works, lambda: None if _same_memory(output, mine) else output.copy_(mine), async_op)
+
+        return self._launch("reduce_scatter", input, launch)
 
     def all_gather_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenates every rank's `input` into `output` (input may be this rank's slice of output)."""
@@ -202,31 +245,41 @@ class Communicator:
             return _Done()
         for output in outputs:
             self.ledger.record("all_gather", output.numel(), output.element_size(), self.span)
+        op = "all_gather" if len(outputs) == 1 else f"all_gather of {len(outputs)} tensors"
         if not self.per_rank_pieces:
             self.ledger.count("all-gather launches")
             if len(outputs) == 1:
-                return dist.all_gather_single(outputs[0], inputs[0], group=self.group, async_op=async_op)
-            with dist._coalescing_manager(self.group, async_ops=async_op) as grouped:
-                for output, input in zip(outputs, inputs):
-                    dist.all_gather_single(output, input, group=self.group)
-            return _Pieces(grouped.works, lambda: None, async_op)
-        works = []
+                return self._launch(op, outputs[0], lambda: dist.all_gather_single(
+                    outputs[0], inputs[0], group=self.group, async_op=async_op))
+
+            def launch_grouped() -> _Pieces:
+                with dist._coalescing_manager(self.group, async_ops=async_op) as grouped:
+                    for output, input in zip(outputs, inputs):
+                        dist.all_gather_single(output, input, group=self.group)
+                return _Pieces(grouped.works, lambda: None, async_op)
+
+            return self._launch(op, outputs[0], launch_grouped)
         for output, input in zip(outputs, inputs):
-            n = input.numel()
-            mine = output[self.rank * n:(self.rank + 1) * n]
+            mine = output[self.rank * input.numel():(self.rank + 1) * input.numel()]
             if not _same_memory(mine, input):
                 mine.copy_(input)
-            works += [dist.broadcast(output[r * n:(r + 1) * n], group_src=r, group=self.group, async_op=True)
-                      for r in range(self.world_size)]
-        self.ledger.count("all-gather launches", len(works))
-        return _Pieces(works, lambda: None, async_op)
+
+        def launch_pieces() -> _Pieces:
+            works = [dist.broadcast(output[r * input.numel():(r + 1) * input.numel()], group_src=r,
+                                    group=self.group, async_op=True)
+                     for output, input in zip(outputs, inputs) for r in range(self.world_size)]
+            self.ledger.count("all-gather launches", len(works))
+            return _Pieces(works, lambda: None, async_op)
+
+        return self._launch(op, outputs[0], launch_pieces)
 
     def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""
         if self.world_size == 1:
             return _copy_locally(output, input)
         self.ledger.record("all_to_all", input.numel(), input.element_size(), self.span)
-        return dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+        return self._launch("all_to_all", input,
+                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op))
 
     def subgroup(self, ranks_of_each: list[list[int]]) -> "Communicator":
         """A Communicator over the subgroup, among `ranks_of_each` (ranks of this group, covering it once),
@@ -240,14 +293,15 @@ class Communicator:
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Used once at start-up to make every rank begin from rank 0's weights, as DDP does."""
         if self.world_size > 1:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
-                           group=self.group)
+            self._launch("broadcast", tensor, lambda: dist.broadcast(
+                tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group))
 
     def any_rank_(self, flags: torch.Tensor) -> None:
         """Sets each flag (uint8) to 1 where any rank has it set. A control message (which parameters got a
         gradient somewhere), not recorded: the ledger counts model-state traffic."""
         if self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            self._launch("all_reduce (max)", flags,
+                         lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (small, picklable): control messages such as "this rank's save failed".
@@ -255,7 +309,7 @@ class Communicator:
         if self.world_size == 1:
             return [obj]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        self._launch("all_gather_object", None, lambda: dist.all_gather_object(gathered, obj, group=self.group))
         return gathered
 
     def agree(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError) -> list[Any]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import math
 import os
 import socket
 import sys
-import threading
-from datetime import timedelta
 import tempfile
+import threading
+import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
@@ -25,6 +27,25 @@ def processes_per_node(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+COLLECTIVE_TIMEOUT_ENV = "HF_ZERO_COLLECTIVE_TIMEOUT"
+
+
+def collective_timeout(default: timedelta | None) -> timedelta | None:
+    """How long a rank waits in one collective for the others before it fails: HF_ZERO_COLLECTIVE_TIMEOUT
+    seconds where that is set (the test suite sets 40, so that a hung collective fails its test within a
+    minute), else `default` (None: torch's own, 30 minutes)."""
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    if text is None:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV} must be a positive number of seconds; got {text!r}")
+    return timedelta(seconds=seconds)
+
+
 def init_distributed(backend: str | None = None) -> None:
     """Initialises torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
     A single process without that environment runs without a process group."""
@@ -34,7 +55,7 @@ def init_distributed(backend: str | None = None) -> None:
         backend = "nccl" if has_accelerator() else "gloo"
     if backend == "nccl":
         use_local_accelerator(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=collective_timeout(None))
 
 
 @functools.cache  # registers once per process
@@ -103,13 +124,29 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     # A bounded timeout turns a collective one rank never joins into an error instead of a hung run.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=collective_timeout(timedelta(minutes=5)))
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
+    except Exception as e:
+        raise RuntimeError(f"rank {rank} of {world_size} failed{_while_in_collective(e)}: "
+                           f"{type(e).__name__}: {e}") from e
     finally:
         dist.destroy_process_group()
+
+
+def _while_in_collective(error: BaseException) -> str:
+    """", waiting in <collective> called from <file:line>" when `error` came out of a torch.distributed call
+    (the engine's own collectives name themselves: hf_zero.comm.CollectiveError), else ""."""
+    torch_distributed = os.path.dirname(dist.__file__)
+    frames = traceback.extract_tb(error.__traceback__)
+    for i, frame in enumerate(frames):
+        if frame.filename == dist.distributed_c10d.__file__:
+            callers = [f for f in frames[:i] if not f.filename.startswith(torch_distributed)] or [frame]
+            return f", waiting in torch.distributed.{frame.name} called from {callers[-1].filename}:{callers[-1].lineno}"
+    return ""
 
 
 # Ranks are forked from one server process that imported these once: a spawned rank re-imports torch

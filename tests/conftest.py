@@ -6,12 +6,15 @@ import os
 import pytest
 
 from hf_zero.device import SIMULATE_ENV
-from hf_zero.launch import spawn_gloo
+from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, spawn_gloo
 from tests.helpers import Scenario, run_scenarios
 
 # Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies
 # on a signal, so a rare abort in CI says where it happened.
 os.environ["PYTHONFAULTHANDLER"] = "1"
+# A collective that some rank never joins fails its test within a minute, naming the rank and the collective,
+# instead of after gloo's default wait (spawned ranks: 5 minutes; hf-zero train: 30).
+os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
 
 @pytest.fixture(scope="module", params=["immediate", "simulated_async"])
 def copies(request) -> str:

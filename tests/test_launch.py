@@ -4,12 +4,18 @@ finalization, where gloo can abort."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from hf_zero.launch import free_port, spawn_gloo
+import hf_zero
+from hf_zero.comm import Communicator, Ledger
+from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, collective_timeout, free_port, spawn_gloo
 
 SCRIPT = """
 import atexit, os
@@ -78,3 +84,73 @@ def test_a_rank_that_finished_its_script_cannot_abort_in_interpreter_teardown(tm
                           text=True, timeout=120)
     assert rank.returncode == (script_exit or 0), rank.stderr[-2000:]
     assert rank.stdout == "trainedatexit ran\n"
+
+
+def collective_only_rank_0_joins(through: str) -> None:
+    """Rank 0 enters one collective that rank 1 never joins (rank 1 is busy elsewhere, as a hung rank is),
+    or, with "mismatched", both enter a collective but not the same one (rank 1 broadcasts)."""
+    tensor = torch.ones(8)
+    if through == "mismatched":
+        comm = Communicator(Ledger())
+        comm.all_reduce_(tensor) if dist.get_rank() == 0 else comm.broadcast_(tensor)
+    elif dist.get_rank() == 1:
+        time.sleep(120)
+    elif through == "engine":
+        Communicator(Ledger()).all_reduce_(tensor, async_op=True).wait()
+    else:
+        dist.all_reduce(tensor)
+
+
+@pytest.mark.parametrize("through, named", [
+    ("engine", r"rank 0: all_reduce #1 of its group of 2 \(8 float32 elements\) did not complete"),
+    ("torch", r"rank 0 of 2 failed, waiting in torch.distributed.all_reduce called from .*test_launch.py:\d+"),
+    ("mismatched", r"rank [01]: (all_reduce|broadcast) #1 of its group of 2 .* did not complete"),
+])
+def test_a_collective_a_rank_never_joins_fails_within_the_timeout_naming_the_rank_and_the_collective(
+        monkeypatch, through, named):
+    """gloo's own default would wait 30 minutes (5 under spawn_gloo); the suite waits 40 s, here 3."""
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "3")
+    start = time.monotonic()
+    with pytest.raises(Exception, match=named) as failure:
+        spawn_gloo(collective_only_rank_0_joins, 2, through)
+    assert "Timed out" in str(failure.value) or "Connection closed" in str(failure.value)
+    assert time.monotonic() - start < 30  # not the 120 s rank 1 sleeps, nor a default timeout
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
+def test_a_bad_collective_timeout_is_refused_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"{COLLECTIVE_TIMEOUT_ENV} must be a positive number of seconds; "
+                                         f"got '{value}'"):
+        collective_timeout(None)
+
+
+def leave_state_behind() -> dict:
+    """What a test's ranks find when they start, then change all of it, as a careless test would: the seeded
+    random generators, the environment, the working folder, torch's global settings, a module's cache."""
+    found = {"torch": torch.rand(3), "python": random.random(), "env": os.environ.get("HF_ZERO_LEFT_BEHIND"),
+             "cwd": os.getcwd(), "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+             "threads": torch.get_num_threads(), "cache": getattr(hf_zero, "_left_behind", None)}
+    torch.manual_seed(1234)
+    random.seed(1234)
+    os.environ["HF_ZERO_LEFT_BEHIND"] = "yes"
+    os.chdir("/")
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(2)
+    hf_zero._left_behind = "yes"
+    return found
+
+
+def test_a_tests_ranks_start_from_the_same_state_whatever_the_previous_test_left():
+    first, second = spawn_gloo(leave_state_behind, 2), spawn_gloo(leave_state_behind, 2)
+    torch.manual_seed(1234)
+    left_behind = {"torch": torch.rand(3), "python": random.Random(1234).random()}
+    for before, after in zip(first, second):
+        found_torch = after.pop("torch")
+        assert torch.equal(before.pop("torch"), found_torch)  # torch's fixed default seed, as in a new process
+        assert not torch.equal(found_torch, left_behind["torch"])
+        # Python reseeds its generator from the system at every fork: fresh, so never the left-behind stream.
+        assert before.pop("python") != left_behind["python"] != after.pop("python")
+        assert before == after and before["env"] is None and before["cache"] is None
+        assert before["dtype"] == torch.float32 and before["threads"] == 1 and before["grad"]

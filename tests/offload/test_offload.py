@@ -14,13 +14,14 @@ import torch
 import hf_zero
 from hf_zero.launch import spawn_gloo
 from tests.conftest import SMALL_BUCKETS
-from tests.helpers import Scenario, assert_weights_round_the_masters, max_diff, run_scenarios
+from tests.helpers import Scenario, assert_weights_round_the_masters, max_diff, run_scenarios, train_single_process
 from tests.test_engine import FP32_TOL
 
 # Under both immediate and simulated asynchronous copies (tests/conftest.py: copies).
 pytestmark = pytest.mark.usefixtures("copies")
 
 STEPS = 4
+CLIP = 0.5
 
 
 def offload_scenarios() -> list[Scenario]:
@@ -28,11 +29,11 @@ def offload_scenarios() -> list[Scenario]:
     for dtype in ("fp32", "bf16"):
         steps = STEPS if dtype == "fp32" else 1
         for stage in (1, 2, 3):
-            base = {"zero_stage": stage, "dtype": dtype, "gradient_clipping": 0.5, **SMALL_BUCKETS}
+            base = {"zero_stage": stage, "dtype": dtype, "gradient_clipping": CLIP, **SMALL_BUCKETS}
             scenarios.append(Scenario(f"s{stage}_{dtype}", config=base, steps=steps))
             scenarios.append(Scenario(f"s{stage}_{dtype}_opt", config={**base, "offload_optimizer": "cpu"},
                                       steps=steps))
-        base = {"zero_stage": 3, "dtype": dtype, **SMALL_BUCKETS, "gradient_clipping": 0.5}
+        base = {"zero_stage": 3, "dtype": dtype, **SMALL_BUCKETS, "gradient_clipping": CLIP}
         scenarios.append(Scenario(f"s3_{dtype}_param", config={**base, "offload_param": "cpu"}, steps=steps))
         scenarios.append(Scenario(f"s3_{dtype}_opt_param", config={**base, "offload_param": "cpu",
                                                                     "offload_optimizer": "cpu"}, steps=steps))
@@ -61,6 +62,23 @@ def test_offload_trains_exactly_as_without_it(runs, stage, dtype, offload):
         for run in (plain, offloaded):
             assert_weights_round_the_masters(run["params"], run["masters"], hf_zero.ZeroConfig(dtype=dtype).torch_dtype)
         assert offloaded["norms"] == pytest.approx(plain["norms"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """The independent reference: one process on the global batch, torch's own AdamW and clip_grad_norm_."""
+    return train_single_process("gpt2", STEPS, 8, clip=CLIP)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, offload", MODES, ids=[f"s{s}_{o}" for s, o in MODES])
+def test_offload_trains_as_one_process_with_torchs_adamw_and_clipping(runs, one_process, stage, offload):
+    """Against the run without offload alone, a bug both paths share (a norm not summed over ranks) passes."""
+    assert min(one_process["norms"]) > CLIP  # the clipping acts at every step
+    for rank_result in runs:
+        offloaded = rank_result[f"s{stage}_fp32_{offload}"]
+        assert max_diff(offloaded["params"], one_process["params"]) < FP32_TOL
+        assert offloaded["norms"] == pytest.approx(one_process["norms"], rel=1e-5)
 
 
 def test_offloaded_states_are_in_host_memory_and_counted_in_the_ledger():

@@ -24,7 +24,9 @@ class Block(nn.Module):
 
 
 class Branchy(nn.Module):
-    """Three blocks (stage-3 units); the middle one's expert runs only on rank 1's batches."""
+    """Three blocks (stage-3 units); the middle one's expert runs only on one rank's batches. Its flat buffer
+    is [linear | expert], so with 2 ranks the expert is rank 1's chunk: used on rank 0 only, its owner must
+    learn from rank 0 that it was used."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,27 +46,27 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 def halves(step: int) -> list[torch.Tensor]:
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))
-    return [x[:4], x[4:]]  # rank 0's (no expert), rank 1's (expert)
+    return [x[:4], x[4:]]  # rank 0's, rank 1's
 
 
-def one_process() -> dict[str, torch.Tensor]:
+def one_process(expert_rank: int) -> dict[str, torch.Tensor]:
     """The reference: both halves in one process, their losses averaged as DDP averages the ranks'."""
     model = Branchy()
     opt = optimizer(model)
     for step in range(STEPS):
         first, second = halves(step)
-        ((model(first, False) + model(second, True)) / 2).backward()
+        ((model(first, expert_rank == 0) + model(second, expert_rank == 1)) / 2).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def engine_run(config: dict) -> dict[str, torch.Tensor]:
+def engine_run(config: dict, expert_rank: int) -> dict[str, torch.Tensor]:
     model = Branchy()
     engine = hf_zero.initialize(model, optimizer(model), config)
     rank = engine.comm.rank
     for step in range(STEPS):
-        engine.backward(engine(halves(step)[rank], expert=rank == 1))
+        engine.backward(engine(halves(step)[rank], expert=rank == expert_rank))
         engine.step()
     with engine.gathered_parameters():
         return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -75,10 +77,11 @@ SMALL = {"reduce_bucket_size": 300, "allgather_bucket_size": 300}  # a bucket pe
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("buckets", ["small", "default"])
-def test_a_parameter_used_by_one_rank_only_trains_as_in_one_process(stage, buckets):
+@pytest.mark.parametrize("expert_rank", [0, 1])
+def test_a_parameter_used_by_one_rank_only_trains_as_in_one_process(stage, buckets, expert_rank):
     config = {"zero_stage": stage, **(SMALL if buckets == "small" else {})}
-    expected = one_process()
-    for params in spawn_gloo(engine_run, 2, config):
+    expected = one_process(expert_rank)
+    for params in spawn_gloo(engine_run, 2, config, expert_rank):
         assert max((params[n] - expected[n]).abs().max().item() for n in expected) < 1e-6
 
 

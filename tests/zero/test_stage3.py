@@ -172,10 +172,13 @@ def test_the_roots_bucket_opens_once_the_root_is_freed_and_then_holds_the_tied_h
     """The head's gradient of the tied wte comes first in backward and the embedding's last. Autograd would hold
     the head's, out of the ledger's sight, through every block; it is kept as it came until the root's weights
     are freed, then moves into the root's bucket. So the buckets held at once are the root's and two block
-    buckets (the one filling and the one being reduced), never more."""
+    buckets (the one filling and the one being reduced), never more; whether the previous block's reduction
+    is still in flight when the next one opens is gloo's timing, so the peak lies between root + one block
+    and root + two."""
     for result in spawn_gloo(bucket_peak_of_the_tied_gpt2, 2):
         block = max(size for name, size in result["units"].items() if name.startswith("transformer.h."))
-        assert result["units"][""] > 0 and result["peak"] == result["units"][""] + 2 * block
+        root = result["units"][""]
+        assert root > 0 and root + block <= result["peak"] <= root + 2 * block, (result["peak"], root, block)
 
 
 def root_during_backward(frees_early: bool) -> dict:
