@@ -1,9 +1,13 @@
 """Session-wide spawned runs: each world size is spawned once and runs every scenario the tests read."""
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from hf_zero.device import SIMULATE_ENV
 from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, spawn_gloo
@@ -15,6 +19,79 @@ os.environ["PYTHONFAULTHANDLER"] = "1"
 # A collective that some rank never joins fails its test within a minute, naming the rank and the collective,
 # instead of after gloo's default wait (spawned ranks: 5 minutes; hf-zero train: 30).
 os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
+
+# The suite runs on two pytest-xdist workers (pyproject.toml: -n 2 --dist loadgroup). A worker takes whole
+# modules, so that a module's fixtures are built once; the modules that use the session's spawned worlds go
+# to one worker together, so that those are spawned once. Modules that took over 20 s alone (--durations=0 on
+# this project's 2-core machine, 2026-11-25) start first, longest first, so that no long module is left to run
+# alone at the end; the rest follow in collection order.
+LONGEST_MODULES = ["tests/test_pretrained.py", "tests/test_examples.py", "tests/test_run.py",
+                   "tests/test_construct.py", "tests/offload/test_delayed_update.py", "tests/offload/test_nvme.py",
+                   "tests/test_trainer.py", "tests/test_tensor_parallel.py", "tests/ops/test_quantize.py",
+                   "tests/test_train_lm.py", "tests/test_launch.py", "tests/test_checkpoint.py"]
+SESSION_WORLDS = {"world2", "world4"}
+
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Two workers on two cores: torch's intra-op threads (OpenMP, which spins while it waits) in each worker and
+    # in the interpreters they start would contend for the cores the other worker's ranks need.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Under xdist, each test holds a shared lock on the machine while it runs; a test marked `alone` (one that
+    measures a process's peak memory, which the other worker's load moves: glibc's heap and the I/O threads'
+    timing) holds it exclusively, so that the other worker waits between two tests. The gate lets no new
+    test start while one marked `alone` waits."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    folder = tmp_path_factory.getbasetemp().parent  # shared by the workers of this session
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(folder / "machine.gate", "a") as gate, open(folder / "machine.share", "a") as share:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(share, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under xdist, the C++ kernels start compiling in the background at once (one compiler process each, about
+    25 s), while the workers run tests that need none; a test that needs one waits on the build's lock
+    (hf_zero/ops/build.py). Compiled on first use, both workers waited on the compiler, one core idle."""
+    if session.config.getoption("numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        session.config.stash[_KERNEL_BUILD] = subprocess.Popen(
+            [sys.executable, "-m", "hf_zero", "build-ops"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    build = session.config.stash.get(_KERNEL_BUILD, None)
+    if build is not None:
+        build.wait()
+
+
+_KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it names each test by its group)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    with_worlds = {_module(item) for item in items if SESSION_WORLDS & set(getattr(item, "fixturenames", ()))}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("session_worlds" if _module(item) in with_worlds else _module(item)))
+
+
+@pytest.hookimpl(tryfirst=True)  # after every reordering of the items, before xdist sends their order
+def pytest_collection_finish(session: pytest.Session) -> None:
+    first = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    session.items.sort(key=lambda item: first.get(_module(item), len(first)))  # stable: modules keep their order
+
 
 @pytest.fixture(scope="module", params=["immediate", "simulated_async"])
 def copies(request) -> str:
