@@ -1,7 +1,6 @@
 """Session-wide spawned runs: each world size is spawned once and runs every scenario the tests read."""
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
@@ -37,25 +36,6 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     # in the interpreters they start would contend for the cores the other worker's ranks need.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Under xdist, each test holds a shared lock on the machine while it runs; a test marked `alone` (one that
-    measures a process's peak memory, which the other worker's load moves: glibc's heap and the I/O threads'
-    timing) holds it exclusively, so that the other worker waits between two tests. The gate lets no new
-    test start while one marked `alone` waits."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    folder = tmp_path_factory.getbasetemp().parent  # shared by the workers of this session
-    alone = request.node.get_closest_marker("alone") is not None
-    with open(folder / "machine.gate", "a") as gate, open(folder / "machine.share", "a") as share:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        fcntl.flock(share, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        yield
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
