@@ -144,8 +144,8 @@ def _while_in_collective(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     for i, frame in enumerate(frames):
         if frame.filename == dist.distributed_c10d.__file__:
-            callers = [f for f in frames[:i] if not f.filename.startswith(torch_distributed)] or [frame]
-            return f", waiting in torch.distributed.{frame.name} called from {callers[-1].filename}:{callers[-1].lineno}"
+            caller = ([f for f in frames[:i] if not f.filename.startswith(torch_distributed)] or [frame])[-1]
+            return f", waiting in torch.distributed.{frame.name} called from {caller.filename}:{caller.lineno}"
     return ""
 
 
