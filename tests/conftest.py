@@ -1,4 +1,5 @@
-"""Session-wide spawned runs: each world size is spawned once and runs every scenario the tests read."""
+"""The suite's settings and its split over two xdist workers (docs/testing.md), and the session-wide spawned
+runs: each world size is spawned once and runs every scenario the tests read."""
 from __future__ import annotations
 
 import os
@@ -38,6 +39,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)
 
 
+_KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Under xdist, the C++ kernels start compiling in the background at once (one compiler process each, about
     25 s), while the workers run tests that need none; a test that needs one waits on the build's lock
@@ -51,9 +55,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     build = session.config.stash.get(_KERNEL_BUILD, None)
     if build is not None:
         build.wait()
-
-
-_KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
 
 
 def _module(item: pytest.Item) -> str:
