@@ -45,19 +45,21 @@ class CollectiveError(RuntimeError):
     and the numbers tell a collective that ranks issued in different orders."""
 
 
-def _named(what: str, call: Callable[[], Any]) -> Any:
+def _named(what: Callable[[], str], call: Callable[[], Any]) -> Any:
+    """call(); a RuntimeError it raises becomes a CollectiveError naming the collective (`what()`, formatted
+    only then: collectives are issued by the hundred per step)."""
     try:
         return call()
     except CollectiveError:
         raise
     except RuntimeError as e:
-        raise CollectiveError(f"{what} did not complete: {e}") from e
+        raise CollectiveError(f"{what()} did not complete: {e}") from e
 
 
 class _Named:
     """A collective's work handle whose wait() names the collective if it fails."""
 
-    def __init__(self, work: Any, what: str) -> None:
+    def __init__(self, work: Any, what: Callable[[], str]) -> None:
         self.work, self.what = work, what
 
     def wait(self) -> bool:
@@ -201,8 +203,12 @@ class Communicator:
     def _launch(self, op: str, tensor: torch.Tensor | None, launch: Callable[[], Any]) -> Any:
         """Issues one collective through `launch`; its work handle, if any, names it should it fail."""
         self.launched += 1
-        size = "" if tensor is None else f" ({tensor.numel():,} {str(tensor.dtype).removeprefix('torch.')} elements)"
-        what = f"rank {rank()}: {op} #{self.launched} of its group of {self.world_size}{size}"
+        number, size = self.launched, None if tensor is None else (tensor.numel(), tensor.dtype)
+
+        def what() -> str:
+            elements = "" if size is None else f" ({size[0]:,} {str(size[1]).removeprefix('torch.')} elements)"
+            return f"rank {rank()}: {op} #{number} of its group of {self.world_size}{elements}"
+
         work = _named(what, launch)
         return None if work is None else _Named(work, what)
 

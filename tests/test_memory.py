@@ -37,8 +37,8 @@ class Layers(torch.nn.Module):
 def peak_growth(stage: int, layers: int = LAYERS, width: int = WIDTH) -> dict[str, int]:
     """Trains 2 steps of a 24-layer MLP at `stage` in fp32 with AdamW; how far peak RSS rose above what the
     process held before the model was built (torch, the process group, the engine's modules)."""
-    import hf_zero.engine  # noqa: F401  (`import hf_zero` leaves it to the first initialize; its import is not
-    #                                     the model's memory)
+    # `import hf_zero` leaves the engine to the first initialize; its import is not the model's memory.
+    import hf_zero.engine  # noqa: F401
     torch.manual_seed(0)
     before = current_rss()
     model = Layers(layers, width)

@@ -64,7 +64,7 @@ def one_process(steps: int, micro_batches: int = 1, clip: float = 0.0) -> dict:
     return {"params": named_copy(model), "norms": norms}
 
 
-def nvme_matches_cpu_offload(tmp_path) -> dict[str, float]:
+def nvme_matches_cpu_offload(tmp_path) -> dict[str, dict]:
     """Per case, the largest gap between the NVMe run and the same run with the states in host memory, and the
     fp32 NVMe runs' parameters."""
     import torch.distributed as dist
