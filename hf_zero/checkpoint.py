@@ -27,17 +27,19 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from hf_zero.comm import Communicator
+from hf_zero.config import DTYPES
 from hf_zero.device import LatestCopy, to_host
 from hf_zero.export import weights_to_save
 from hf_zero.tensor_parallel import split_of
@@ -168,6 +170,14 @@ def sha256(path: Path) -> str:
 # partial folder to `<dir>`, and removes `<dir>.old`. A crash between any two of these leaves at least
 # one complete folder; `settle` finishes the interrupted save (it was complete) or drops its partial
 # folder (it was not), and loading reads the same folder settling would keep.
+#
+# A save moves or removes only folders this library made: each carries MARKER from its creation, and a
+# removal takes it last, so a folder half removed by a crash is still recognised. A folder in the way that
+# has neither MARKER nor an hf_zero manifest (a user's `ckpt.old`, or `ckpt` holding a training log) is
+# refused, naming what it holds; an empty one is taken.
+MARKER = ".hf_zero_checkpoint"
+
+
 def save_folders(final: Path) -> tuple[Path, Path]:
     """Where a save of `final` writes its files, and where it moves the previous checkpoint meanwhile."""
     return final.with_name(final.name + ".partial"), final.with_name(final.name + ".old")
@@ -175,6 +185,30 @@ def save_folders(final: Path) -> tuple[Path, Path]:
 
 def is_complete(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
+
+
+def made_here(folder: Path) -> bool:
+    """Whether `folder` is a checkpoint folder this library made (also one saved before MARKER existed)."""
+    if (folder / MARKER).is_file():
+        return True
+    try:
+        return json.loads((folder / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_save_target(final: Path) -> None:
+    """Refuses to save to `final` when that would replace or remove something this library did not write."""
+    for folder in (final, *save_folders(final)):
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise CheckpointError(f"{folder} exists and is not a folder; a checkpoint save would replace it. Move "
+                                  f"it, or save the checkpoint elsewhere")
+        if folder.is_dir() and not made_here(folder) and any(folder.iterdir()):
+            held = sorted(p.name for p in folder.iterdir())
+            listed = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            raise CheckpointError(f"{folder} holds files that are not an hf_zero checkpoint ({listed}); a checkpoint "
+                                  f"save would replace them. Save the checkpoint to a folder of its own (a new one, "
+                                  f"or one an earlier save_checkpoint wrote)")
 
 
 def newest_complete(final: Path) -> Path | None:
@@ -187,6 +221,7 @@ def newest_complete(final: Path) -> Path | None:
 def settle(final: Path) -> None:
     """Leaves `final` the newest complete checkpoint and nothing beside it, finishing or undoing an
     interrupted save. Each move is one a save makes, in the same order, so a crash in here is one too."""
+    check_save_target(final)
     partial, old = save_folders(final)
     if is_complete(partial):
         _swap_in(partial, final)
@@ -213,7 +248,18 @@ def _rename(source: Path, target: Path) -> None:
 
 
 def _remove(folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
+    """Removes a folder this library made (`check_save_target` refused any other), or an empty one. The
+    manifest goes first (a folder half removed is never taken for a complete checkpoint), MARKER last."""
+    if not folder.is_dir():
+        return
+    if made_here(folder):
+        (folder / MARKER).touch()  # a checkpoint saved before MARKER existed gets one, to be removed last
+        (folder / MANIFEST).unlink(missing_ok=True)
+        for entry in folder.iterdir():
+            if entry.name != MARKER:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        (folder / MARKER).unlink()
+    folder.rmdir()  # fails on a folder that is not ours and not empty: nothing of it was removed
 
 
 def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
@@ -221,6 +267,9 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     """Every rank of `comm` (all ranks holding part of the model's state) writes its partition, rank 0 the
     manifest; `training_state` (step counters, loss scale) goes into the manifest as it is."""
     final = Path(directory)
+    if final.name in ("", ".", ".."):  # every rank refuses alike, before any collective
+        raise CheckpointError(f"save_checkpoint needs a folder to create or replace, such as 'ckpt' or "
+                              f"'out/step-100'; got {str(directory)!r}")
     partial, _ = save_folders(final)
     layout = _with_whole_module_state(layout)
 
@@ -230,6 +279,7 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
         if comm.rank == 0:
             settle(final)
             partial.mkdir(parents=True)
+            (partial / MARKER).write_text(f"{FORMAT}: a checkpoint folder, moved and removed by later saves\n")
 
     def commit(shards: list[dict[str, Any] | None]) -> None:
         if comm.rank == 0:
@@ -246,7 +296,7 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
                             CheckpointError)
         comm.agree(lambda: commit(shards), f"committing {final}", CheckpointError)
     except CheckpointError:
-        if comm.rank == 0 and not is_complete(partial):
+        if comm.rank == 0 and made_here(partial) and not is_complete(partial):
             _remove(partial)
         raise
     return final
@@ -339,7 +389,9 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
          comm: Communicator) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Sets the backend's masters and optimizer state from a checkpoint saved at any data-parallel size and
     stage; returns the manifest (training state, client_state) and the module state for the caller to restore.
-    Nothing changes unless every rank's checks passed."""
+    Nothing changes unless every rank's checks passed: the whole manifest, every file's size and hash, and
+    every stored tensor this rank will read (present, fp32, of the size the manifest gives). What can still
+    fail after that is the disk itself; that too fails on every rank, never leaving one waiting."""
     folder = readable_folder(Path(directory), comm.rank == 0)
     manifest = read_manifest(folder)
     _check_tensor_parallel_size(layout, manifest, folder)
@@ -349,31 +401,47 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     comm.agree(lambda: check_files(shards[comm.rank::comm.world_size], folder), f"checking {folder}",
                CheckpointError)
     index = index_pieces(manifest)
-    elementwise = manifest["optimizer"]["elementwise"]
-    new_state: dict[int, dict[str, Any]] = {}
-    position = 0
+    kinds = ["master", *manifest["optimizer"]["elementwise"]]
     with contextlib.ExitStack() as stack, torch.no_grad():
-        files = {shard["file"]: stack.enter_context(safe_open(str(folder / shard["file"]), framework="pt"))
-                 for shard in shards}
-        for g, chunks in enumerate(layout.pieces):
-            for k, pieces in enumerate(chunks):
-                values = {kind: torch.zeros(layout.chunk_numels[g][k], dtype=torch.float32)
-                          for kind in ["master", *elementwise]}
-                for piece in pieces:
-                    n = piece.param_hi - piece.param_lo
-                    for kind, out in values.items():
-                        read_range(files, index, kind, piece.name, piece.param_lo, piece.param_hi,
-                                   out[piece.chunk_lo:piece.chunk_lo + n])
-                master = values.pop("master")
-                state = {**manifest["optimizer"]["scalars"][g], **values} if values else {}
-                backend.load_chunk(g, k, master, state)
-                if state:
-                    new_state[position] = state
-                position += 1
-        # States on NVMe went to their files in load_chunk; the optimizer still takes the hyper-parameters.
-        _load_optimizer(backend.optimizer, manifest, new_state if backend.states_in_optimizer else {})
-        module_state = _read_module_state(files, manifest)
-    return manifest, module_state
+        files: dict[str, Any] = {}
+
+        def open_and_check() -> None:
+            needed = {file for chunks in layout.pieces for pieces in chunks for piece in pieces
+                      for lo, hi, file in index[piece.name] if lo < piece.param_hi and piece.param_lo < hi}
+            for file in sorted(needed | {module_state_file(manifest)}):
+                files[file] = stack.enter_context(open_shard(folder, file))
+            for chunks in layout.pieces:
+                for pieces in chunks:
+                    for piece, kind in ((piece, kind) for piece in pieces for kind in kinds):
+                        read_range(files, index, kind, piece.name, piece.param_lo, piece.param_hi, None)
+            _check_module_state(files[module_state_file(manifest)], manifest, layout)
+
+        comm.agree(open_and_check, f"reading the shard headers under {folder}", CheckpointError)
+        loaded: dict[str, Any] = {}
+
+        def read_and_set() -> None:
+            new_state: dict[int, dict[str, Any]] = {}
+            position = 0
+            for g, chunks in enumerate(layout.pieces):
+                for k, pieces in enumerate(chunks):
+                    values = {kind: torch.zeros(layout.chunk_numels[g][k], dtype=torch.float32) for kind in kinds}
+                    for piece in pieces:
+                        n = piece.param_hi - piece.param_lo
+                        for kind, out in values.items():
+                            read_range(files, index, kind, piece.name, piece.param_lo, piece.param_hi,
+                                       out[piece.chunk_lo:piece.chunk_lo + n])
+                    master = values.pop("master")
+                    state = {**manifest["optimizer"]["scalars"][g], **values} if values else {}
+                    backend.load_chunk(g, k, master, state)
+                    if state:
+                        new_state[position] = state
+                    position += 1
+            # States on NVMe went to their files in load_chunk; the optimizer still takes the hyper-parameters.
+            _load_optimizer(backend.optimizer, manifest, new_state if backend.states_in_optimizer else {})
+            loaded.update(_read_module_state(files, manifest))
+
+        comm.agree(read_and_set, f"reading {folder}", CheckpointError)
+    return manifest, loaded
 
 
 def readable_folder(final: Path, report: bool = True) -> Path:
@@ -389,16 +457,124 @@ def readable_folder(final: Path, report: bool = True) -> Path:
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint in `folder`, checked whole (`_check_manifest`): anything a crafted or
+    damaged one holds is one CheckpointError naming the file, never a traceback from deeper in."""
     path = folder / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{path}: no checkpoint manifest here")
+    inside(folder, MANIFEST)
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is damaged") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{path} is not an {FORMAT} v{VERSION} manifest")
+    try:
+        _check_manifest(manifest)
+    except KeyError as e:
+        raise CheckpointError(f"{path} is damaged: an entry {e} is missing") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is damaged: {e}") from None
     return manifest
+
+
+# What a shard file is called (`_write_shard`): a plain name, so the files a manifest names stay in its folder.
+SHARD_NAME = re.compile(r"rank\d{5}-of-\d{5}\.safetensors")
+
+
+def _check_manifest(manifest: dict[str, Any]) -> None:
+    """Raises ValueError naming the first entry that is missing, of the wrong type or out of range. Numbers
+    must be finite (JSON lets NaN through), and the saved pieces must tile each parameter exactly once."""
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(what)
+
+    def count(value: Any) -> bool:
+        return type(value) is int and value >= 0
+
+    def finite(value: Any) -> bool:
+        return type(value) in (int, float) and math.isfinite(value)
+
+    def all_finite(value: Any) -> bool:  # the numbers in hyper-parameters, however nested (betas)
+        if isinstance(value, (list, tuple)):
+            return all(map(all_finite, value))
+        return type(value) not in (int, float) or math.isfinite(value)
+
+    for key in ("zero_stage", "world_size", "global_steps", "micro_steps", "skipped_steps"):
+        expect(count(manifest[key]), f"{key} must be a count; got {manifest[key]!r}")
+    expect(manifest["dtype"] in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {manifest['dtype']!r}")
+    scaler = manifest["loss_scaler"]
+    expect(isinstance(scaler, dict) and finite(scaler["scale"]) and scaler["scale"] > 0 and count(scaler["clean_steps"]),
+           f"loss_scaler must hold a positive finite scale and a count of clean steps; got {scaler!r}")
+    parameters = manifest["parameters"]
+    expect(isinstance(parameters, dict), "parameters must be an object")
+    optimizer = manifest["optimizer"]
+    groups = optimizer["param_groups"]
+    expect(isinstance(optimizer["class"], str), "optimizer.class must be a name")
+    expect(isinstance(groups, list) and all(isinstance(g, dict) and all(map(all_finite, g.values())) for g in groups),
+           "optimizer.param_groups must be a list of objects with finite numbers")
+    scalars = optimizer["scalars"]
+    expect(isinstance(scalars, list) and len(scalars) == len(groups) and all(
+        isinstance(g, dict) and all(finite(v) for v in g.values()) for g in scalars),
+        "optimizer.scalars must hold finite numbers, one object per param group")
+    expect(isinstance(optimizer["elementwise"], list) and all(isinstance(k, str) and "/" not in k
+                                                              for k in optimizer["elementwise"]),
+           "optimizer.elementwise must be a list of state names")
+    for name, entry in parameters.items():
+        expect(isinstance(entry["shape"], list) and all(map(count, entry["shape"])),
+               f"parameter {name!r} has shape {entry['shape']!r}")
+        expect(count(entry["group"]) and entry["group"] < len(groups),
+               f"parameter {name!r} is in param group {entry['group']!r}, of {len(groups)}")
+    tp = manifest.get("tensor_parallel", {"size": 1, "split": {}})  # absent before tensor parallelism
+    expect(count(tp["size"]) and tp["size"] >= 1 and isinstance(tp["split"], dict) and all(
+        isinstance(split["shape"], list) and all(map(count, split["shape"])) and count(split["dim"])
+        and split["dim"] < len(split["shape"]) and count(split["split_factor"]) and split["split_factor"] >= 1
+        for split in tp["split"].values()), "tensor_parallel must give a size and, per split parameter, its shape, "
+                                            "dimension and split_factor")
+    module_state = manifest["module_state"]
+    expect(isinstance(module_state, list) and all(isinstance(n, str) for n in module_state),
+           "module_state must be a list of names")
+    for entry in manifest["weights"]:
+        expect(isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry),
+               f"weights entries must be [name, stored key]; got {entry!r}")
+        kind, _, stored = entry[1].partition("/")
+        expect((kind == "master" and (stored in parameters or stored in tp["split"]))
+               or (kind == "module" and stored in module_state), f"weight {entry[0]!r} is stored as unknown {entry[1]!r}")
+    shards = manifest["shards"]
+    expect(isinstance(shards, list) and shards, "shards must list the checkpoint's files")
+    for shard in shards:
+        expect(isinstance(shard["file"], str) and SHARD_NAME.fullmatch(shard["file"]) is not None,
+               f"shard file {shard['file']!r} is not a file name of this folder (rankNNNNN-of-NNNNN.safetensors)")
+        expect(count(shard["bytes"]), f"{shard['file']}: bytes must be a count")
+        expect(isinstance(shard["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", shard["sha256"]) is not None,
+               f"{shard['file']}: sha256 must be 64 hex digits")
+        for piece in shard["pieces"]:
+            expect(isinstance(piece, list) and len(piece) == 3 and piece[0] in parameters and count(piece[1])
+                   and count(piece[2]), f"{shard['file']}: piece {piece!r} is not [parameter, first, end]")
+    expect(any(s["file"].startswith("rank00000-") for s in shards), "no shard of rank 0, which holds the module state")
+    index_pieces(manifest)
+
+
+def inside(folder: Path, name: str) -> Path:
+    """folder / name, refused when a link takes it out of `folder` (a checkpoint received from elsewhere must
+    not make us read, or copy into an upload, a file of this machine's)."""
+    path = folder / name
+    if path.is_symlink() and folder.resolve() not in path.resolve().parents:
+        raise CheckpointError(f"{path} is a link to {path.resolve()}, outside the checkpoint folder; refusing to "
+                              f"read it")
+    return path
+
+
+@contextlib.contextmanager
+def open_shard(folder: Path, file: str) -> Iterator[Any]:
+    """safe_open of a shard file, whose damaged or crafted header is a CheckpointError naming it."""
+    path = inside(folder, file)
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+    with handle:
+        yield handle
 
 
 def _check_tensor_parallel_size(layout: ShardLayout, manifest: dict[str, Any], folder: Path) -> None:
@@ -420,15 +596,35 @@ def _check_model(layout: ShardLayout, backend: "UpdateBackend", manifest: dict[s
     if manifest["optimizer"]["class"] != type(backend.optimizer).__name__:
         raise CheckpointError(f"{folder / MANIFEST} holds {manifest['optimizer']['class']} state; this engine "
                               f"steps {type(backend.optimizer).__name__}")
+    if len(manifest["optimizer"]["param_groups"]) != len(backend.optimizer.param_groups):
+        raise CheckpointError(f"{folder / MANIFEST} holds {len(manifest['optimizer']['param_groups'])} param groups; "
+                              f"this engine's optimizer has {len(backend.optimizer.param_groups)}")
+    differ = sorted(set(manifest["module_state"]) ^ set(layout.module_state))
+    if differ:
+        where = "the checkpoint" if differ[0] in manifest["module_state"] else "this model"
+        raise CheckpointError(f"{folder / MANIFEST} is from another model: only {where} has the frozen parameter or "
+                              f"buffer {differ[0]!r}")
 
 
 def _describe(entry: tuple[list[int], int] | None) -> str:
     return "absent" if entry is None else f"shape {entry[0]} in param group {entry[1]}"
 
 
+def _check_module_state(writer: Any, manifest: dict[str, Any], layout: ShardLayout) -> None:
+    stored = set(writer.keys())
+    for name in manifest["module_state"]:
+        key = f"module/{name}"
+        if key not in stored:
+            raise CheckpointError(f"{module_state_file(manifest)} has no tensor {key!r}, which the manifest lists")
+        shape = writer.get_slice(key).get_shape()
+        if shape != list(layout.module_state[name].shape):
+            raise CheckpointError(f"{module_state_file(manifest)}: {key!r} has shape {shape}; the model's is "
+                                  f"{list(layout.module_state[name].shape)}")
+
+
 def check_files(shards: list[dict[str, Any]], folder: Path) -> None:
     for shard in shards:
-        path = folder / shard["file"]
+        path = inside(folder, shard["file"])
         if not path.is_file():
             raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
         if path.stat().st_size != shard["bytes"]:
@@ -439,27 +635,38 @@ def check_files(shards: list[dict[str, Any]], folder: Path) -> None:
 
 
 def index_pieces(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
-    """name -> the saved pieces (lo, hi, file) covering it; refuses a checkpoint with a gap."""
+    """name -> the saved pieces (lo, hi, file) covering it, which must tile it: every element exactly once."""
     index: dict[str, list[tuple[int, int, str]]] = {name: [] for name in manifest["parameters"]}
     for shard in manifest["shards"]:
         for name, lo, hi in shard["pieces"]:
             index[name].append((lo, hi, shard["file"]))
     for name, pieces in index.items():
         numel = math.prod(manifest["parameters"][name]["shape"])
-        covered = sum(hi - lo for lo, hi, _ in pieces)
-        if covered != numel:
-            raise CheckpointError(f"the checkpoint's shards hold {covered} of the {numel} elements of {name!r}")
         pieces.sort()
+        ends = [0] + [hi for _, hi, _ in pieces]
+        if any(lo != end or hi <= lo for (lo, hi, _), end in zip(pieces, ends)) or ends[-1] != numel:
+            held = ", ".join(f"[{lo}, {hi}) in {file}" for lo, hi, file in pieces[:6])
+            raise CheckpointError(f"the checkpoint's shards do not hold each of the {numel} elements of {name!r} "
+                                  f"exactly once: {held or 'none'}")
     return index
 
 
 def read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int, hi: int,
-                out: torch.Tensor) -> None:
-    """Fills `out` with elements [lo, hi) of `kind` for parameter `name`, reading only overlapping slices."""
+               out: torch.Tensor | None) -> None:
+    """Fills `out` with elements [lo, hi) of `kind` for parameter `name`, reading only overlapping slices;
+    each stored tensor must be fp32 of its piece's size. With `out` None, only checks that."""
     for a, b, file in index[name]:
         s, e = max(a, lo), min(b, hi)
         if s < e:
-            out[s - lo:e - lo].copy_(files[file].get_slice(f"{kind}/{name}/{a}")[s - a:e - a])
+            key = f"{kind}/{name}/{a}"
+            if key not in files[file].keys():
+                raise CheckpointError(f"{file} has no tensor {key!r}, which the manifest places there")
+            stored = files[file].get_slice(key)
+            if stored.get_dtype() != "F32" or stored.get_shape() != [b - a]:
+                raise CheckpointError(f"{file}: {key!r} is {stored.get_dtype()} of shape {stored.get_shape()}; the "
+                                      f"manifest's piece is F32 of shape [{b - a}]")
+            if out is not None:
+                out[s - lo:e - lo].copy_(stored[s - a:e - a])
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], state: dict[int, dict]) -> None:
@@ -490,7 +697,7 @@ def _warn_of_replaced_hyper_parameters(g: int, current: dict[str, Any], saved: d
 
 
 def module_state_file(manifest: dict[str, Any]) -> str:
-    """The shard that holds the replicated module state (rank 0's)."""
+    """The shard that holds the replicated module state (rank 0's; `_check_manifest` made sure there is one)."""
     return next(s["file"] for s in manifest["shards"] if s["file"].startswith("rank00000-"))
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import psutil
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from hf_zero import checkpoint
@@ -68,14 +67,22 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     source = find_engine_checkpoint(checkpoint_dir)
     manifest = checkpoint.read_manifest(source)
     output = Path(output_dir)
-    provenance = {"checkpoint": str(source.resolve()),
+    # The checkpoint by its folder's name, not its path: the record is uploaded with the weights, and a local
+    # path says who ran it where.
+    named = source.name if source.parent == Path(checkpoint_dir).parent else f"{source.parent.name}/{source.name}"
+    provenance = {"checkpoint": named,
                   "manifest_sha256": checkpoint.sha256(source / checkpoint.MANIFEST),
                   "step": manifest.get("global_steps"), "dtype": dtype}
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
     index = checkpoint.index_pieces(manifest)
     out_dtype = DTYPES[dtype]
-    with safe_open(str(source / checkpoint.module_state_file(manifest)), framework="pt") as rank0:
+    with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
+        stored = set(rank0.keys())
+        missing = [key for _, key in manifest["weights"] if key.startswith("module/") and key not in stored]
+        if missing:
+            raise checkpoint.CheckpointError(f"{source / checkpoint.module_state_file(manifest)} has no tensor "
+                                             f"{missing[0]!r}, which the manifest lists")
         module_meta = {key: (rank0.get_slice(key).get_shape(), rank0.get_slice(key).get_dtype())
                        for _, key in manifest["weights"] if key.startswith("module/")}
     planned = {}
@@ -173,7 +180,7 @@ def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.T
     tensor-parallel group), or a module tensor."""
     kind, name = key.split("/", 1)
     if kind == "module":
-        with safe_open(str(source / checkpoint.module_state_file(manifest)), framework="pt") as rank0:
+        with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
             return rank0.get_tensor(key)
     split = checkpoint.tp_split(manifest, name)
     if split is None:
@@ -187,7 +194,7 @@ def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str
     """One stored tensor assembled from the pieces in each rank's file (only those files are opened, and
     closed after, so their pages do not stay mapped)."""
     with contextlib.ExitStack() as stack:
-        files = {file: stack.enter_context(safe_open(str(source / file), framework="pt"))
+        files = {file: stack.enter_context(checkpoint.open_shard(source, file))
                  for file in sorted({file for _, _, file in index[name]})}
         shape = manifest["parameters"][name]["shape"]
         whole = torch.empty(math.prod(shape), dtype=torch.float32)
@@ -200,6 +207,9 @@ def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
     checkpoint folder or, for a Trainer checkpoint, the checkpoint-N folder around it."""
     # (as `zero_checkpoint.partial` too, where an interrupted save left the newest complete one)
     folders = [source, source.parent] if source.name.split(".")[0] == checkpoint.TRAINER_SUBFOLDER else [source]
+    for folder in folders:  # what is copied, and may then be uploaded, comes from the checkpoint and nowhere else
+        for entry in folder.iterdir():
+            checkpoint.inside(folder, entry.name)
     config_from = next((f for f in folders if (f / "config.json").is_file()), None)
     if config_from is None:
         raise checkpoint.CheckpointError(

@@ -1,15 +1,17 @@
 """Checkpoint runs for the tests: train, save at step k, load into a fresh engine, continue to step n."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 import hf_zero
 from hf_zero import checkpoint
-from tests.helpers import batch, local_part, make_optimizer, named_copy, tiny_model
+from tests.helpers import batch, local_part, make_optimizer, max_diff, named_copy, tiny_model
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks, so every world size sees the same global batches
 SAVE_AT, STOP = 3, 6
@@ -87,6 +89,52 @@ def failing_save(folder: str, failing_rank: int) -> dict[str, Any]:
             "partial_left": Path(folder + ".partial").exists()}
 
 
+def rehash(folder: Path) -> None:
+    """Makes the manifest's sizes and hashes match the shard files as they are now: a crafted checkpoint,
+    which the file checks let through."""
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    for shard in manifest["shards"]:
+        if (folder / shard["file"]).is_file():
+            shard["bytes"], shard["sha256"] = (folder / shard["file"]).stat().st_size, checkpoint.sha256(folder / shard["file"])
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+def rewrite_shard(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Rewrites a shard file with `change` applied to its tensors, and the manifest's hashes to match."""
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path))
+    rehash(path.parent)
+
+
+def steps_like_a_fresh_engine(engine: hf_zero.ZeroEngine, config: dict[str, Any]) -> bool:
+    """Whether `engine` (after a failed load) trains one step exactly as a fresh engine does: its masters,
+    optimizer state and counters were left as they were."""
+    fresh = new_engine(config)
+    train(engine, 0, 1)
+    train(fresh, 0, 1)
+    return max_diff(whole_params(engine), whole_params(fresh)) == 0 and engine.global_steps == fresh.global_steps
+
+
+def a_rank_cannot_read_its_shard(folder: str) -> dict[str, Any]:
+    """Rank 1's file lacks the last tensor it holds, with the manifest re-hashed to match: the load fails on
+    every rank alike, at once, and no rank's engine changes."""
+    config = {"zero_stage": 2}
+    engine = new_engine(config)
+    train(engine, 0, SAVE_AT)
+    engine.save_checkpoint(folder)
+    if rank_world()[0] == 0:
+        rewrite_shard(Path(folder) / "rank00001-of-00002.safetensors", lambda tensors: tensors.pop(sorted(tensors)[-1]))
+    dist.barrier()
+    loading = new_engine(config)
+    try:
+        loading.load_checkpoint(folder)
+        error = None
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    return {"error": error, "unchanged": steps_like_a_fresh_engine(loading, config)}
+
+
 def world2_checkpoint_runs(root: str) -> dict[str, Any]:
     results = {}
     for name, config in [("s0", {"zero_stage": 0}), ("s1", {"zero_stage": 1}), ("s2", {"zero_stage": 2}),
@@ -95,6 +143,7 @@ def world2_checkpoint_runs(root: str) -> dict[str, Any]:
         results[name] = uninterrupted_and_resumed(config, f"{root}/{name}")
     results["s2_to_s3"] = uninterrupted_and_resumed({"zero_stage": 2}, f"{root}/s2_to_s3", {"zero_stage": 3})
     results["failing_save"] = failing_save(f"{root}/failing", failing_rank=1)
+    results["unreadable_shard"] = a_rank_cannot_read_its_shard(f"{root}/unreadable")
     return results
 
 

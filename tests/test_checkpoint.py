@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -16,8 +17,10 @@ import hf_zero
 from hf_zero import checkpoint
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
-from tests.checkpoint_helpers import (SAVE_AT, STOP, continue_from, continue_on_this_world, new_engine, train,
-                                      whole_params, world2_checkpoint_runs, world4_checkpoint_runs)
+from hf_zero.consolidate import consolidate
+from tests.checkpoint_helpers import (SAVE_AT, STOP, continue_from, continue_on_this_world, new_engine, rehash,
+                                      rewrite_shard, steps_like_a_fresh_engine, train, whole_params,
+                                      world2_checkpoint_runs, world4_checkpoint_runs)
 from tests.helpers import make_optimizer, max_diff, tiny_model
 
 
@@ -144,8 +147,9 @@ def die_at(monkeypatch, step: int) -> list[str]:
         def wrapped(*args, **kwargs):
             changes.append(f"{kind} {' '.join(Path(a).name for a in args[:2] if isinstance(a, (str, Path)))}")
             if len(changes) == step:
-                if kind == "remove" and args[0].is_dir():
-                    for file in sorted(args[0].iterdir())[::2]:
+                if kind == "remove" and args[0].is_dir():  # halfway, in _remove's order: the manifest first,
+                    (args[0] / checkpoint.MANIFEST).unlink(missing_ok=True)  # the marker last
+                    for file in [f for f in sorted(args[0].iterdir()) if f.name != checkpoint.MARKER][::2]:
                         file.unlink()
                 raise Killed
             return change(*args, **kwargs)
@@ -329,3 +333,182 @@ def test_a_save_copies_the_states_to_host_buffers_and_allocates_nothing_state_si
     continued = new_engine({"zero_stage": 2})
     continued.load_checkpoint(str(tmp_path / "ckpt"))
     assert max_diff(continued.gathered_masters(), engine.gathered_masters()) == 0
+
+
+# ---- what a save may replace --------------------------------------------------------------------
+def test_a_save_into_a_folder_of_other_files_is_refused_and_deletes_nothing(tmp_path):
+    folder = tmp_path / "run"
+    (folder / "runs").mkdir(parents=True)
+    for name in ("train.log", "tokenizer.json", "model.safetensors"):
+        (folder / name).write_text(name)
+    engine = new_engine({"zero_stage": 1})
+    with pytest.raises(CheckpointError, match=r"run holds files that are not an hf_zero checkpoint \(model.safetensors, "
+                                              r"runs, tokenizer.json, train.log\)"):
+        engine.save_checkpoint(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "runs", "tokenizer.json", "train.log"]
+    assert (folder / "train.log").read_text() == "train.log"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_save_over_a_plain_file_is_refused(tmp_path):
+    (tmp_path / "ckpt").write_text("notes")
+    with pytest.raises(CheckpointError, match="ckpt exists and is not a folder"):
+        new_engine({"zero_stage": 1}).save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt").read_text() == "notes"
+
+
+def test_a_save_into_an_empty_folder_or_over_an_earlier_checkpoint_works(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    engine = new_engine({"zero_stage": 1})
+    engine.save_checkpoint(tmp_path / "ckpt")
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    loaded = new_engine({"zero_stage": 1})
+    loaded.load_checkpoint(tmp_path / "ckpt")
+    assert max_diff(whole_params(loaded), whole_params(engine)) == 0
+
+
+@pytest.mark.parametrize("beside", ["ckpt.old", "ckpt.partial"])
+def test_a_users_folders_beside_a_checkpoint_are_never_moved_or_removed(one_checkpoint, beside):
+    folder, params = one_checkpoint
+    users = folder.with_name(beside)
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=rf"{beside} holds files that are not an hf_zero checkpoint \(notes.txt\)"):
+        new_engine({"zero_stage": 1}).save_checkpoint(folder)
+    assert (users / "notes.txt").read_text() == "mine"
+    engine = new_engine({"zero_stage": 1})
+    engine.load_checkpoint(folder)
+    assert max_diff(whole_params(engine), params) == 0
+
+
+@pytest.mark.parametrize("directory", ["", "/", "."])
+def test_a_save_to_no_folder_name_is_refused_naming_it(directory):
+    with pytest.raises(CheckpointError, match=rf"save_checkpoint needs a folder to create or replace.*got '{directory}'"):
+        new_engine({"zero_stage": 1}).save_checkpoint(directory)
+
+
+# ---- a damaged or crafted checkpoint: one CheckpointError, and nothing changes ----------------------
+SHARD = "rank00000-of-00001.safetensors"
+
+
+def _edit_manifest(change):
+    def edit(folder: Path) -> None:
+        manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+        change(manifest)
+        (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))  # NaN is written as JSON's NaN
+    return edit
+
+
+def _first_parameter(manifest) -> str:
+    return next(iter(manifest["parameters"]))
+
+
+def _overlapping_pieces(manifest) -> None:
+    """Two pieces of one parameter that overlap, with sizes adding up to its element count."""
+    pieces = manifest["shards"][0]["pieces"]
+    name, lo, hi = pieces[0]
+    pieces[0] = [name, lo, hi - 4]
+    pieces.append([name, hi - 8, hi - 4])
+
+
+def _header(length: int, header: bytes) -> bytes:
+    return length.to_bytes(8, "little") + header
+
+
+def _replace_shard_bytes(data: bytes):
+    def replace(folder: Path) -> None:
+        (folder / SHARD).write_bytes(data)
+        rehash(folder)
+    return replace
+
+
+def _shard_outside(folder: Path) -> None:
+    outside = folder.parent / "elsewhere.safetensors"
+    shutil.move(folder / SHARD, outside)
+    (folder / SHARD).symlink_to(outside)
+
+
+def _move_shard(named: str | None = None):
+    """Moves the shard where the manifest then names it: `named` relative to the folder, or (None) an
+    absolute path outside it."""
+    def move(folder: Path) -> None:
+        target = folder / named if named else folder.parent / "absolute.safetensors"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(folder / SHARD, target)
+        _edit_manifest(lambda m: m["shards"][0].update(file=named or str(target)))(folder)
+    return move
+
+
+def _last_tensor_dropped(folder: Path) -> None:
+    rewrite_shard(folder / SHARD, lambda tensors: tensors.pop(sorted(k for k in tensors if k.startswith("master/"))[-1]))
+
+
+def _a_tensor_as_f16(folder: Path) -> None:
+    def to_f16(tensors):
+        key = sorted(k for k in tensors if k.startswith("master/"))[0]
+        tensors[key] = tensors[key].half()
+    rewrite_shard(folder / SHARD, to_f16)
+
+
+DAMAGE = {  # what is done to the checkpoint -> what the error says
+    "manifest not UTF-8": (lambda f: (f / checkpoint.MANIFEST).write_bytes(b'{"format": "\xff\xfe"}'), "not valid JSON"),
+    "manifest a list": (lambda f: (f / checkpoint.MANIFEST).write_text("[]"), "is not an hf_zero.checkpoint v1 manifest"),
+    "no shards entry": (_edit_manifest(lambda m: m.pop("shards")), "an entry 'shards' is missing"),
+    "no global_steps": (_edit_manifest(lambda m: m.pop("global_steps")), "an entry 'global_steps' is missing"),
+    "no loss_scaler": (_edit_manifest(lambda m: m.pop("loss_scaler")), "an entry 'loss_scaler' is missing"),
+    "parameters a list": (_edit_manifest(lambda m: m.update(parameters=[])), "parameters must be an object"),
+    "shape a string": (_edit_manifest(lambda m: m["parameters"][_first_parameter(m)].update(shape="abc")), "has shape 'abc'"),
+    "pieces a number": (_edit_manifest(lambda m: m["shards"][0].update(pieces=7)), "not iterable"),
+    "global_steps NaN": (_edit_manifest(lambda m: m.update(global_steps=float("nan"))), "global_steps must be a count"),
+    "lr NaN": (_edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(lr=float("nan"))), "finite numbers"),
+    "loss scale NaN": (_edit_manifest(lambda m: m["loss_scaler"].update(scale=float("nan"))), "positive finite scale"),
+    "Adam step infinite": (_edit_manifest(lambda m: m["optimizer"]["scalars"][0].update(step=float("inf"))),
+                           "optimizer.scalars must hold finite numbers"),
+    "overlapping pieces": (_edit_manifest(_overlapping_pieces), "exactly once"),
+    "no rank-0 shard": (_move_shard("rank00001-of-00002.safetensors"), "no shard of rank 0"),
+    "shard name leaves the folder": (_move_shard("../elsewhere/evil.safetensors"), "is not a file name of this folder"),
+    "shard name absolute": (_move_shard(), "is not a file name of this folder"),
+    "shard a link outside": (_shard_outside, "outside the checkpoint folder"),
+    "header too large": (_replace_shard_bytes(_header(2**40, b"{}")), "is not a readable safetensors file"),
+    "header offsets outside the file": (_replace_shard_bytes(
+        _header(64, b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,9999]}}'.ljust(64))),
+        "is not a readable safetensors file"),
+    "a tensor stored as F16": (_a_tensor_as_f16, "is F16 of shape"),
+    "the last chunk's tensor missing": (_last_tensor_dropped, "has no tensor 'master/"),
+}
+
+
+@pytest.fixture(scope="module")
+def clean_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clean") / "ckpt"
+    engine = new_engine({"zero_stage": 1})
+    train(engine, 0, 2)
+    engine.save_checkpoint(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_one_error_naming_the_file_and_changes_nothing(clean_checkpoint, tmp_path, damage):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(clean_checkpoint, folder)
+    make, says = DAMAGE[damage]
+    make(folder)
+    engine = new_engine({"zero_stage": 1})
+    with pytest.raises(CheckpointError, match=re.escape(says)) as loading:
+        engine.load_checkpoint(folder)
+    assert "\n" not in str(loading.value) and ("manifest.json" in str(loading.value) or SHARD in str(loading.value))
+    assert steps_like_a_fresh_engine(engine, {"zero_stage": 1})
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        consolidate(folder, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_rank_that_cannot_read_its_shard_fails_every_rank_alike_and_none_changes(saved):
+    for result in saved[1]:
+        outcome = result["unreadable_shard"]
+        assert re.fullmatch(r"reading the shard headers under \S+ failed on rank 1: CheckpointError: "
+                            r"rank00001-of-00002.safetensors has no tensor '\S+', which the manifest places there",
+                            outcome["error"]), outcome["error"]
+        assert outcome["unchanged"]

@@ -233,3 +233,23 @@ def test_an_output_folder_that_cannot_be_created_is_one_line_naming_it(small_che
     code, err = run_consolidate(capsys, small_checkpoint, tmp_path / "a_file" / "out")
     assert code == 2 and err == f"hf-zero consolidate: cannot write to output folder {tmp_path / 'a_file' / 'out'}: " \
                                 "Not a directory\n", err
+
+
+@pytest.mark.parametrize("side_file", ["config.json", "generation_config.json"])
+def test_a_side_file_linked_outside_the_checkpoint_is_refused_and_nothing_of_it_is_written(
+        small_checkpoint, tmp_path, capsys, side_file):
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"model_type": "gpt2", "token": "hf_secret"}')
+    (small_checkpoint / side_file).unlink()
+    (small_checkpoint / side_file).symlink_to(secret)
+    out = tmp_path / "out"
+    code, err = run_consolidate(capsys, small_checkpoint, out)
+    assert code == 2 and f"{small_checkpoint / side_file} is a link to {secret}, outside the checkpoint folder" in err, err
+    assert not any(b"hf_secret" in data for data in contents(out).values()) if out.exists() else True
+
+
+def test_the_consolidation_record_names_the_checkpoint_without_its_local_path(small_checkpoint, tmp_path, capsys):
+    assert run_consolidate(capsys, small_checkpoint, tmp_path / "out")[0] == 0
+    record = (tmp_path / "out" / "hf_zero_consolidation.json").read_text()
+    assert json.loads(record)["checkpoint"] == "ckpt"
+    assert str(small_checkpoint.parent) not in record
