@@ -12,6 +12,7 @@ importing the packages built on it.
 """
 from __future__ import annotations
 
+import math
 import os
 import typing
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -26,7 +27,8 @@ from hf_zero import pretrained
 from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
                             read_settings_file, trainer_flag)
 from hf_zero.device import has_accelerator
-from hf_zero.launch import processes_per_node
+from hf_zero.launch import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, collective_timeout,
+                             processes_per_node)
 from hf_zero.tensor_parallel import check_tp_within_a_node
 
 logger = logging.get_logger(__name__)
@@ -81,6 +83,8 @@ def _post_init(self: Any) -> None:
     # self.world_size is 1 when transformers does not start distributed training.
     processes = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     per_node = processes_per_node(processes)
+    if self.ddp_timeout is None:  # before transformers starts the process group with it
+        self.ddp_timeout = math.ceil(collective_timeout().total_seconds())
     super(ZeroArgumentsMixin, self).__post_init__()
     _check_engine_flags(self, processes, per_node)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
@@ -106,12 +110,18 @@ def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:
                               f"data into the same output folder")
 
 
+# The Trainer's --ddp_timeout (torch's 30 minutes by default) with hf_zero's default instead, so that a rank
+# that stopped answering is an error within minutes under the Trainer too; resolved in _post_init.
+DDP_TIMEOUT = ("ddp_timeout", int | None, field(default=None, metadata={
+    "help": f"seconds a rank waits in one collective before it fails (default {COLLECTIVE_TIMEOUT_ENV}, else "
+            f"{DEFAULT_COLLECTIVE_TIMEOUT.total_seconds():.0f})"}))
+
 ZeroArgumentsMixin = make_dataclass(
     "ZeroArgumentsMixin",
     _engine_flag_fields() + [
         (name, str | None if default is None else type(default),
          field(default=default, metadata={"help": text if default is None else f"{text} (default {default})"}))
-        for name, (default, text, _, _) in EXTRA_FLAGS.items()],
+        for name, (default, text, _, _) in EXTRA_FLAGS.items()] + [DDP_TIMEOUT],
     namespace={"__post_init__": _post_init, "__module__": __name__,
                "__doc__": "The engine's settings as Trainer flags (DeepSpeed config key in brackets)."})
 

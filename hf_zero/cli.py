@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 from hf_zero.config import DTYPES, ZeroConfigError, did_you_mean, offload_conflict
 from hf_zero.host_memory import use_mmap_for_large_allocations
-from hf_zero.launch import free_port
+from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, free_port, parse_seconds
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,6 +23,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
 
 
+def _seconds(value: str) -> float:
+    return parse_seconds(value, "the value")
+
+
 def _nproc(value: str) -> int:
     """argparse type of --nproc_per_node: a process count of at least 1."""
     count = int(value)
@@ -30,7 +35,7 @@ def _nproc(value: str) -> int:
     return count
 
 
-LAUNCH_FLAGS = ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port")
+LAUNCH_FLAGS = ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port", "--collective_timeout")
 
 
 def _add_launch_arguments(parser: argparse.ArgumentParser, default_nproc: int) -> None:
@@ -43,6 +48,10 @@ def _add_launch_arguments(parser: argparse.ArgumentParser, default_nproc: int) -
     launch.add_argument("--master_addr", default="127.0.0.1", help="address of node 0, reachable from every node")
     launch.add_argument("--master_port", type=int,
                         help="a free port on node 0 (default: any free port; needed with --nnodes above 1)")
+    launch.add_argument("--collective_timeout", type=_typed(_seconds),
+                        metavar="SECONDS", help=f"how long a rank waits in one collective for the others before it "
+                        f"fails, naming the rank that stopped answering (default "
+                        f"{DEFAULT_COLLECTIVE_TIMEOUT.total_seconds():.0f}; {COLLECTIVE_TIMEOUT_ENV} also sets it)")
 
 
 def _check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -222,6 +231,8 @@ def _torchrun(launch: argparse.Namespace, module: str, module_args: list[str]) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    if launch.collective_timeout is not None:  # the ranks read it when they join the process group
+        os.environ[COLLECTIVE_TIMEOUT_ENV] = str(launch.collective_timeout)
     try:
         torchrun(["--nnodes", str(launch.nnodes), "--node_rank", str(launch.node_rank),
                   "--nproc_per_node", str(launch.nproc_per_node), "--master_addr", launch.master_addr,

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.device import HOST, compute_device
-from hf_zero.launch import processes_per_node
+from hf_zero.launch import (note_collective, other_ranks_report, processes_per_node,
+                            start_heartbeat)
 
 MODEL_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
 SPANS = ("intra-node", "inter-node")
@@ -47,13 +48,13 @@ class CollectiveError(RuntimeError):
 
 def _named(what: Callable[[], str], call: Callable[[], Any]) -> Any:
     """call(); a RuntimeError it raises becomes a CollectiveError naming the collective (`what()`, formatted
-    only then: collectives are issued by the hundred per step)."""
+    only then: collectives are issued by the hundred per step) and what the other ranks' heartbeats say."""
     try:
         return call()
     except CollectiveError:
         raise
     except RuntimeError as e:
-        raise CollectiveError(f"{what()} did not complete: {e}") from e
+        raise CollectiveError(f"{what()} did not complete: {e}{other_ranks_report()}") from e
 
 
 class _Named:
@@ -199,6 +200,8 @@ class Communicator:
         # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
         self.per_rank_pieces = backend == "gloo"
         self.launched = 0  # collectives this rank issued on this group, numbered in its errors
+        if self.world_size > 1:
+            start_heartbeat()
 
     def _launch(self, op: str, tensor: torch.Tensor | None, launch: Callable[[], Any]) -> Any:
         """Issues one collective through `launch`; its work handle, if any, names it should it fail."""
@@ -209,6 +212,7 @@ class Communicator:
             elements = "" if size is None else f" ({size[0]:,} {str(size[1]).removeprefix('torch.')} elements)"
             return f"rank {rank()}: {op} #{number} of its group of {self.world_size}{elements}"
 
+        note_collective(what)
         work = _named(what, launch)
         return None if work is None else _Named(work, what)
 

@@ -61,13 +61,13 @@ def check_model(model: nn.Module, init_from: Any) -> None:
     # With init_from the trainable parameters are still on meta; the rest must be on one device.
     devices = sorted({str(p.device) for p in model.parameters() if not (init_from is not None and p.is_meta)})
     if len(devices) > 1:
-        raise ValueError(f"the model's parameters are on several devices ({', '.join(devices)}); "
+        raise ZeroConfigError(f"the model's parameters are on several devices ({', '.join(devices)}); "
                          f"move it to one device (model.to(device)) before hf_zero.initialize")
     if devices == ["meta"]:
-        raise ValueError("the model is on the meta device (no values): pass init_from=hf_zero.construct.SeededInit"
+        raise ZeroConfigError("the model is on the meta device (no values): pass init_from=hf_zero.construct.SeededInit"
                          "(seed) or PretrainedWeights(folder) with zero_stage 3 to build it shard by shard")
     if not devices and init_from is None:
-        raise ValueError("the model has no parameters to train")
+        raise ZeroConfigError("the model has no parameters to train")
 
 
 def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | None
@@ -76,12 +76,12 @@ def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | 
     if mesh is None:
         return group, None
     if mesh.mesh_dim_names != ("dp", "tp"):
-        raise ValueError(f"mesh must have the dimensions ('dp', 'tp') (hf_zero.tensor_parallel.init_mesh builds "
+        raise ZeroConfigError(f"mesh must have the dimensions ('dp', 'tp') (hf_zero.tensor_parallel.init_mesh builds "
                          f"it); got {mesh.mesh_dim_names}")
     if group is not None:
-        raise ValueError("pass either group or mesh: with a mesh, ZeRO runs over its 'dp' dimension")
+        raise ZeroConfigError("pass either group or mesh: with a mesh, ZeRO runs over its 'dp' dimension")
     if mesh.size() != torch.distributed.get_world_size():
-        raise ValueError(f"the mesh must span every process ({torch.distributed.get_world_size()}), not "
+        raise ZeroConfigError(f"the mesh must span every process ({torch.distributed.get_world_size()}), not "
                          f"{mesh.size()}: hf_zero.tensor_parallel.init_mesh builds such a mesh")
     return mesh["dp"].get_group(), mesh["tp"].get_group()
 
@@ -93,25 +93,26 @@ def trainable_params_by_group(model: nn.Module, optimizer: torch.optim.Optimizer
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) in group_of:
-                raise ValueError("a parameter appears in two optimizer param groups; give each parameter one group")
+                raise ZeroConfigError("a parameter appears in two optimizer param groups; give each parameter one "
+                                      "group")
             group_of[id(p)] = g
     groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in optimizer.param_groups]
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in group_of:
             if not p.requires_grad:
-                raise ValueError(f"parameter {name} is in an optimizer param group but does not require grad; "
+                raise ZeroConfigError(f"parameter {name} is in an optimizer param group but does not require grad; "
                                  f"build the optimizer on the trainable parameters only")
             groups[group_of[id(p)]].append((name, p))
             seen.add(id(p))
         elif p.requires_grad:
-            raise ValueError(f"parameter {name} requires grad but is in no optimizer param group; add it to the "
+            raise ZeroConfigError(f"parameter {name} requires grad but is in no optimizer param group; add it to the "
                              f"optimizer or set requires_grad=False")
     if len(seen) != len(group_of):
-        raise ValueError("the optimizer holds tensors that are not parameters of the model; build it on "
+        raise ZeroConfigError("the optimizer holds tensors that are not parameters of the model; build it on "
                          "model.parameters()")
     if any(not named for named in groups):
-        raise ValueError("an optimizer param group has no parameters of the model; drop empty groups")
+        raise ZeroConfigError("an optimizer param group has no parameters of the model; drop empty groups")
     return groups
 
 

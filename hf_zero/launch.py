@@ -4,12 +4,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import hashlib
+import json
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -28,22 +32,29 @@ def processes_per_node(world_size: int) -> int:
 
 
 COLLECTIVE_TIMEOUT_ENV = "HF_ZERO_COLLECTIVE_TIMEOUT"
+# How long a rank waits in one collective by default: long enough for a rank that saves or loads a large
+# shard, or compiles the kernels, while the others wait; short enough that a rank that stopped answering
+# is an error within minutes (torch's own default is 30).
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
-def collective_timeout(default: timedelta | None) -> timedelta | None:
-    """How long a rank waits in one collective for the others before it fails: HF_ZERO_COLLECTIVE_TIMEOUT
-    seconds where that is set (the test suite sets 40, so that a hung collective fails its test within a
-    minute), else `default` (None: torch's own, 30 minutes)."""
-    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
-    if text is None:
-        return default
+def parse_seconds(text: str, name: str) -> float:
+    """A positive, finite number of seconds; ValueError naming `name` otherwise."""
     try:
         seconds = float(text)
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV} must be a positive number of seconds; got {text!r}")
-    return timedelta(seconds=seconds)
+        raise ValueError(f"{name} must be a positive number of seconds; got {text!r}")
+    return seconds
+
+
+def collective_timeout(default: timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT) -> timedelta | None:
+    """How long a rank waits in one collective for the others before it fails: HF_ZERO_COLLECTIVE_TIMEOUT
+    seconds where that is set (`--collective_timeout` of the launchers sets it; the test suite sets 40, so
+    that a hung collective fails its test within a minute), else `default`."""
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    return default if text is None else timedelta(seconds=parse_seconds(text, COLLECTIVE_TIMEOUT_ENV))
 
 
 def init_distributed(backend: str | None = None) -> None:
@@ -55,7 +66,99 @@ def init_distributed(backend: str | None = None) -> None:
         backend = "nccl" if has_accelerator() else "gloo"
     if backend == "nccl":
         use_local_accelerator(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=collective_timeout(None))
+    dist.init_process_group(backend, timeout=collective_timeout())
+    start_heartbeat()
+
+
+# ---- heartbeat: which rank stopped answering ------------------------------------------------------
+# gloo and NCCL say only that a collective timed out, not which rank failed to join it. Every rank writes
+# to the rendezvous store, each HEARTBEAT_SECONDS, that it is alive and which collective it issued last;
+# a rank whose collective fails reads the others' (`other_ranks_report`), and its error names the rank
+# that stopped answering (a rank stopped, swapping, or hung with the GIL held) or, when all are alive,
+# where each one is instead (ranks that issued collectives in different orders).
+HEARTBEAT_SECONDS = 1.0
+_heartbeat: dict[str, Any] = {}  # "latest": this rank's latest collective, described on demand
+
+
+def note_collective(describe: Callable[[], str]) -> None:
+    """Records this rank's latest collective (hf_zero.comm calls it for each one; formatted only when sent)."""
+    _heartbeat["latest"] = describe
+
+
+def _heartbeat_key(rank: int) -> str:
+    return f"hf_zero/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _store_client() -> dist.TCPStore:
+    """A connection of its own to the rendezvous store (torchrun's, or rank 0's under spawn_gloo)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=5))
+
+
+@functools.cache  # one per process
+def start_heartbeat() -> None:
+    if not (dist.is_initialized() and dist.get_world_size() > 1 and "MASTER_ADDR" in os.environ):
+        return
+    store, key, stop = _store_client(), _heartbeat_key(dist.get_rank()), threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            latest = _heartbeat.get("latest")
+            try:
+                store.set(key, json.dumps([time.time(), latest() if latest else None]))
+            except Exception:  # the store is gone (its host exited): nobody is left to read it
+                return
+            stop.wait(HEARTBEAT_SECONDS)
+
+    thread = threading.Thread(target=beat, name="hf_zero heartbeat", daemon=True)
+    thread.start()
+    _heartbeat["ranks"] = dist.get_world_size()
+
+    def stop_beating() -> None:  # before finalization, which would end the thread inside a C++ call and abort
+        stop.set()
+        thread.join()
+
+    atexit.register(stop_beating)
+
+
+def other_ranks_report() -> str:
+    """What the other ranks last said through the heartbeat: those that stopped answering, or where the others
+    are. Empty when there is no heartbeat (one process)."""
+    if "ranks" not in _heartbeat:
+        return ""
+    try:
+        store, now, me = _store_client(), time.time(), dist.get_rank()
+        silent, elsewhere = [], []
+        for rank in (r for r in range(_heartbeat["ranks"]) if r != me):
+            if not store.check([_heartbeat_key(rank)]):
+                silent.append(f"rank {rank} has never reported")
+                continue
+            when, latest = json.loads(store.get(_heartbeat_key(rank)))
+            if now - when > 3 * HEARTBEAT_SECONDS:
+                silent.append(f"rank {rank} has not answered for {now - when:.0f} s (the last collective it issued: "
+                              f"{latest or 'none'})")
+            else:
+                elsewhere.append(f"{latest or f'rank {rank}: none yet'}")
+    except Exception as e:  # the store's host may be what stopped (rank 0 under spawn_gloo)
+        return f". The other ranks' heartbeats could not be read ({type(e).__name__}: {e})"
+    if silent:
+        return ". " + "; ".join(silent)
+    shown = "; ".join(elsewhere[:4]) + ("; ..." if len(elsewhere) > 4 else "")
+    return f". Every other rank is alive; the latest collective each issued: {shown}"
+
+
+def die_with_launcher() -> None:
+    """Makes this rank end when the torchrun that started it does, even when that is killed with SIGKILL and
+    cannot stop its ranks itself (Linux's parent-death signal; elsewhere nothing). Without it they go on
+    training, reparented to init, holding the GPUs."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @functools.cache  # registers once per process
@@ -92,21 +195,33 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
 
 
 def say_once(message: str) -> None:
-    """Prints `message` (the same error on every rank) from rank 0 alone, before any rank exits. Under torchrun
-    the other ranks wait for rank 0 to have printed it: torchrun stops every process as soon as one exits
-    with an error, and would stop rank 0 before it said anything."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print(message, file=sys.stderr, flush=True)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    with contextlib.suppress(Exception):  # the store gone, or rank 0 died otherwise: exit anyway
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=60))
-        if rank == 0:
-            store.set("hf_zero/said", "1")
-        else:
-            store.wait(["hf_zero/said"])
+    """Prints `message` on stderr once however many ranks hold it: the first rank to get there prints it (the rank
+    that exits first has torchrun stop the others), and a rank whose message is another one prints that too."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
+        with contextlib.suppress(Exception):  # the store gone: say it anyway
+            key = f"hf_zero/said/{hashlib.sha256(message.encode()).hexdigest()}"
+            if _store_client().add(key, 1) > 1:
+                return
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_rank(main: Callable[[], int | str | None], prog: str) -> NoReturn:
+    """The `__main__` of a rank that torchrun started: it ends with its launcher, and an error hf_zero raises
+    for the user to act on (a bad setting, a damaged checkpoint, a rank that stopped answering) is one line,
+    said once, instead of a traceback on every rank and torchrun's report of each."""
+    from hf_zero.checkpoint import CheckpointError
+    from hf_zero.comm import CollectiveError
+    from hf_zero.config import ZeroConfigError
+
+    die_with_launcher()
+    try:
+        code = main()
+    except SystemExit as stop:  # the script's own sys.exit
+        code = stop.code
+    except (ZeroConfigError, CheckpointError, CollectiveError) as error:
+        say_once(f"{prog}: {error}")
+        code = 2
+    exit_skipping_teardown(code)
 
 
 def free_port() -> int:
@@ -126,13 +241,15 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     # A bounded timeout turns a collective one rank never joins into an error instead of a hung run.
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=collective_timeout(timedelta(minutes=5)))
+    start_heartbeat()
     try:
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     except Exception as e:
-        raise RuntimeError(f"rank {rank} of {world_size} failed{_while_in_collective(e)}: "
-                           f"{type(e).__name__}: {e}") from e
+        waiting = _while_in_collective(e)
+        raise RuntimeError(f"rank {rank} of {world_size} failed{waiting}: {type(e).__name__}: {e}"
+                           f"{other_ranks_report() if waiting else ''}") from e
     finally:
         dist.destroy_process_group()
 

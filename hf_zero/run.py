@@ -74,10 +74,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # a rank torchrun started (`-m hf_zero.run`)
-    from hf_zero.launch import exit_skipping_teardown
+    from hf_zero.launch import run_rank
 
-    try:
-        exit_code = main()
-    except SystemExit as stop:  # the script's own sys.exit
-        exit_code = stop.code
-    exit_skipping_teardown(exit_code)
+    run_rank(main, Path(sys.argv[1]).name if len(sys.argv) > 1 else "hf_zero.run")

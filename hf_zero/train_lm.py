@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 import hf_zero
 import model_zoo
+from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.config import add_arguments as add_engine_arguments
 from hf_zero.device import compute_device
@@ -76,6 +78,15 @@ def engine_config(args: argparse.Namespace) -> dict[str, object]:
 
 def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     """Refuses bad settings before any work (`hf-zero train` calls it before starting the processes)."""
+    for flag in ("batch_size", "seq_len", "max_steps", "log_every"):
+        if getattr(args, flag) < 1:
+            raise ZeroConfigError(f"--{flag} must be at least 1; got {getattr(args, flag)}")
+    for flag in ("max_minutes", "lr"):
+        if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
+            raise ZeroConfigError(f"--{flag} must be a positive number; got {getattr(args, flag)}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        raise ZeroConfigError(f"--dropout must be in [0, 1); got {args.dropout}")
+    _check_text(args)
     ZeroConfig.from_any(engine_config(args)).check_topology(processes, per_node, lambda key: f"--{key}")
     if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
         raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
@@ -85,14 +96,33 @@ def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
         raise ZeroConfigError(f"--dropout sets GPT-2's dropout; {args.model} is not a GPT-2 model")
 
 
+TRAIN_FRACTION = 0.95  # of the text; the rest validates
+
+
+def _check_text(args: argparse.Namespace) -> None:
+    """The text must be readable and hold a window of --seq_len + 1 bytes in its validation part."""
+    if args.text is None:
+        size = len(load_text(None))
+    else:
+        try:
+            size = Path(args.text).stat().st_size if Path(args.text).is_file() else -1
+        except OSError:
+            size = -1
+        if size < 0 or not os.access(args.text, os.R_OK):
+            raise ZeroConfigError(f"--text {args.text}: no readable file there")
+    validation = size - int(TRAIN_FRACTION * size)
+    if args.seq_len + 1 >= validation:
+        raise ZeroConfigError(f"--text {args.text or '(pydoc topics)'} holds {size} bytes; its last 5% ({validation} "
+                              f"bytes) validate, which needs more than --seq_len + 1 ({args.seq_len + 1}): give a "
+                              f"longer text or a shorter --seq_len")
+
+
 def split_text(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text as bytes: the first 95% to train on, the rest to validate."""
+    """The text as bytes: the first 95% to train on, the rest to validate (`_check_text` made sure both hold
+    a window)."""
     data = torch.frombuffer(bytearray(load_text(args.text)), dtype=torch.uint8).long()
-    split = int(0.95 * len(data))
-    train, val = data[:split], data[split:]
-    if args.seq_len >= len(val):
-        raise ValueError(f"--seq_len {args.seq_len} is longer than the validation text ({len(val)} bytes)")
-    return train, val
+    split = int(TRAIN_FRACTION * len(data))
+    return data[:split], data[split:]
 
 
 def build_engine(args: argparse.Namespace, rank: int, world: int
@@ -130,37 +160,35 @@ def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.
     start, losses = time.monotonic(), []
     budget = 60 * args.max_minutes
     # Counts steps towards whichever limit comes first: the total is the steps the time budget allows at the
-    # speed so far, so the bar and its ETA end when training does.
-    bar = tqdm(total=args.max_steps, desc=f"train ({args.max_minutes:g} min budget)", unit="step",
-               disable=rank != 0)
-    for step in range(args.max_steps):
-        for _ in range(args.gradient_accumulation_steps):
-            x = next(stream).to(compute_device())
-            loss = engine(input_ids=x[:, :-1], labels=x[:, :-1]).loss
-            engine.backward(loss)
-            engine.step()
-        schedule.step()
-        losses.append(loss.item())
-        elapsed = time.monotonic() - start
-        bar.total = min(args.max_steps, max(step + 1, math.ceil((step + 1) * budget / elapsed)))
-        bar.update(1)
-        if (step + 1) % args.log_every == 0 and rank == 0:
-            bar.write(f"step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
-                      f"grad_norm {engine.global_grad_norm:.3f} lr {schedule.get_last_lr()[0]:.2e}")
-        if _out_of_time(elapsed > budget, engine.comm.device):
-            bar.total = step + 1
-            break
-    bar.close()
+    # speed so far, so the bar and its ETA end when training does. Closed also when a step fails, so that the
+    # error is printed on a line of its own.
+    with tqdm(total=args.max_steps, desc=f"train ({args.max_minutes:g} min budget)", unit="step",
+              disable=rank != 0) as bar:
+        for step in range(args.max_steps):
+            for _ in range(args.gradient_accumulation_steps):
+                x = next(stream).to(compute_device())
+                loss = engine(input_ids=x[:, :-1], labels=x[:, :-1]).loss
+                engine.backward(loss)
+                engine.step()
+            schedule.step()
+            losses.append(loss.item())
+            elapsed = time.monotonic() - start
+            bar.total = min(args.max_steps, max(step + 1, math.ceil((step + 1) * budget / elapsed)))
+            bar.update(1)
+            if (step + 1) % args.log_every == 0 and rank == 0:
+                bar.write(f"step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
+                          f"grad_norm {engine.global_grad_norm:.3f} lr {schedule.get_last_lr()[0]:.2e}")
+            if _out_of_time(elapsed > budget, engine.world_comm):
+                bar.total = step + 1
+                break
     return losses, time.monotonic() - start
 
 
-def _out_of_time(on_this_rank: bool, device: torch.device) -> bool:
+def _out_of_time(on_this_rank: bool, comm: Communicator) -> bool:
     """Rank 0's clock decides for every rank: clocks that disagree at the limit would stop some ranks a step
-    before the others, which then wait in a collective forever. `device`: where the backend's collectives run."""
-    if not dist.is_initialized():
-        return on_this_rank
-    decision = torch.tensor([on_this_rank], dtype=torch.uint8, device=device)
-    dist.broadcast(decision, src=0)
+    before the others, which then wait in a collective forever."""
+    decision = torch.tensor([on_this_rank], dtype=torch.uint8, device=comm.device)
+    comm.broadcast_(decision)
     return bool(decision.item())
 
 
@@ -203,7 +231,13 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     return summary
 
 
-if __name__ == "__main__":
+def _rank_main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_arguments(parser)
     main(parser.parse_args())
+
+
+if __name__ == "__main__":  # a rank torchrun started (`hf-zero train` does)
+    from hf_zero.launch import run_rank
+
+    run_rank(_rank_main, "hf-zero train")

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import hf_zero
-from hf_zero.comm import Communicator, Ledger
-from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, collective_timeout, free_port, spawn_gloo
+from hf_zero.comm import CollectiveError, Communicator, Ledger
+from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, HEARTBEAT_SECONDS, collective_timeout, free_port, spawn_gloo
 
 SCRIPT = """
 import atexit, os
@@ -117,6 +121,33 @@ def test_a_collective_a_rank_never_joins_fails_within_the_timeout_naming_the_ran
     assert time.monotonic() - start < 30  # not the 120 s rank 1 sleeps, nor a default timeout
 
 
+def rank_1_stops(report_to: str) -> None:
+    """Rank 1 stops (as `kill -STOP` stops it) before the collective rank 0 waits in; rank 0 writes its error
+    to `report_to`, then kills rank 1."""
+    comm = Communicator(Ledger())
+    pids = comm.all_gather_object(os.getpid())
+    comm.all_reduce_(torch.ones(8))
+    if dist.get_rank() == 1:
+        time.sleep(2 * HEARTBEAT_SECONDS)  # its heartbeat has said all_reduce #2 was its latest
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        comm.all_reduce_(torch.ones(8))
+    except CollectiveError as error:
+        Path(report_to).write_text(str(error))
+    finally:
+        os.kill(pids[1], signal.SIGKILL)
+
+
+def test_a_rank_that_stops_answering_is_named_by_the_rank_left_waiting(monkeypatch, tmp_path):
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "5")
+    with pytest.raises(Exception):  # rank 1 was killed
+        spawn_gloo(rank_1_stops, 2, str(tmp_path / "error.txt"))
+    error = (tmp_path / "error.txt").read_text()
+    assert re.fullmatch(r"rank 0: all_reduce #3 of its group of 2 \(8 float32 elements\) did not complete: .*Timed out.*"
+                        r"\. rank 1 has not answered for \d+ s \(the last collective it issued: rank 1: all_reduce #2 of "
+                        r"its group of 2 \(8 float32 elements\)\)", error, re.DOTALL), error
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_a_bad_collective_timeout_is_refused_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, value)
@@ -154,3 +185,40 @@ def test_a_tests_ranks_start_from_the_same_state_whatever_the_previous_test_left
         assert before.pop("python") != left_behind["python"] != after.pop("python")
         assert before == after and before["env"] is None and before["cache"] is None
         assert before["dtype"] == torch.float32 and before["threads"] == 1 and before["grad"]
+
+
+def test_a_rank_waits_ten_minutes_for_the_others_by_default_not_torchs_thirty(monkeypatch):
+    from hf_zero.arguments import ZeroTrainingArguments
+
+    monkeypatch.delenv(COLLECTIVE_TIMEOUT_ENV)
+    assert collective_timeout() == timedelta(minutes=10)
+    assert ZeroTrainingArguments(output_dir="out", use_cpu=True).ddp_timeout == 600  # the Trainer's process group
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "75")
+    assert ZeroTrainingArguments(output_dir="out", use_cpu=True).ddp_timeout == 75
+    assert ZeroTrainingArguments(output_dir="out", use_cpu=True, ddp_timeout=90).ddp_timeout == 90  # the user's
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_the_launchers_collective_timeout_flag_reaches_the_ranks(monkeypatch, tmp_path, command):
+    import torch.distributed.run
+
+    from hf_zero import cli
+
+    seen = []
+    monkeypatch.delenv(COLLECTIVE_TIMEOUT_ENV)
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: seen.append(os.environ[COLLECTIVE_TIMEOUT_ENV]))
+    monkeypatch.setattr(cli, "use_mmap_for_large_allocations", lambda: None)  # this process's allocator left as it is
+    script = tmp_path / "script.py"
+    script.write_text("")
+    args = [str(script), "--use_cpu"] if command == "run" else []
+    assert cli.main([command, "--nproc_per_node", "2", "--collective_timeout", "45", *args]) == 0
+    assert seen == ["45.0"]
+
+
+def test_a_bad_collective_timeout_flag_is_one_line_naming_it(capsys):
+    from hf_zero import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--collective_timeout", "soon"])
+    assert capsys.readouterr().err == ("hf-zero train: argument --collective_timeout: the value must be a positive "
+                                       "number of seconds; got 'soon' (--help lists the flags)\n")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,48 @@ def test_the_launched_processes_get_an_8_mib_mmap_threshold_unless_one_is_set(tm
                               str(tmp_path), "--use_cpu"], capture_output=True, text=True, timeout=300, env=environ)
         assert run.returncode == 0, run.stderr[-3000:]
         assert [(tmp_path / f"threshold{rank}").read_text() for rank in (0, 1)] == [expected, expected]
+
+
+def test_an_error_hf_zero_raises_inside_the_ranks_is_one_line_said_once(tmp_path):
+    """Every rank fails with the same CheckpointError (an agreed failure): one line, no traceback."""
+    script = tmp_path / "resume.py"
+    script.write_text("from hf_zero.checkpoint import CheckpointError\n"
+                      "raise CheckpointError('checking ckpt failed on rank 1: CheckpointError: ckpt/x is missing')\n")
+    run = hf_zero("run", "--nproc_per_node", "2", str(script), "--use_cpu", timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.count("resume.py: checking ckpt failed on rank 1: CheckpointError: ckpt/x is missing\n") == 1, \
+        run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr[-3000:]
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (a process reparented to an init that does not reap stays one)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_ranks_end_within_seconds_when_their_launcher_is_killed(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text("import os, sys, time\n"
+                      "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                      "time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(script),
+                                 str(tmp_path), "--use_cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid{rank}").is_file() for rank in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.2)  # the pid files written through
+        ranks = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+    finally:
+        launcher.kill()  # SIGKILL: torchrun cannot stop its ranks itself
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(map(is_running, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    still = [pid for pid in ranks if is_running(pid)]
+    for pid in still:
+        os.kill(pid, 9)
+    assert not still, "ranks outlived their launcher"

@@ -66,3 +66,28 @@ def test_the_progress_bar_ends_with_the_time_budget_not_the_step_limit():
     assert steps == total < 100000, bars[-1]
     summary = next(line for line in done.stderr.splitlines() if " steps in " in line)
     assert summary.startswith(f"{steps} steps in ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch_size", "0"], "--batch_size must be at least 1; got 0"),
+    (["--batch_size", "-3"], "--batch_size must be at least 1; got -3"),
+    (["--seq_len", "0"], "--seq_len must be at least 1; got 0"),
+    (["--max_steps", "0"], "--max_steps must be at least 1; got 0"),
+    (["--max_steps", "-1"], "--max_steps must be at least 1; got -1"),
+    (["--log_every", "0"], "--log_every must be at least 1; got 0"),
+    (["--max_minutes", "nan"], "--max_minutes must be a positive number; got nan"),
+    (["--max_minutes", "-1"], "--max_minutes must be a positive number; got -1.0"),
+    (["--lr", "inf"], "--lr must be a positive number; got inf"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1); got 1.5"),
+    (["--text", "EMPTY"], "holds 0 bytes; its last 5% (0 bytes) validate, which needs more than --seq_len + 1 (129)"),
+    (["--text", "MISSING"], "no readable file there"),
+    (["--seq_len", "30000"], "give a longer text or a shorter --seq_len"),
+])
+def test_a_setting_the_job_cannot_run_with_is_one_line_before_any_process_starts(tmp_path, capsys, flags, message):
+    from hf_zero import cli
+
+    (tmp_path / "EMPTY").write_bytes(b"")
+    flags = [str(tmp_path / f) if f in ("EMPTY", "MISSING") else f for f in flags]
+    assert cli.main(["train", "--nproc_per_node", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-zero train: --") and message in err and err.count("\n") == 1, err

@@ -14,7 +14,7 @@ import math
 import torch
 
 from hf_zero.comm import Communicator
-from hf_zero.config import ZeroConfig
+from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.device import HOST, LatestCopy
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HostUpdate, adamw_mode_of
@@ -167,13 +167,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> Non
                         f"got {type(optimizer).__name__}")
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
-        raise ValueError(f"optimizer {type(optimizer).__name__} needs a closure in step(), which re-runs the "
+        raise ZeroConfigError(f"optimizer {type(optimizer).__name__} needs a closure in step(), which re-runs the "
                          f"model; ZeRO shards the update and cannot do that. Use Adam, AdamW, SGD or another "
                          f"optimizer whose step() takes no closure.")
     if config.offload_optimizer == "nvme" and adamw_mode_of(optimizer) is None:
-        raise ValueError(f"offload_optimizer nvme streams Adam/AdamW states; {type(optimizer).__name__} is not "
+        raise ZeroConfigError(f"offload_optimizer nvme streams Adam/AdamW states; {type(optimizer).__name__} is not "
                          f"supported there (nor amsgrad or maximize). Use torch.optim.Adam, AdamW or "
                          f"hf_zero.ops.CPUAdam, or offload_optimizer cpu")
     if optimizer.state:
-        raise ValueError("optimizer already has state (it has stepped); pass a fresh optimizer to "
+        raise ZeroConfigError("optimizer already has state (it has stepped); pass a fresh optimizer to "
                          "hf_zero.initialize and load its state through the engine")
