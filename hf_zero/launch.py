@@ -205,25 +205,6 @@ def say_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_rank(main: Callable[[], int | str | None], prog: str) -> NoReturn:
-    """The `__main__` of a rank that torchrun started: it ends with its launcher, and an error hf_zero raises
-    for the user to act on (a bad setting, a damaged checkpoint, a rank that stopped answering) is one line,
-    said once, instead of a traceback on every rank and torchrun's report of each."""
-    from hf_zero.checkpoint import CheckpointError
-    from hf_zero.comm import CollectiveError
-    from hf_zero.config import ZeroConfigError
-
-    die_with_launcher()
-    try:
-        code = main()
-    except SystemExit as stop:  # the script's own sys.exit
-        code = stop.code
-    except (ZeroConfigError, CheckpointError, CollectiveError) as error:
-        say_once(f"{prog}: {error}")
-        code = 2
-    exit_skipping_teardown(code)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -74,6 +74,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # a rank torchrun started (`-m hf_zero.run`)
-    from hf_zero.launch import run_rank
+    from hf_zero.rank_main import run_rank
 
     run_rank(main, Path(sys.argv[1]).name if len(sys.argv) > 1 else "hf_zero.run")

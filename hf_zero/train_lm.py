@@ -238,6 +238,6 @@ def _rank_main() -> None:
 
 
 if __name__ == "__main__":  # a rank torchrun started (`hf-zero train` does)
-    from hf_zero.launch import run_rank
+    from hf_zero.rank_main import run_rank
 
     run_rank(_rank_main, "hf-zero train")

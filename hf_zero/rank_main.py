@@ -1,0 +1,24 @@
+"""The `__main__` of a rank that torchrun started (`hf-zero run` and `hf-zero train` start them)."""
+from __future__ import annotations
+
+from typing import Callable, NoReturn
+
+from hf_zero.checkpoint import CheckpointError
+from hf_zero.comm import CollectiveError
+from hf_zero.config import ZeroConfigError
+from hf_zero.launch import die_with_launcher, exit_skipping_teardown, say_once
+
+
+def run_rank(main: Callable[[], int | str | None], prog: str) -> NoReturn:
+    """Runs `main` as a rank: it ends with its launcher, and an error hf_zero raises for the user to act on (a
+    bad setting, a damaged checkpoint, a rank that stopped answering) is one line, said once, instead of a
+    traceback on every rank and torchrun's report of each."""
+    die_with_launcher()
+    try:
+        code = main()
+    except SystemExit as stop:  # the script's own sys.exit
+        code = stop.code
+    except (ZeroConfigError, CheckpointError, CollectiveError) as error:
+        say_once(f"{prog}: {error}")
+        code = 2
+    exit_skipping_teardown(code)
