@@ -6,6 +6,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import signal
@@ -24,6 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_zero.device import has_accelerator, use_local_accelerator
+
+logger = logging.getLogger("hf_zero")
 
 
 def processes_per_node(world_size: int) -> int:
@@ -75,7 +78,8 @@ def init_distributed(backend: str | None = None) -> None:
 # to the rendezvous store, each HEARTBEAT_SECONDS, that it is alive and which collective it issued last;
 # a rank whose collective fails reads the others' (`other_ranks_report`), and its error names the rank
 # that stopped answering (a rank stopped, swapping, or hung with the GIL held) or, when all are alive,
-# where each one is instead (ranks that issued collectives in different orders).
+# where each one is instead (ranks that issued collectives in different orders). Ages compare the clocks of
+# two nodes: they must agree within a second or two (NTP).
 HEARTBEAT_SECONDS = 1.0
 _heartbeat: dict[str, Any] = {}  # "latest": this rank's latest collective, described on demand
 
@@ -99,7 +103,13 @@ def _store_client() -> dist.TCPStore:
 def start_heartbeat() -> None:
     if not (dist.is_initialized() and dist.get_world_size() > 1 and "MASTER_ADDR" in os.environ):
         return
-    store, key, stop = _store_client(), _heartbeat_key(dist.get_rank()), threading.Event()
+    try:
+        store = _store_client()
+    except Exception as e:  # a process group set up through another rendezvous: train on, without names
+        logger.warning(f"no heartbeat: the rendezvous store at MASTER_ADDR:MASTER_PORT does not answer ({e}); a "
+                       f"collective that times out will not name the rank that stopped answering")
+        return
+    key, stop = _heartbeat_key(dist.get_rank()), threading.Event()
 
     def beat() -> None:
         while not stop.is_set():
