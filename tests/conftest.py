@@ -74,6 +74,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session.items.sort(key=lambda item: first.get(_module(item), len(first)))  # stable: modules keep their order
 
 
+@pytest.fixture
+def refused_before_launch(monkeypatch, capsys):
+    """`hf-zero ARGS` run in this process, for what it must refuse before any process starts: starting one
+    fails the test. Returns the exit code and stderr."""
+    import torch.distributed.run
+
+    from hf_zero import cli
+
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: pytest.fail(f"processes were started: {argv}"))
+    monkeypatch.setattr(cli, "use_mmap_for_large_allocations", lambda: None)  # this process's allocator kept
+
+    def refused(*args: str) -> tuple[int, str]:
+        try:
+            code = cli.main(list(args))
+        except SystemExit as stop:  # argparse's errors
+            code = stop.code
+        return code, capsys.readouterr().err
+
+    return refused
+
+
 @pytest.fixture(scope="module", params=["immediate", "simulated_async"])
 def copies(request) -> str:
     """Runs a module's tests twice: with copies as the CPU makes them (immediate), and under hf_zero.device's

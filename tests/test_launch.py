@@ -215,10 +215,7 @@ def test_the_launchers_collective_timeout_flag_reaches_the_ranks(monkeypatch, tm
     assert seen == ["45.0"]
 
 
-def test_a_bad_collective_timeout_flag_is_one_line_naming_it(capsys):
-    from hf_zero import cli
-
-    with pytest.raises(SystemExit):
-        cli.main(["train", "--collective_timeout", "soon"])
-    assert capsys.readouterr().err == ("hf-zero train: argument --collective_timeout: the value must be a positive "
-                                       "number of seconds; got 'soon' (--help lists the flags)\n")
+def test_a_bad_collective_timeout_flag_is_one_line_naming_it(refused_before_launch):
+    assert refused_before_launch("train", "--collective_timeout", "soon") == (
+        2, "hf-zero train: argument --collective_timeout: the value must be a positive number of seconds; got 'soon' "
+           "(--help lists the flags)\n")

@@ -41,19 +41,15 @@ def test_tensor_parallel_job_with_zero_r_and_cpu_offload_trains_as_one_process()
     (["--zero_stage", "3", "--hpz_partition_size", "4"], "--hpz_partition_size must divide the ranks per node "
                                                          "(2): a secondary partition lies within one node; got 4"),
 ])
-def test_a_layout_the_processes_cannot_take_stops_before_they_start(flags, message):
-    done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "2", *flags],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert message in done.stderr
+def test_a_layout_the_processes_cannot_take_stops_before_they_start(refused_before_launch, flags, message):
+    code, err = refused_before_launch("train", "--nproc_per_node", "2", *flags)
+    assert code == 2
+    assert message in err
 
 
-def test_a_misspelt_flag_is_one_line_naming_the_nearest_one():
-    done = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--zero_stgae", "2"], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr == ("hf-zero train: unrecognized arguments: --zero_stgae 2; did you mean --zero_stage? "
-                           "(--help lists the flags)\n")
+def test_a_misspelt_flag_is_one_line_naming_the_nearest_one(refused_before_launch):
+    assert refused_before_launch("train", "--zero_stgae", "2") == (
+        2, "hf-zero train: unrecognized arguments: --zero_stgae 2; did you mean --zero_stage? (--help lists the flags)\n")
 
 
 def test_the_progress_bar_ends_with_the_time_budget_not_the_step_limit():
@@ -83,11 +79,10 @@ def test_the_progress_bar_ends_with_the_time_budget_not_the_step_limit():
     (["--text", "MISSING"], "no readable file there"),
     (["--seq_len", "30000"], "give a longer text or a shorter --seq_len"),
 ])
-def test_a_setting_the_job_cannot_run_with_is_one_line_before_any_process_starts(tmp_path, capsys, flags, message):
-    from hf_zero import cli
-
+def test_a_setting_the_job_cannot_run_with_is_one_line_before_any_process_starts(refused_before_launch, tmp_path,
+                                                                                  flags, message):
     (tmp_path / "EMPTY").write_bytes(b"")
     flags = [str(tmp_path / f) if f in ("EMPTY", "MISSING") else f for f in flags]
-    assert cli.main(["train", "--nproc_per_node", "2", *flags]) == 2
-    err = capsys.readouterr().err
+    code, err = refused_before_launch("train", "--nproc_per_node", "2", *flags)
+    assert code == 2
     assert err.startswith("hf-zero train: --") and message in err and err.count("\n") == 1, err
