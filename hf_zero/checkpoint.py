@@ -473,7 +473,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         _check_manifest(manifest)
     except KeyError as e:
         raise CheckpointError(f"{path} is damaged: an entry {e} is missing") from None
-    except (ValueError, TypeError, AttributeError) as e:
+    except (ValueError, TypeError, AttributeError, CheckpointError) as e:
         raise CheckpointError(f"{path} is damaged: {e}") from None
     return manifest
 

@@ -466,7 +466,7 @@ DAMAGE = {  # what is done to the checkpoint -> what the error says
     "loss scale NaN": (_edit_manifest(lambda m: m["loss_scaler"].update(scale=float("nan"))), "positive finite scale"),
     "Adam step infinite": (_edit_manifest(lambda m: m["optimizer"]["scalars"][0].update(step=float("inf"))),
                            "optimizer.scalars must hold finite numbers"),
-    "overlapping pieces": (_edit_manifest(_overlapping_pieces), "exactly once"),
+    "overlapping pieces": (_edit_manifest(_overlapping_pieces), "is damaged: the checkpoint's shards do not hold each"),
     "no rank-0 shard": (_move_shard("rank00001-of-00002.safetensors"), "no shard of rank 0"),
     "shard name leaves the folder": (_move_shard("../elsewhere/evil.safetensors"), "is not a file name of this folder"),
     "shard name absolute": (_move_shard(), "is not a file name of this folder"),
