@@ -393,14 +393,13 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     every stored tensor this rank will read (present, fp32, of the size the manifest gives). What can still
     fail after that is the disk itself; that too fails on every rank, never leaving one waiting."""
     folder = readable_folder(Path(directory), comm.rank == 0)
-    manifest = read_manifest(folder)
+    manifest, index = read_manifest(folder)
     _check_tensor_parallel_size(layout, manifest, folder)
     _check_model(layout, backend, manifest, folder)
     # Each rank hashes its share of the files; any failure stops every rank before any state changes.
     shards = manifest["shards"]
     comm.agree(lambda: check_files(shards[comm.rank::comm.world_size], folder), f"checking {folder}",
                CheckpointError)
-    index = index_pieces(manifest)
     kinds = ["master", *manifest["optimizer"]["elementwise"]]
     with contextlib.ExitStack() as stack, torch.no_grad():
         files: dict[str, Any] = {}
@@ -456,9 +455,10 @@ def readable_folder(final: Path, report: bool = True) -> Path:
     return found
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint in `folder`, checked whole (`_check_manifest`): anything a crafted or
-    damaged one holds is one CheckpointError naming the file, never a traceback from deeper in."""
+def read_manifest(folder: Path) -> tuple[dict[str, Any], dict[str, list[tuple[int, int, str]]]]:
+    """The manifest of the checkpoint in `folder`, checked whole (`_check_manifest`), and its pieces by parameter
+    (`index_pieces`): anything a crafted or damaged one holds is one CheckpointError naming the file, never a
+    traceback from deeper in."""
     path = folder / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{path}: no checkpoint manifest here")
@@ -470,21 +470,21 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{path} is not an {FORMAT} v{VERSION} manifest")
     try:
-        _check_manifest(manifest)
+        return manifest, _check_manifest(manifest)
     except KeyError as e:
         raise CheckpointError(f"{path} is damaged: an entry {e} is missing") from None
     except (ValueError, TypeError, AttributeError, CheckpointError) as e:
         raise CheckpointError(f"{path} is damaged: {e}") from None
-    return manifest
 
 
 # What a shard file is called (`_write_shard`): a plain name, so the files a manifest names stay in its folder.
 SHARD_NAME = re.compile(r"rank\d{5}-of-\d{5}\.safetensors")
 
 
-def _check_manifest(manifest: dict[str, Any]) -> None:
+def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
     """Raises ValueError naming the first entry that is missing, of the wrong type or out of range. Numbers
-    must be finite (JSON lets NaN through), and the saved pieces must tile each parameter exactly once."""
+    must be finite (JSON lets NaN through), and the saved pieces must tile each parameter exactly once:
+    returns them by parameter (`index_pieces`)."""
     def expect(ok: bool, what: str) -> None:
         if not ok:
             raise ValueError(what)
@@ -552,7 +552,7 @@ def _check_manifest(manifest: dict[str, Any]) -> None:
             expect(isinstance(piece, list) and len(piece) == 3 and piece[0] in parameters and count(piece[1])
                    and count(piece[2]), f"{shard['file']}: piece {piece!r} is not [parameter, first, end]")
     expect(any(s["file"].startswith("rank00000-") for s in shards), "no shard of rank 0, which holds the module state")
-    index_pieces(manifest)
+    return index_pieces(manifest)
 
 
 def inside(folder: Path, name: str) -> Path:
@@ -659,9 +659,10 @@ def read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int
         s, e = max(a, lo), min(b, hi)
         if s < e:
             key = f"{kind}/{name}/{a}"
-            if key not in files[file].keys():
-                raise CheckpointError(f"{file} has no tensor {key!r}, which the manifest places there")
-            stored = files[file].get_slice(key)
+            try:  # (not `key in keys()`: that builds the list of every key in the file, once per piece)
+                stored = files[file].get_slice(key)
+            except SafetensorError:
+                raise CheckpointError(f"{file} has no tensor {key!r}, which the manifest places there") from None
             if stored.get_dtype() != "F32" or stored.get_shape() != [b - a]:
                 raise CheckpointError(f"{file}: {key!r} is {stored.get_dtype()} of shape {stored.get_shape()}; the "
                                       f"manifest's piece is F32 of shape [{b - a}]")

@@ -65,7 +65,7 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     source = find_engine_checkpoint(checkpoint_dir)
-    manifest = checkpoint.read_manifest(source)
+    manifest, index = checkpoint.read_manifest(source)
     output = Path(output_dir)
     # The checkpoint by its folder's name, not its path: the record is uploaded with the weights, and a local
     # path says who ran it where.
@@ -75,7 +75,6 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
                   "step": manifest.get("global_steps"), "dtype": dtype}
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
-    index = checkpoint.index_pieces(manifest)
     out_dtype = DTYPES[dtype]
     with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
         stored = set(rank0.keys())

@@ -101,15 +101,9 @@ TRAIN_FRACTION = 0.95  # of the text; the rest validates
 
 def _check_text(args: argparse.Namespace) -> None:
     """The text must be readable and hold a window of --seq_len + 1 bytes in its validation part."""
-    if args.text is None:
-        size = len(load_text(None))
-    else:
-        try:
-            size = Path(args.text).stat().st_size if Path(args.text).is_file() else -1
-        except OSError:
-            size = -1
-        if size < 0 or not os.access(args.text, os.R_OK):
-            raise ZeroConfigError(f"--text {args.text}: no readable file there")
+    if args.text is not None and not (Path(args.text).is_file() and os.access(args.text, os.R_OK)):
+        raise ZeroConfigError(f"--text {args.text}: no readable file there")
+    size = len(load_text(None)) if args.text is None else Path(args.text).stat().st_size
     validation = size - int(TRAIN_FRACTION * size)
     if args.seq_len + 1 >= validation:
         raise ZeroConfigError(f"--text {args.text or '(pydoc topics)'} holds {size} bytes; its last 5% ({validation} "
