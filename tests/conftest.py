@@ -74,6 +74,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session.items.sort(key=lambda item: first.get(_module(item), len(first)))  # stable: modules keep their order
 
 
+@pytest.fixture(autouse=True)
+def transformers_verbosity_restored():
+    """A Trainer run with log_level="info" sets transformers' global verbosity; without this, every later test
+    in the same worker would capture transformers' INFO records (which test runs first depends on xdist)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    yield
+    hf_logging.set_verbosity(verbosity)
+
+
 @pytest.fixture
 def refused_before_launch(monkeypatch, capsys):
     """`hf-zero ARGS` run in this process, for what it must refuse before any process starts: starting one

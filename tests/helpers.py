@@ -6,6 +6,7 @@ tests assert on. The references (single process, DDP) are computed from the same
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,11 @@ import hf_zero
 
 hf_logging.set_verbosity_error()
 VOCAB, SEQ = 96, 16
+
+
+def hf_zero_messages(records: list[logging.LogRecord]) -> list[str]:
+    """What hf_zero itself logged, among everything a test captured (transformers logs too)."""
+    return [r.getMessage() for r in records if r.name.split(".")[0] == "hf_zero"]
 
 
 def tiny_model(kind: str) -> nn.Module:

@@ -21,7 +21,7 @@ from hf_zero.consolidate import consolidate
 from tests.checkpoint_helpers import (SAVE_AT, STOP, continue_from, continue_on_this_world, new_engine, rehash,
                                       rewrite_shard, steps_like_a_fresh_engine, train, whole_params,
                                       world2_checkpoint_runs, world4_checkpoint_runs)
-from tests.helpers import make_optimizer, max_diff, tiny_model
+from tests.helpers import hf_zero_messages, make_optimizer, max_diff, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_a_checkpoints_learning_rate_and_weight_decay_win_and_a_warning_says_so(
     engine = hf_zero.initialize(model, optimizer, {"zero_stage": 1, "reduce_bucket_size": 3000})
     with caplog.at_level(logging.WARNING, logger="hf_zero"):
         engine.load_checkpoint(folder)
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = hf_zero_messages(caplog.records)
     assert any("param group 0 has lr 0.0005 in this optimizer and 0.001 in the checkpoint; the checkpoint's value "
                "is used" in w for w in warnings), warnings
     assert [g["lr"] for g in optimizer.param_groups] == [1e-3, 1e-3]

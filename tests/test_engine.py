@@ -9,7 +9,8 @@ import transformers
 
 import hf_zero
 from hf_zero.zero.reducer import MAX_IN_FLIGHT
-from tests.helpers import (batch, make_optimizer, max_diff, named_copy, tiny_model, train_single_process)
+from tests.helpers import (batch, hf_zero_messages, make_optimizer, max_diff, named_copy, tiny_model,
+                           train_single_process)
 
 FP32_TOL = 1e-5
 
@@ -179,7 +180,7 @@ def test_non_finite_gradients_skip_the_step_in_plain_words_and_training_stops_af
                                                           r"gradients were not finite.*max_skipped_steps_in_a_row"):
             step(True, 5)
     assert max_diff(named_copy(model), before) == 0.0
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = hf_zero_messages(caplog.records)
     assert len(warnings) == 5
     assert all("the gradients are not finite" in w and "loss scale" not in w for w in warnings)
 
