@@ -4,10 +4,16 @@ Every collective the engine issues goes through this file so that the ledger see
 counted as the ZeRO paper counts them (section 7): an all-reduce over n elements moves 2n, a
 reduce-scatter over an n-element input moves n, an all-gather into an n-element output moves n.
 With one process (or no process group) the collectives are local copies and count nothing.
+
+Where the bytes travel is counted twice (`link_bytes`): what this rank sends over its links, intra-node or
+inter-node, under the algorithms NCCL runs across nodes (a ring in rank order for all-gather, reduce-scatter
+and all-reduce; direct sends for all-to-all), and its node's cross-node volume as the ZeRO++ paper counts it
+(a flat collective's whole buffer once per node, an all-to-all's whole input per rank).
 """
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -115,10 +121,12 @@ class Ledger:
     comm_bytes: Counter = field(default_factory=Counter)
     last_step_elements: dict[str, int] = field(default_factory=dict)
     last_step_bytes: dict[str, int] = field(default_factory=dict)
-    # The same bytes by where they travel (SPANS): a collective whose group lies on one node stays on its
-    # links; one whose group spans nodes is counted whole as inter-node, since its slowest links bound it.
+    # What this rank sent over its links, by SPANS, and its part of its node's cross-node volume as the ZeRO++
+    # paper counts it (`link_bytes`); the node's volume is the sum over its ranks.
     span_bytes: Counter = field(default_factory=Counter)
     last_step_span_bytes: dict[str, int] = field(default_factory=dict)
+    paper_cross_node_bytes: int = 0
+    last_step_paper_cross_node_bytes: int = 0
     events: Counter = field(default_factory=Counter)
     last_step_events: dict[str, int] = field(default_factory=dict)
     held: Counter = field(default_factory=Counter)  # now
@@ -128,10 +136,12 @@ class Ledger:
     # Stage 3: where each weight that several units use lives (its name -> "root unit (used by ...)").
     shared_weights: dict[str, str] = field(default_factory=dict)
 
-    def record(self, op: str, elements: int, element_size: int, span: str) -> None:
+    def record(self, op: str, elements: int, element_size: int, sent: dict[str, int], paper_cross_node: int) -> None:
+        """A collective of `elements` (the paper's volume) that sent `sent` bytes by span from this rank."""
         self.comm_elements[op] += elements
         self.comm_bytes[op] += elements * element_size
-        self.span_bytes[span] += elements * element_size
+        self.span_bytes.update(sent)
+        self.paper_cross_node_bytes += paper_cross_node
 
     def count(self, event: str, times: int = 1) -> None:
         self.events[event] += times
@@ -144,8 +154,9 @@ class Ledger:
     def close_step(self) -> None:
         self.last_step_elements = dict(self.comm_elements)
         self.last_step_bytes = dict(self.comm_bytes)
-        self.last_step_span_bytes = dict(self.span_bytes)
+        self.last_step_span_bytes = {span: n for span, n in self.span_bytes.items() if n}
         self.span_bytes.clear()
+        self.last_step_paper_cross_node_bytes, self.paper_cross_node_bytes = self.paper_cross_node_bytes, 0
         self.last_step_events = dict(self.events)
         self.last_step_peaks = dict(self.peaks)
         self.comm_elements.clear()
@@ -162,26 +173,50 @@ class Ledger:
             for op in sorted(self.last_step_bytes)
         ) or "nothing"
         if self.last_step_span_bytes:
-            sent += " (" + ", ".join(f"{span} {self.last_step_span_bytes.get(span, 0) / mib:.2f} MiB"
-                                     for span in SPANS) + ")"
+            sent += " (on its links: " + ", ".join(f"{span} {self.last_step_span_bytes.get(span, 0) / mib:.2f} MiB"
+                                                   for span in SPANS)
+            if self.last_step_paper_cross_node_bytes:
+                sent += (f"; its part of its node's cross-node volume as the ZeRO++ paper counts it "
+                         f"{self.last_step_paper_cross_node_bytes / mib:.2f} MiB")
+            sent += ")"
         in_flight = "".join(f"; {event} {count:,}" for event, count in sorted(self.last_step_events.items())) + \
             "".join(f"; at most {amount:,} {what}" for what, amount in sorted(self.last_step_peaks.items()))
         shared = "".join(f"; {name} is shared: it lives in the {where}" for name, where in self.shared_weights.items())
         return f"{who} holds {held}; last step sent {sent}{in_flight}{shared}"
 
 
-def node_span(group: dist.ProcessGroup | None, ranks_per_node: int) -> str:
-    """"intra-node" when every rank of `group` (default: the world) is on one node, else "inter-node"; ranks
-    are placed on nodes in order, `ranks_per_node` to a node, as torchrun places them."""
-    if not dist.is_initialized():
-        return "intra-node"
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return "intra-node" if len({r // ranks_per_node for r in ranks}) == 1 else "inter-node"
+def link_bytes(op: str, nbytes: int, ranks: Sequence[int], me: int, ranks_per_node: int
+               ) -> tuple[dict[str, int], int]:
+    """Where the bytes of one collective go, from rank `me` of the group of (global) `ranks`, ranks placed on
+    nodes in order, `ranks_per_node` to a node, as torchrun places them. `nbytes` is the all-gather's output,
+    the reduce-scatter's, all-reduce's or all-to-all's input. Returns:
+
+    - what this rank sends over its links, by span. A ring (all-gather, reduce-scatter) of p ranks sends the
+      buffer's p - 1 chunks of p from each rank to the next, so the link from this rank to the next in rank
+      order carries (p - 1)/p of it: inter-node if the next rank is on another node (the ring crosses each node
+      boundary once each way). An all-reduce is a reduce-scatter then an all-gather: twice that. An all-to-all
+      sends this rank's 1/p of its input to each other rank directly.
+    - this rank's part of its node's cross-node volume as the ZeRO++ paper counts it: a collective whose group
+      spans nodes moves its whole buffer (twice for an all-reduce) across each node's boundary, counted on the
+      rank whose ring link leaves the node; an all-to-all, each rank's whole input. A node's volume is the sum
+      over its ranks.
+    """
+    p, node = len(ranks), (lambda r: r // ranks_per_node)
+    spans_nodes = len({node(r) for r in ranks}) > 1
+    if op == "all_to_all":
+        part = nbytes // p
+        sent = {"intra-node": part * sum(r != me and node(r) == node(me) for r in ranks),
+                "inter-node": part * sum(node(r) != node(me) for r in ranks)}
+        return sent, nbytes if spans_nodes else 0
+    rounds = 2 if op == "all_reduce" else 1
+    following = ranks[(ranks.index(me) + 1) % p]
+    span = "inter-node" if node(following) != node(me) else "intra-node"
+    return {span: rounds * (nbytes - nbytes // p)}, rounds * nbytes if span == "inter-node" else 0
 
 
 class Communicator:
     """torch.distributed collectives over one process group, each recorded in a Ledger, with where its bytes
-    travel (`node_span`) for `ranks_per_node` (default: torchrun's LOCAL_WORLD_SIZE)."""
+    travel (`link_bytes`) for `ranks_per_node` (default: torchrun's LOCAL_WORLD_SIZE)."""
 
     def __init__(self, ledger: Ledger, group: dist.ProcessGroup | None = None,
                  ranks_per_node: int | None = None) -> None:
@@ -190,7 +225,8 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.ranks_per_node = ranks_per_node or processes_per_node(world_size())
-        self.span = node_span(group, self.ranks_per_node)
+        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() \
+            else [0]
         # Where tensors must be for this group's collectives: NCCL reduces on the GPU, gloo on the host.
         backend = dist.get_backend(group) if dist.is_initialized() else None
         self.device = compute_device() if backend == "nccl" else HOST
@@ -200,8 +236,16 @@ class Communicator:
         # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
         self.per_rank_pieces = backend == "gloo"
         self.launched = 0  # collectives this rank issued on this group, numbered in its errors
+        self.subgroups: dict[tuple[tuple[int, ...], ...], Communicator] = {}
         if self.world_size > 1:
             start_heartbeat()
+
+    def _record(self, op: str, tensor: torch.Tensor) -> None:
+        """Counts `tensor` (the collective's buffer, as `link_bytes` takes it) in the ledger."""
+        nbytes = tensor.numel() * tensor.element_size()
+        sent, paper_cross_node = link_bytes(op, nbytes, self.global_ranks, rank(), self.ranks_per_node)
+        volume = 2 * tensor.numel() if op == "all_reduce" else tensor.numel()
+        self.ledger.record(op, volume, tensor.element_size(), sent, paper_cross_node)
 
     def _launch(self, op: str, tensor: torch.Tensor | None, launch: Callable[[], Any]) -> Any:
         """Issues one collective through `launch`; its work handle, if any, names it should it fail."""
@@ -219,7 +263,7 @@ class Communicator:
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:
             return _Done()
-        self.ledger.record("all_reduce", 2 * tensor.numel(), tensor.element_size(), self.span)
+        self._record("all_reduce", tensor)
         return self._launch("all_reduce", tensor,
                             lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
 
@@ -227,7 +271,7 @@ class Communicator:
         """Sums `input` over ranks; this rank receives its 1/world_size part in `output` (may alias input)."""
         if self.world_size == 1:
             return _copy_locally(output, input)
-        self.ledger.record("reduce_scatter", input.numel(), input.element_size(), self.span)
+        self._record("reduce_scatter", input)
         if not self.per_rank_pieces:
             return self._launch("reduce_scatter", input, lambda: dist.reduce_scatter_single(
                 output, input, group=self.group, async_op=async_op))
@@ -254,7 +298,7 @@ class Communicator:
                 _copy_locally(output, input)
             return _Done()
         for output in outputs:
-            self.ledger.record("all_gather", output.numel(), output.element_size(), self.span)
+            self._record("all_gather", output)
         op = "all_gather" if len(outputs) == 1 else f"all_gather of {len(outputs)} tensors"
         if not self.per_rank_pieces:
             self.ledger.count("all-gather launches")
@@ -287,18 +331,22 @@ class Communicator:
         """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""
         if self.world_size == 1:
             return _copy_locally(output, input)
-        self.ledger.record("all_to_all", input.numel(), input.element_size(), self.span)
+        self._record("all_to_all", input)
         return self._launch("all_to_all", input,
                             lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op))
 
     def subgroup(self, ranks_of_each: list[list[int]]) -> "Communicator":
         """A Communicator over the subgroup, among `ranks_of_each` (ranks of this group, covering it once),
-        that holds this rank. Every rank must call it with the same list: creating groups is collective."""
+        that holds this rank. Every rank must call it with the same list: creating groups is collective. The
+        same list again gets the same Communicator (hpZ over a whole node and qgZ's node group are one group)."""
         if self.world_size == 1:
             return self
-        to_global = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
-        mine, _ = dist.new_subgroups_by_enumeration([[to_global(r) for r in ranks] for ranks in ranks_of_each])
-        return Communicator(self.ledger, mine, self.ranks_per_node)
+        key = tuple(tuple(ranks) for ranks in ranks_of_each)
+        if key not in self.subgroups:
+            to_global = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
+            mine, _ = dist.new_subgroups_by_enumeration([[to_global(r) for r in ranks] for ranks in ranks_of_each])
+            self.subgroups[key] = Communicator(self.ledger, mine, self.ranks_per_node)
+        return self.subgroups[key]
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Used once at start-up to make every rank begin from rank 0's weights, as DDP does."""

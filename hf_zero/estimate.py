@@ -6,7 +6,7 @@ stage partitions them. Offload moves bytes from the device to the host (ZeRO-Off
 state and an fp32 gradient shard (16Ψ/Nd) with `offload_optimizer`, the parameter shard with
 `offload_param`. With `--reduce_dtype fp32` stages 2-3 keep an fp32 gradient shard (4Ψ/Nd; the engine's
 `reduce_dtype`). ZeRO++ hpZ adds its secondary partition to stage 3's parameters: each device keeps 1/N
-of every unit between its forward and its backward, 2Ψ/N in bf16 for N = `hpz_partition_size`.
+of every unit from its first forward to the optimizer step, 2Ψ/N in bf16 for N = `hpz_partition_size`.
 Activations use the paper's estimate for GPT-2-like models, 12·hidden·batch·seq·layers values in the
 compute dtype (its 60 GB for the 1.5B model at batch 32, sequence 1K); with checkpointing, one block input
 per layer is kept and one block at a time is recomputed. Sizes are in the paper's GB

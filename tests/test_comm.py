@@ -130,6 +130,50 @@ def test_gloo_collectives_equal_torchs_and_copy_no_unit_sized_temporary(world):
         assert growth["ours"] < 0.1 * unit_bytes and growth["ours_reduce"] < 0.1 * unit_bytes
 
 
+def sends_by_hand(op: str, nbytes: int, ranks: list[int]) -> list[tuple[int, int, int]]:
+    """(sender, receiver, bytes) of every send the collective makes, step by step: a ring in rank order passes
+    one chunk of p per rank and step, p - 1 steps for an all-gather or a reduce-scatter and twice that for an
+    all-reduce; an all-to-all sends each rank's part for every other rank straight to it."""
+    p, chunk = len(ranks), nbytes // len(ranks)
+    if op == "all_to_all":
+        return [(a, b, chunk) for a in ranks for b in ranks if a != b]
+    steps = (p - 1) * (2 if op == "all_reduce" else 1)
+    return [(ranks[i], ranks[(i + 1) % p], chunk) for _ in range(steps) for i in range(p)]
+
+
+@pytest.mark.parametrize("per_node,world", [(2, 4), (4, 8)])  # 2 nodes x 2, 2 nodes x 4
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
+def test_the_ledger_counts_each_ranks_sends_by_where_they_cross_and_each_nodes_volume_as_the_paper(
+        op, per_node, world):
+    from hf_zero.comm import link_bytes
+
+    node = lambda r: r // per_node  # noqa: E731
+    nbytes = 8 * 3 * world  # a buffer of 3 fp64 elements per rank
+    groups = [list(range(world)),  # the world, as stage 3's
+              *[list(range(local, world, per_node)) for local in range(per_node)],  # one rank per node: across
+              list(range(per_node))]  # one node
+    for ranks in groups:
+        sends = sends_by_hand(op, nbytes, ranks)
+        crossing = any(node(r) != node(ranks[0]) for r in ranks)
+        for node_id in {node(r) for r in ranks}:
+            volume = 0
+            for me in (r for r in ranks if node(r) == node_id):
+                sent, paper = link_bytes(op, nbytes, ranks, me, per_node)
+                mine = [(b, n) for a, b, n in sends if a == me]
+                assert sent.get("inter-node", 0) == sum(n for b, n in mine if node(b) != node(me)), (ranks, me)
+                assert sent.get("intra-node", 0) == sum(n for b, n in mine if node(b) == node(me)), (ranks, me)
+                volume += paper
+            # The paper: a flat collective's whole buffer crosses each node's boundary once (an all-reduce
+            # twice); an all-to-all, each of the node's ranks' whole input.
+            ranks_here = sum(node(r) == node_id for r in ranks)
+            expected = {"all_to_all": ranks_here * nbytes, "all_reduce": 2 * nbytes}.get(op, nbytes)
+            assert volume == (expected if crossing else 0), (ranks, node_id)
+    # The issue's example: a ring all-gather over 2 nodes x 2 carries 3/8 of its output per rank across nodes.
+    if (op, per_node, world) == ("all_gather", 2, 4):
+        assert sum(link_bytes(op, nbytes, groups[0], r, 2)[0].get("inter-node", 0) for r in range(4)) / 4 == \
+            nbytes * 3 / 8
+
+
 def bytes_by_span(ranks_per_node: int) -> dict:
     """4 ranks: a stage-3 step, and a stage-2 step on a tp 2 x dp 2 mesh, with `ranks_per_node` to a node."""
     import hf_zero
@@ -153,10 +197,10 @@ def bytes_by_span(ranks_per_node: int) -> dict:
         engine.backward(engine(**b).loss)
         engine.step()
         results[name] = {"ops": engine.ledger.last_step_bytes, "spans": engine.ledger.last_step_span_bytes,
-                         "report": engine.ledger.report()}
+                         "paper": engine.ledger.last_step_paper_cross_node_bytes, "report": engine.ledger.report()}
         if engine.tp_comm is not None:
             results[name].update(tp_ops=dict(engine.tp_comm.ledger.comm_bytes),
-                                 tp_spans=dict(engine.tp_comm.ledger.span_bytes))
+                                 tp_spans={k: n for k, n in engine.tp_comm.ledger.span_bytes.items() if n})
     try:
         model = tiny_model("gpt2")
         hf_zero.initialize(model, make_optimizer(model), {"ranks_per_node": 3})
@@ -167,21 +211,25 @@ def bytes_by_span(ranks_per_node: int) -> dict:
 
 
 @pytest.mark.slow
-def test_the_ledger_splits_each_steps_bytes_into_intra_node_and_inter_node_by_where_the_group_lies():
+def test_the_ledger_splits_each_steps_bytes_into_intra_node_and_inter_node_by_where_each_rank_sends():
     """4 ranks as 2 nodes x 2 (consecutive ranks share a node, as torchrun places them), and as one node."""
     from hf_zero.launch import spawn_gloo
 
     for per_node in (2, 4):
-        for r in spawn_gloo(bytes_by_span, 4, per_node):
-            # Stage 3's data-parallel group is the world: on one node all of it stays there, else all crosses.
+        for rank, r in enumerate(spawn_gloo(bytes_by_span, 4, per_node)):
+            # Stage 3's group is the world, a ring 0 -> 1 -> 2 -> 3 -> 0: each rank sends 3/4 of every buffer to
+            # the next; on two nodes ranks 1 and 3 send across, and count the whole buffer for their node.
             total = sum(r["stage3"]["ops"].values())
-            crossing = "intra-node" if per_node == 4 else "inter-node"
-            assert total > 0 and r["stage3"]["spans"] == {crossing: total}
+            crossing = "inter-node" if per_node == 2 and rank % 2 else "intra-node"
+            assert total > 0 and r["stage3"]["spans"] == {crossing: total * 3 // 4}
+            assert r["stage3"]["paper"] == (total if crossing == "inter-node" else 0)
             # tp 2 x dp 2: a dp group is ranks {0, 2} or {1, 3}, on two nodes of two, one node of four; a tp
-            # group is ranks {0, 1} or {2, 3}, on one node either way.
+            # group is ranks {0, 1} or {2, 3}, on one node either way. Rings of two: half of each buffer.
             total = sum(r["tp2_stage2"]["ops"].values())
-            assert total > 0 and r["tp2_stage2"]["spans"] == {crossing: total}
+            crossing = "inter-node" if per_node == 2 else "intra-node"
+            assert total > 0 and r["tp2_stage2"]["spans"] == {crossing: total // 2}
+            assert r["tp2_stage2"]["paper"] == (total if crossing == "inter-node" else 0)
             tp_total = sum(r["tp2_stage2"]["tp_ops"].values())
-            assert tp_total > 0 and r["tp2_stage2"]["tp_spans"] == {"intra-node": tp_total}
-            assert f"{crossing} {total / 2**20:.2f} MiB" in r["tp2_stage2"]["report"]
+            assert tp_total > 0 and r["tp2_stage2"]["tp_spans"] == {"intra-node": tp_total // 2}
+            assert f"{crossing} {total / 2 / 2**20:.2f} MiB" in r["tp2_stage2"]["report"]
             assert "ranks_per_node must divide the world size 4 (ranks fill nodes in order); got 3" in r["refused"]

@@ -72,7 +72,7 @@ def test_with_fp32_reduction_the_estimate_and_the_ledger_count_fp32_gradient_sha
 
 
 @pytest.mark.slow
-def test_hpz_adds_2_psi_over_n_which_the_engine_holds_between_forward_and_backward(world2):
+def test_hpz_adds_2_psi_over_n_which_the_engine_holds_from_the_first_forward_to_the_step(world2):
     for rank_result in world2:
         r = rank_result["s3_hpz_bf16"]
         parameters = {n: estimate.model_states(r["psi"], Setting(3, 2, hpz_partition_size=n), "bf16")[0]["parameters"]

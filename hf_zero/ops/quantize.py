@@ -20,6 +20,10 @@ from hf_zero.ops.build import load_extension
 
 logger = logging.getLogger("hf_zero")
 QMAX = {8: 127, 4: 7}
+# Elements the torch implementation works on at once: its temporaries (about 15 bytes an element of the piece,
+# measured by peak RSS) are then bounded by this, not by the tensor (about 60 MiB whatever its size; in one
+# pass, 12 bytes an element of the tensor), for about 10 kernel launches a piece.
+PIECE_NUMEL = 1 << 22
 _warned_fallback = False
 
 
@@ -71,27 +75,63 @@ def quantize_kernel():
 
 def quantize_reference(x: torch.Tensor, bits: int, block: int) -> Quantized:
     check_settings(bits, block)
-    flat = x.detach().reshape(-1).float()
-    n, qmax = flat.numel(), QMAX[bits]
-    padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
-    scales = padded.abs().amax(dim=1) / qmax
+    flat = x.detach().reshape(-1)
+    n = flat.numel()
+    values = torch.empty(n if bits == 8 else (n + 1) // 2, dtype=torch.int8 if bits == 8 else torch.uint8,
+                         device=flat.device)
+    scales = torch.empty(-(-n // block), dtype=torch.float32, device=flat.device)
+    step = _piece_numel(block)  # a multiple of the block, and even: pieces start on a block and a byte
+    for start in range(0, n, step):
+        piece = flat[start:start + step]
+        first_value = start if bits == 8 else start // 2
+        q, piece_scales = _quantize_piece(piece, bits, block)
+        values[first_value:first_value + q.numel()] = q
+        scales[start // block:start // block + piece_scales.numel()] = piece_scales
+    return Quantized(values, scales, bits, block, n)
+
+
+def _piece_numel(block: int) -> int:
+    return max(block, PIECE_NUMEL // block * block)
+
+
+def _quantize_piece(piece: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # In place where the values are this function's own: one fp32 copy of the piece, not one per operation.
+    n, qmax = piece.numel(), QMAX[bits]
+    padded = torch.nn.functional.pad(piece.float(), (0, -n % block)).view(-1, block)
+    scales = torch.maximum(padded.amax(dim=1), -padded.amin(dim=1)) / qmax  # absmax, without an |x| copy
     # A true division, as the kernel divides; an all-zero block (scale 0) quantizes to zeros.
-    q = torch.where(scales[:, None] == 0, 0.0, torch.round(padded / scales[:, None])).clamp_(-qmax, qmax)
-    q = q.reshape(-1)[:n].to(torch.int8)
+    q = (padded / scales[:, None]).masked_fill_(scales[:, None] == 0, 0.0).round_().clamp_(-qmax, qmax)
+    q = q.view(-1)[:n].to(torch.int8)
     if bits == 4:
         nibbles = torch.nn.functional.pad(q, (0, n % 2)).view(-1, 2).view(torch.uint8) & 0xF
         q = nibbles[:, 0] | (nibbles[:, 1] << 4)
-    return Quantized(q, scales, bits, block, n)
+    return q, scales
 
 
-def dequantize_reference(packed: Quantized) -> torch.Tensor:
-    q, n = packed.values, packed.numel
-    if packed.bits == 4:
+def dequantize_reference(packed: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The values in fp32, or into `out` (any float dtype, `numel` elements), a piece at a time."""
+    n, block = packed.numel, packed.block
+    out = torch.empty(n, dtype=torch.float32, device=packed.values.device) if out is None else out
+    flat_out = out.view(-1)
+    step = _piece_numel(block)
+    for start in range(0, n, step):
+        count = min(step, n - start)
+        per_byte = 1 if packed.bits == 8 else 2
+        q = packed.values[start // per_byte:(start + count + per_byte - 1) // per_byte]
+        piece_scales = packed.scales[start // block:(start + count + block - 1) // block]
+        flat_out[start:start + count] = _dequantize_rows(q[None], piece_scales[None], packed.bits, block, count)[0]
+    return out
+
+
+def _dequantize_rows(q: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int) -> torch.Tensor:
+    """Each row of `q` (values of `numel` elements, quantized with the row of `scales`) in fp32: rows of
+    equal parts dequantized together, in the same few kernels whatever their number."""
+    if bits == 4:
         # Each nibble to the top of a byte, then an arithmetic shift back: two's complement sign-extended.
-        pairs = torch.stack([q << 4, q & 0xF0], dim=1).view(torch.int8) >> 4
-        q = pairs.reshape(-1)[:n]
-    values = torch.nn.functional.pad(q.float(), (0, -n % packed.block)).view(-1, packed.block)
-    return (values * packed.scales[:, None]).reshape(-1)[:n]
+        q = torch.stack([q << 4, q & 0xF0], dim=2).view(torch.int8) >> 4
+        q = q.reshape(q.shape[0], -1)[:, :numel]
+    values = torch.nn.functional.pad(q.float(), (0, -numel % block)).view(q.shape[0], -1, block)
+    return values.mul_(scales[:, :, None]).view(q.shape[0], -1)[:, :numel]
 
 
 def quantize(x: torch.Tensor, bits: int, block: int) -> Quantized:
@@ -112,10 +152,32 @@ def dequantize(packed: Quantized, out: torch.Tensor | None = None) -> torch.Tens
     """The fp32 values (into `out`, of any float dtype with `numel` elements, when given)."""
     kernel = quantize_kernel() if packed.values.device.type == "cpu" else None
     if kernel is None:
-        values = dequantize_reference(packed)
-    else:
-        values = torch.empty(packed.numel, dtype=torch.float32)
-        kernel.dequantize(packed.values, packed.scales, values, packed.bits, packed.block)
+        return dequantize_reference(packed, out)
+    values = torch.empty(packed.numel, dtype=torch.float32)
+    kernel.dequantize(packed.values, packed.scales, values, packed.bits, packed.block)
     if out is None:
         return values
     return out.view(-1).copy_(values).view(out.shape)
+
+
+def dequantize_senders(values: torch.Tensor, scales: torch.Tensor, senders: int, bits: int, block: int,
+                       numel: int, out: torch.Tensor) -> None:
+    """What a gather of `senders` equal Quantized parts of `numel` elements delivered, dequantized into `out`
+    (`senders` x `numel` elements, sender by sender). The torch implementation (the GPU's) takes every
+    sender's part at once, a piece of PIECE_NUMEL elements in all at a time: its kernel launches depend on
+    the size, not on the number of ranks (one dequantization per sender would be some 4 launches each, 1,500
+    per buffer at 384 ranks)."""
+    kernel = quantize_kernel() if values.device.type == "cpu" else None
+    if kernel is not None:
+        for r, part in enumerate(senders_parts(values, scales, senders, bits, block, numel)):
+            dequantize(part, out=out.view(-1)[r * numel:(r + 1) * numel])
+        return
+    rows_q, rows_scales = values.view(senders, -1), scales.view(senders, -1)
+    rows_out = out.view(senders, numel)
+    step = max(block, _piece_numel(block) // senders // block * block)  # columns of every sender at once
+    per_byte = 1 if bits == 8 else 2
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        q = rows_q[:, start // per_byte:(start + count + per_byte - 1) // per_byte]
+        piece_scales = rows_scales[:, start // block:(start + count + block - 1) // block]
+        rows_out[:, start:start + count] = _dequantize_rows(q, piece_scales, bits, block, count)

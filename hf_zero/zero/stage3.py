@@ -14,13 +14,15 @@ and each parameter's `.data` is swapped to an empty tensor so that reading a fre
 loudly instead of returning stale or uninitialised memory.
 
 ZeRO++ lives here too (settings in config.py, the node groups and qgZ's reduction in zeropp.py): a gather for
-a forward or backward may go quantized (qwZ, `_gather_quantized`) and a backward one from the secondary
-partition the forward kept (hpZ, `keep_secondary`); qgZ replaces the reducer's reduce-scatter.
+a forward or backward may go quantized (qwZ, `_gather_quantized`), and once a forward kept a secondary partition
+every later one until the optimizer step comes from inside the node (hpZ, `keep_secondary`); qgZ replaces the
+reducer's reduce-scatter (on more than one node).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -35,7 +37,7 @@ from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
 from hf_zero.host_memory import HeapTrimmer
-from hf_zero.ops.quantize import dequantize, quantize, senders_parts
+from hf_zero.ops.quantize import dequantize_senders, quantize
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
 from hf_zero.zero.stage2 import PartitionedGradients
@@ -44,6 +46,7 @@ from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
 if TYPE_CHECKING:
     from hf_zero.offload.nvme import ParamReader
 
+logger = logging.getLogger("hf_zero")
 PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
 Chunk = tuple[torch.Tensor, "torch.Tensor | None"]  # this rank's chunk of a flat buffer, and its fp32 start
 
@@ -78,26 +81,23 @@ class Unit:
         # a quantized gather's received values and scales per flat buffer, dequantized once it has landed.
         self.quantize_block: int | None = None
         self.landing: list[tuple[FlatParamBuffer, torch.Tensor, torch.Tensor]] = []
-        # ZeRO++ hpZ: the ranks of this node a secondary partition is spread over (None: off), this rank's
-        # part of each gathered buffer, kept from a forward for the backward's gather, and the parts such a
-        # gather still reads.
+        # ZeRO++ hpZ: the ranks of this node a secondary partition is spread over (None: off), and this rank's
+        # part of each gathered buffer, kept from a forward until the optimizer step changes the weights.
         self.secondary: Communicator | None = None
         self.secondary_parts: list[torch.Tensor] = []
-        self.secondary_lent: list[torch.Tensor] = []
 
     def gather(self, purpose: str = "read") -> None:
         """Starts the all-gather of every flat buffer of the unit (asynchronously), for a "forward", a
         "backward" or a "read" (export, inspection). Under ZeRO++ a forward or backward gather goes
-        quantized (qwZ), and a backward one inside the node from the secondary partition (hpZ) when the
-        forward kept one; a read is always exact and from the primary shards."""
+        quantized (qwZ), or inside the node from the secondary partition (hpZ) once a forward kept one; a read
+        is always exact and from the primary shards."""
         if self.gathered:
             return
         self._tally(+1)
         for flat in self.flats:
             flat.allocate_storage()
-        if purpose == "backward" and self.secondary_parts:
+        if purpose != "read" and self.secondary_parts:
             self.works.append(self._gather_exact(self.secondary, self.secondary_parts))
-            self.secondary_lent, self.secondary_parts = self.secondary_parts, []
         else:
             shards = [self._shard_on_device(i) for i in range(len(self.flats))]
             if purpose != "read" and self.quantize_block is not None:
@@ -124,8 +124,10 @@ class Unit:
             return comm.all_gather_coalesced_([flat.data for flat in self.flats], parts, async_op=True)
 
     def keep_secondary(self) -> None:
-        """hpZ, after a forward whose backward follows: this rank keeps its 1/hpz of the gathered buffers,
-        so that the backward gathers the unit from the node's ranks only."""
+        """hpZ, after a forward whose backward follows: this rank keeps its 1/hpz of the gathered buffers, so
+        that until the optimizer step (DeepSpeed's lifetime) the unit's gathers for the backward, for the
+        recomputation of activation checkpointing and for the forwards of the next micro-batches come from
+        the node's ranks only. Kept already: the weights have not changed since."""
         if self.secondary is None or self.secondary_parts:
             return
         self.wait()
@@ -136,11 +138,11 @@ class Unit:
         self.comm.ledger.hold("bytes of secondary partitions", self.nbytes // size)
 
     def drop_secondary(self) -> None:
-        """The secondary partition goes once its backward gather has landed, or when no backward came."""
-        for parts in (self.secondary_parts, self.secondary_lent):
-            if parts:
-                parts.clear()
-                self.comm.ledger.hold("bytes of secondary partitions", -(self.nbytes // self.secondary.world_size))
+        """The secondary partition goes when the weights change (the optimizer step, a checkpoint's load)."""
+        if self.secondary_parts:
+            self.wait()  # a gather may still read the parts
+            self.secondary_parts.clear()
+            self.comm.ledger.hold("bytes of secondary partitions", -(self.nbytes // self.secondary.world_size))
 
     def _gather_quantized(self, shards: list[torch.Tensor]) -> Any:
         """qwZ: each rank sends its chunk as int8 values with an fp32 scale per block (a quarter of fp32's
@@ -157,12 +159,10 @@ class Unit:
 
     @torch.no_grad()
     def _dequantize_landed(self) -> None:
-        world = self.comm.world_size
         for flat, values, scales in self.landing:
-            chunk = flat.buckets[0].chunk_numel
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
-                for r, part in enumerate(senders_parts(values, scales, world, 8, self.quantize_block, chunk)):
-                    dequantize(part, out=flat.data[r * chunk:(r + 1) * chunk])
+                dequantize_senders(values, scales, self.comm.world_size, 8, self.quantize_block,
+                                   flat.buckets[0].chunk_numel, flat.data)
         self.landing.clear()
 
     def _read(self, i: int) -> torch.Tensor:
@@ -199,8 +199,6 @@ class Unit:
         self.works.clear()
         if self.landing:
             self._dequantize_landed()
-        if self.secondary_lent:
-            self.drop_secondary()
         if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
             for buffer, copy in zip(self.reading, self.copies):
                 self.reader.release(buffer, copy)
@@ -326,9 +324,15 @@ class Stage3Params(ParamHolder):
         self.position = model_order(model)
         self.grads = Stage3Gradients(self, comm, config.overlap_comm, config.torch_reduce_dtype,
                                      HOST if config.offload_optimizer != "none" else None)
-        if config.quantized_gradients:
+        if config.quantized_gradients and comm.world_size > comm.ranks_per_node:
             self.grads.reduce_scatter = QuantizedReduceScatter(comm, config.quantized_gradients_bits,
                                                                config.quantization_block_size)
+        elif config.quantized_gradients and comm.rank == 0:
+            # As DeepSpeed does: on one node qgZ would lose the precision and save no network bytes.
+            logger.warning("quantized_gradients (ZeRO++ qgZ) is off: all %d ranks are on one node (ranks_per_node "
+                           "%d), where its quantization would lose precision and save no inter-node bytes; the "
+                           "gradients are reduced exactly by the plain reduce-scatter", comm.world_size,
+                           comm.ranks_per_node)
         chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype)
         if init_from is not None:
             self._fill_shards(model, init_from, chunk_of)
@@ -644,9 +648,9 @@ class Stage3Params(ParamHolder):
             return
         tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         backward_follows = torch.is_grad_enabled() and bool(tensors)
+        if backward_follows:
+            unit.keep_secondary()  # the root too: it stays gathered into this backward, not the next forward's
         if not (unit.is_root and backward_follows and not self.reshard_root_after_forward):
-            if backward_follows:
-                unit.keep_secondary()
             unit.free()
         if backward_follows:
             register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, backward=True), mode="any")
@@ -694,15 +698,16 @@ class Stage3Params(ParamHolder):
                 unit.free()
 
     def free_all(self) -> None:
-        """Every unit freed, and every hpZ secondary partition dropped: a unit whose backward did not come
-        gathers from the primary shards next time (they may have been updated since)."""
         for unit in self.units:
             unit.free()
-            unit.drop_secondary()
 
     def after_step(self) -> None:
         """Only the persistent parameters are replicated: refreshed from their updated shards. The rest are
-        gathered on use."""
+        gathered on use: what is still gathered (the root, after a forward whose backward never came) and
+        hpZ's secondary partitions hold the weights before the update, and go."""
+        self.free_all()
+        for unit in self.units:
+            unit.drop_secondary()
         for unit in self.units:
             if unit.persistent:
                 unit.gathered = False
