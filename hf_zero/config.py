@@ -126,7 +126,8 @@ class ZeroConfig:
                                       "zero_optimization.zero_hpz_partition_size")
     quantized_gradients: bool = setting(False, "ZeRO++ qgZ, stage 3: gradients are reduced by a block-quantized "
                                         "all-to-all inside each node, then another across nodes, summed in fp32 "
-                                        "between them, instead of one reduce-scatter (on one node: off, with a warning)",
+                                        "between them, instead of one reduce-scatter (on one node: off, with a "
+                                        "warning)",
                                         "zero_optimization.zero_quantized_gradients")
     quantized_gradients_bits: int = setting(4, "ZeRO++ qgZ: bits per gradient value sent", choices=(4, 8))
     # One machine can stand for several nodes (4 ranks as 2 nodes x 2) to count what would cross the network.

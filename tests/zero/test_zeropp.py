@@ -230,8 +230,9 @@ def engine_runs(runs: list[tuple[str, str, str]]) -> dict:
         losses, evaluated = [], []
         for step in range(steps):
             for micro_batch in range(micro_batches):
-                global_part = {k: v.chunk(micro_batches)[micro_batch] for k, v in batch("gpt2", step, GLOBAL_BATCH).items()}
-                loss = engine(**local_part(global_part, rank, 4)).loss
+                whole = batch("gpt2", step, GLOBAL_BATCH)
+                loss = engine(**local_part({k: v.chunk(micro_batches)[micro_batch] for k, v in whole.items()}, rank,
+                                           4)).loss
                 engine.backward(loss)
                 losses.append(loss.item())
                 if schedule == "probe" and micro_batch == micro_batches - 1:
