@@ -20,9 +20,10 @@ from hf_zero.ops.build import load_extension
 
 logger = logging.getLogger("hf_zero")
 QMAX = {8: 127, 4: 7}
-# Elements the torch implementation works on at once: its temporaries (about 15 bytes an element of the piece,
-# measured by peak RSS) are then bounded by this, not by the tensor (about 60 MiB whatever its size; in one
-# pass, 12 bytes an element of the tensor), for about 10 kernel launches a piece.
+# Elements the torch implementation works on at once: its temporaries (measured by peak RSS: about 9 bytes an
+# element of the piece to quantize, 5 to dequantize) are then bounded by this, not by the tensor (about 36 MiB
+# whatever its size; in one pass they were 12 bytes an element of the tensor), for about 10 kernel launches a
+# piece.
 PIECE_NUMEL = 1 << 22
 _warned_fallback = False
 
@@ -97,7 +98,7 @@ def _piece_numel(block: int) -> int:
 def _quantize_piece(piece: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     # In place where the values are this function's own: one fp32 copy of the piece, not one per operation.
     n, qmax = piece.numel(), QMAX[bits]
-    padded = torch.nn.functional.pad(piece.float(), (0, -n % block)).view(-1, block)
+    padded = _padded_to_blocks(piece.float(), block).view(-1, block)
     scales = torch.maximum(padded.amax(dim=1), -padded.amin(dim=1)) / qmax  # absmax, without an |x| copy
     # A true division, as the kernel divides; an all-zero block (scale 0) quantizes to zeros.
     q = (padded / scales[:, None]).masked_fill_(scales[:, None] == 0, 0.0).round_().clamp_(-qmax, qmax)
@@ -123,6 +124,13 @@ def dequantize_reference(packed: Quantized, out: torch.Tensor | None = None) -> 
     return out
 
 
+def _padded_to_blocks(values: torch.Tensor, block: int) -> torch.Tensor:
+    """`values` with zeros after each row's end up to a whole block; itself when it ends on one (torch's pad
+    would copy it even then)."""
+    short = -values.shape[-1] % block
+    return torch.nn.functional.pad(values, (0, short)) if short else values
+
+
 def _dequantize_rows(q: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int) -> torch.Tensor:
     """Each row of `q` (values of `numel` elements, quantized with the row of `scales`) in fp32: rows of
     equal parts dequantized together, in the same few kernels whatever their number."""
@@ -130,7 +138,7 @@ def _dequantize_rows(q: torch.Tensor, scales: torch.Tensor, bits: int, block: in
         # Each nibble to the top of a byte, then an arithmetic shift back: two's complement sign-extended.
         q = torch.stack([q << 4, q & 0xF0], dim=2).view(torch.int8) >> 4
         q = q.reshape(q.shape[0], -1)[:, :numel]
-    values = torch.nn.functional.pad(q.float(), (0, -numel % block)).view(q.shape[0], -1, block)
+    values = _padded_to_blocks(q.float(), block).view(q.shape[0], -1, block)
     return values.mul_(scales[:, :, None]).view(q.shape[0], -1)[:, :numel]
 
 
