@@ -111,17 +111,24 @@ def _quantize_piece(piece: torch.Tensor, bits: int, block: int) -> tuple[torch.T
 
 def dequantize_reference(packed: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     """The values in fp32, or into `out` (any float dtype, `numel` elements), a piece at a time."""
-    n, block = packed.numel, packed.block
+    n = packed.numel
     out = torch.empty(n, dtype=torch.float32, device=packed.values.device) if out is None else out
-    flat_out = out.view(-1)
-    step = _piece_numel(block)
-    for start in range(0, n, step):
-        count = min(step, n - start)
-        per_byte = 1 if packed.bits == 8 else 2
-        q = packed.values[start // per_byte:(start + count + per_byte - 1) // per_byte]
-        piece_scales = packed.scales[start // block:(start + count + block - 1) // block]
-        flat_out[start:start + count] = _dequantize_rows(q[None], piece_scales[None], packed.bits, block, count)[0]
+    _dequantize_rows_in_pieces(packed.values[None], packed.scales[None], packed.bits, packed.block, out.view(1, n))
     return out
+
+
+def _dequantize_rows_in_pieces(rows_q: torch.Tensor, rows_scales: torch.Tensor, bits: int, block: int,
+                               rows_out: torch.Tensor) -> None:
+    """Each row of `rows_q` (with its row of `rows_scales`) into its row of `rows_out`, every row at once, a
+    piece of PIECE_NUMEL elements in all at a time: the launches depend on the size, not on the rows."""
+    rows, numel = rows_out.shape
+    step = max(block, _piece_numel(block) // rows // block * block)  # whole blocks of every row at once
+    per_byte = 1 if bits == 8 else 2
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        q = rows_q[:, start // per_byte:(start + count + per_byte - 1) // per_byte]
+        piece_scales = rows_scales[:, start // block:(start + count + block - 1) // block]
+        rows_out[:, start:start + count] = _dequantize_rows(q, piece_scales, bits, block, count)
 
 
 def _padded_to_blocks(values: torch.Tensor, block: int) -> torch.Tensor:
@@ -172,20 +179,12 @@ def dequantize_senders(values: torch.Tensor, scales: torch.Tensor, senders: int,
                        numel: int, out: torch.Tensor) -> None:
     """What a gather of `senders` equal Quantized parts of `numel` elements delivered, dequantized into `out`
     (`senders` x `numel` elements, sender by sender). The torch implementation (the GPU's) takes every
-    sender's part at once, a piece of PIECE_NUMEL elements in all at a time: its kernel launches depend on
-    the size, not on the number of ranks (one dequantization per sender would be some 4 launches each, 1,500
-    per buffer at 384 ranks)."""
+    sender's part at once: its kernel launches depend on the size, not on the number of ranks (one
+    dequantization per sender would be some 4 launches each, 1,500 per buffer at 384 ranks)."""
     kernel = quantize_kernel() if values.device.type == "cpu" else None
     if kernel is not None:
         for r, part in enumerate(senders_parts(values, scales, senders, bits, block, numel)):
             dequantize(part, out=out.view(-1)[r * numel:(r + 1) * numel])
         return
-    rows_q, rows_scales = values.view(senders, -1), scales.view(senders, -1)
-    rows_out = out.view(senders, numel)
-    step = max(block, _piece_numel(block) // senders // block * block)  # columns of every sender at once
-    per_byte = 1 if bits == 8 else 2
-    for start in range(0, numel, step):
-        count = min(step, numel - start)
-        q = rows_q[:, start // per_byte:(start + count + per_byte - 1) // per_byte]
-        piece_scales = rows_scales[:, start // block:(start + count + block - 1) // block]
-        rows_out[:, start:start + count] = _dequantize_rows(q, piece_scales, bits, block, count)
+    _dequantize_rows_in_pieces(values.view(senders, -1), scales.view(senders, -1), bits, block,
+                               out.view(senders, numel))
