@@ -25,11 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model_zoo  # noqa: E402
-from hf_zero.estimate import Setting, largest_params  # noqa: E402
+from hf_zero.estimate import Setting, largest_params, model_states  # noqa: E402
 
 OUT_OF_MEMORY = 3  # a trial's exit status when the model did not fit
 SETTINGS = {"0": {"zero_stage": 0}, "1": {"zero_stage": 1}, "2": {"zero_stage": 2},
@@ -88,6 +89,8 @@ def run_trial(setting: str, args: argparse.Namespace, n_layer: int) -> dict | No
     if done.returncode != 0:
         if f"exitcode  : {OUT_OF_MEMORY}" in done.stderr or "OutOfMemoryError" in done.stderr:
             return None
+        if "SIGKILL" in done.stderr or "Signal 9" in done.stderr or done.returncode == -9:
+            return None  # the kernel's out-of-memory killer: host memory (offloaded states) ran out
         raise RuntimeError(f"trial {setting} with {n_layer} layers failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return {**result, "seconds": time.perf_counter() - start}
@@ -113,8 +116,9 @@ def main() -> None:
     p.add_argument("--n_embd", type=int, default=4096, help="width of every trial's GPT-2 (a multiple of 64)")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--headroom", type=float, default=1.5,
-                   help="bisect up to this multiple of the formula's depth (offload can beat the formula)")
+    p.add_argument("--headroom", type=float, default=1.2,
+                   help="bisect up to this multiple of the formulas' depth (device memory, and host memory with "
+                   "offload)")
     p.add_argument("--max_layers", type=int, default=512, help="depth cap, for settings the device does not limit")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     p.add_argument("--n_layer", type=int, help=argparse.SUPPRESS)
@@ -125,6 +129,7 @@ def main() -> None:
         trial(json.loads(args.trial), args.n_embd, args.n_layer, args.seq, args.steps)
         return
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    host_bytes = psutil.virtual_memory().available // args.nproc_per_node
     per_layer = model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, 2)) - \
         model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, 1))
     rows = []
@@ -133,8 +138,13 @@ def main() -> None:
         setting = Setting(config["zero_stage"], args.nproc_per_node, config.get("offload_optimizer", "none"),
                           config.get("offload_param", "none"))
         formula_psi = largest_params(setting, gpu_bytes) if setting.offload_param == "none" else None
-        hi = args.max_layers if formula_psi is None else min(args.max_layers,
-                                                              int(args.headroom * formula_psi / per_layer) + 1)
+        # Offloaded states fill host memory instead: bisecting beyond what it holds only starts trials the
+        # kernel kills (minutes each), so the search stops at the host's bound too.
+        host_psi = host_bytes // max(model_states(1, setting)[1], 1e-9) if setting.offload_optimizer != "none" \
+            else None
+        bounds = [args.max_layers] + [int(args.headroom * psi / per_layer) + 1
+                                      for psi in (formula_psi, host_psi) if psi is not None]
+        hi = min(bounds)
         n_layer, result = largest_fitting(lambda n, s=name: run_trial(s, args, n), hi)
         psi = model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, n_layer)) if n_layer else 0
         rows.append((name, n_layer, psi, formula_psi, result))

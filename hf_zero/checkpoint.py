@@ -40,7 +40,7 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.config import DTYPES
-from hf_zero.device import LatestCopy, to_host
+from hf_zero.device import HOST, host_copy
 from hf_zero.export import weights_to_save
 from hf_zero.tensor_parallel import split_of
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, copy_cut_into, is_tp_replicated, local
@@ -323,19 +323,19 @@ def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicat
     """Writes this rank's partition; returns what the manifest says about the file."""
     if not layout.writes_states:
         return None
-    # Every piece goes to the file from host memory: a piece on the device is queued into a host buffer of
-    # its own (pinned, non-blocking), and one wait covers them all. A clone on the device would hold about
-    # 12 bytes per parameter / Nd of extra device memory for the duration of the save.
+    # Every piece goes to the file from host memory: a piece on the device is copied into a host buffer of
+    # its own, in ordinary memory (pinned, the 12 bytes per parameter / Nd of a save would stay page-locked
+    # in the caching host allocator for the rest of the run). A clone on the device would hold as much
+    # extra device memory for the duration of the save.
     tensors: dict[str, torch.Tensor] = {}
-    copies, starts = LatestCopy(), set()
+    starts = set()
 
     def on_host(key: str, value: torch.Tensor) -> None:
-        host, copy = to_host(value, f"checkpoint piece {key}")
+        host = value if value.device == HOST else host_copy(value)
         if host.numel() and host.data_ptr() in starts:
             host = host.clone()  # a tied tensor already in host memory: the file stores each name apart
         starts.add(host.data_ptr())
         tensors[key] = host
-        copies.add(copy)
 
     listed = []
     scalars: list[dict[str, float]] = [{} for _ in layout.pieces]
@@ -358,7 +358,6 @@ def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicat
     if comm.rank == 0:
         for name, tensor in layout.module_state.items():
             on_host(f"module/{name}", local(tensor.detach()).contiguous())
-    copies.wait()
     file = folder / f"rank{comm.rank:05d}-of-{comm.world_size:05d}.safetensors"
     save_file(tensors, str(file))
     file.chmod(0o666 & ~_umask())  # safetensors creates it 0600; other accounts read it like the manifest

@@ -35,7 +35,8 @@ def _nproc(value: str) -> int:
     return count
 
 
-LAUNCH_FLAGS = ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port", "--collective_timeout")
+LAUNCH_FLAGS = ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port", "--rdzv_backend",
+                "--rdzv_endpoint", "--rdzv_id", "--collective_timeout")
 
 
 def _add_launch_arguments(parser: argparse.ArgumentParser, default_nproc: int) -> None:
@@ -45,9 +46,16 @@ def _add_launch_arguments(parser: argparse.ArgumentParser, default_nproc: int) -
                         help=f"processes to start on this node, one per GPU (default {default_nproc})")
     launch.add_argument("--nnodes", type=_nproc, default=1, help="machines taking part (default 1)")
     launch.add_argument("--node_rank", type=int, default=0, help="this machine's index, 0 to nnodes - 1")
-    launch.add_argument("--master_addr", default="127.0.0.1", help="address of node 0, reachable from every node")
+    launch.add_argument("--master_addr", help="address of node 0, reachable from every node (default 127.0.0.1 on "
+                        "one node; needed with --nnodes above 1 unless --rdzv_endpoint is given)")
     launch.add_argument("--master_port", type=int,
-                        help="a free port on node 0 (default: any free port; needed with --nnodes above 1)")
+                        help="a free port on node 0 (default: any free port; needed with --master_addr)")
+    launch.add_argument("--rdzv_backend", choices=("c10d", "static"),
+                        help="torchrun's rendezvous: c10d (the nodes meet at --rdzv_endpoint and get their ranks "
+                        "there, as under SLURM or elastic launchers; the default with --rdzv_endpoint) or static "
+                        "(--master_addr, --master_port and --node_rank; the default otherwise)")
+    launch.add_argument("--rdzv_endpoint", metavar="HOST:PORT", help="where the nodes meet (c10d rendezvous)")
+    launch.add_argument("--rdzv_id", help="a job id the nodes of one run share (c10d rendezvous; default hf_zero)")
     launch.add_argument("--collective_timeout", type=_typed(_seconds),
                         metavar="SECONDS", help=f"how long a rank waits in one collective for the others before it "
                         f"fails, naming the rank that stopped answering (default "
@@ -58,8 +66,19 @@ def _check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     """Refuses a launch the nodes could not agree on; returns the number of processes in all."""
     if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"--node_rank must be between 0 and --nnodes - 1 ({args.nnodes - 1}); got {args.node_rank}")
-    if args.nnodes > 1 and args.master_port is None:
-        parser.error("--nnodes above 1 needs --master_port: every node must name the same port of --master_addr")
+    if args.rdzv_backend is None:
+        args.rdzv_backend = "c10d" if args.rdzv_endpoint else "static"
+    if args.rdzv_backend == "c10d":
+        if not args.rdzv_endpoint:
+            parser.error("--rdzv_backend c10d needs --rdzv_endpoint HOST:PORT, where every node meets")
+        if args.master_addr or args.master_port:
+            parser.error("--master_addr and --master_port are for the static rendezvous; with --rdzv_endpoint the "
+                         "nodes meet there: drop them")
+    elif args.rdzv_endpoint or args.rdzv_id:
+        parser.error("--rdzv_endpoint and --rdzv_id are for the c10d rendezvous: drop --rdzv_backend static")
+    elif args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        parser.error("--nnodes above 1 needs --master_addr and --master_port (node 0's address and a free port "
+                     "there, the same on every node), or --rdzv_endpoint HOST:PORT")
     return args.nproc_per_node * args.nnodes
 
 
@@ -226,6 +245,15 @@ def _typed(parse):
     return convert
 
 
+def _rendezvous_args(launch: argparse.Namespace) -> list[str]:
+    """torchrun's rendezvous options for `launch` (checked by _check_launch)."""
+    if launch.rdzv_backend == "c10d":
+        return ["--rdzv_backend", "c10d", "--rdzv_endpoint", launch.rdzv_endpoint, "--rdzv_id",
+                launch.rdzv_id or "hf_zero"]
+    return ["--node_rank", str(launch.node_rank), "--master_addr", launch.master_addr or "127.0.0.1",
+            "--master_port", str(launch.master_port or free_port())]
+
+
 def _torchrun(launch: argparse.Namespace, module: str, module_args: list[str]) -> int:
     """Starts this node's processes of `python -m module module_args` through torchrun."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -234,9 +262,8 @@ def _torchrun(launch: argparse.Namespace, module: str, module_args: list[str]) -
     if launch.collective_timeout is not None:  # the ranks read it when they join the process group
         os.environ[COLLECTIVE_TIMEOUT_ENV] = str(launch.collective_timeout)
     try:
-        torchrun(["--nnodes", str(launch.nnodes), "--node_rank", str(launch.node_rank),
-                  "--nproc_per_node", str(launch.nproc_per_node), "--master_addr", launch.master_addr,
-                  "--master_port", str(launch.master_port or free_port()), "-m", module, *module_args])
+        torchrun(["--nnodes", str(launch.nnodes), "--nproc_per_node", str(launch.nproc_per_node),
+                  *_rendezvous_args(launch), "-m", module, *module_args])
     except ChildFailedError:  # torchrun has already printed which rank failed and why
         return 1
     return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +34,13 @@ import torch.distributed as dist
 
 HOST = torch.device("cpu")
 SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
+# On a GPU (tests/test_gpu.py): "STREAM:CYCLES" queues CYCLES of `torch.cuda._sleep` on one side, so that a
+# missing wait reads or writes a buffer too early and shows as a wrong number, the GPU's own version of the
+# simulation below. STREAM "compute": before every asynchronous copy and every reduction's hand-over, so copies
+# land late and backward writes its buckets late (a reduction that does not wait on the compute stream reads a
+# bucket too early; a host that does not wait on a copy reads or writes its buffer too early). STREAM "comm":
+# before every reduction on the communication stream (compute that does not wait on it reads its result early).
+DELAY_ENV = "HF_ZERO_CUDA_DELAY"
 
 
 class PendingCopyError(RuntimeError):
@@ -57,6 +65,13 @@ def use_local_accelerator(local_rank: int) -> None:
     torch.cuda.set_device(local_rank)
 
 
+def _delay_device(stream: str) -> None:
+    """Queues DELAY_ENV's cycles of device sleep on the current stream when DELAY_ENV names `stream`."""
+    where, _, cycles = os.environ.get(DELAY_ENV, "").partition(":")
+    if where == stream:
+        torch.cuda._sleep(int(cycles))
+
+
 def simulating() -> bool:
     """Whether copies behave as on a GPU (tests: HF_ZERO_SIMULATE_ASYNC=1), though they run on CPU."""
     return os.environ.get(SIMULATE_ENV) == "1"
@@ -68,26 +83,49 @@ def _pins() -> bool:
 
 
 def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A host buffer that a device copies to and from, pinned where `_pins` (allocated so, not copied)."""
+    """A host buffer that a device copies to and from, pinned where `_pins` (allocated so, not copied).
+    Pinned only for buffers that copies use again and again: the caching host allocator rounds each one
+    up to a power of two and keeps it for the life of the process, so a one-off buffer pinned here is
+    page-locked memory the host never gets back."""
     if simulating():
-        return _as_if_pinned(torch.empty(numel, dtype=dtype))
+        return _as_if_pinned(numel, dtype)
     return torch.empty(numel, dtype=dtype, pin_memory=_pins())
 
 
-def to_host_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in host memory, pinned where `_pins`."""
-    tensor = tensor.to(HOST)
+class _PinnedBytes(bytearray):
+    """Simulation: the memory of an as-if-pinned buffer (a bytearray subclass, so that it can be watched)."""
+
+
+def _as_if_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Simulation: an empty host buffer with the one property of pinned memory that the
+    host can trip over, a storage that cannot be resized (`release_storage` cannot give it back in place),
+    counted in `pinned_host_bytes` while it lives."""
+    nbytes = numel * dtype.itemsize
+    memory = _PinnedBytes(nbytes)
+    _simulator.pinned_now += nbytes
+    _simulator.pinned_peak = max(_simulator.pinned_peak, _simulator.pinned_now)
+    weakref.finalize(memory, _simulator.unpin, nbytes)
+    fixed = torch.frombuffer(memory, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    return fixed.view(dtype)
+
+
+def pinned_host_bytes() -> tuple[int, int]:
+    """(now, peak since `reset_pinned_peak`) bytes of page-locked host memory this process holds: on a GPU
+    what the caching host allocator holds, cached blocks included; under the simulation the as-if-pinned
+    buffers alive; else none."""
     if simulating():
-        return _as_if_pinned(tensor)
-    return tensor.pin_memory() if _pins() else tensor
+        return _simulator.pinned_now, _simulator.pinned_peak
+    if has_accelerator() and hasattr(torch.cuda, "host_memory_stats"):
+        stats = torch.cuda.host_memory_stats()
+        return stats.get("allocated_bytes.current", 0), stats.get("allocated_bytes.peak", 0)
+    return 0, 0
 
 
-def _as_if_pinned(tensor: torch.Tensor) -> torch.Tensor:
-    """Simulation: a copy of `tensor` with the one property of pinned memory that the host can trip over,
-    a storage that cannot be resized (`release_storage` cannot give it back in place)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    fixed = torch.frombuffer(bytearray(nbytes), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-    return fixed.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+def reset_pinned_peak() -> None:
+    if simulating():
+        _simulator.pinned_peak = _simulator.pinned_now
+    elif has_accelerator() and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+        torch.cuda.reset_peak_host_memory_stats()
 
 
 # ---- copies and their events --------------------------------------------------------------------
@@ -155,6 +193,13 @@ def to_host(src: torch.Tensor, name: str) -> tuple[torch.Tensor, Copy]:
     return dst, copy_to_host(dst, src, name)
 
 
+def host_copy(src: torch.Tensor) -> torch.Tensor:
+    """`src` copied into ordinary (pageable) host memory, filled when this returns: for a one-off copy, such
+    as a checkpoint's pieces, which pinned memory would keep page-locked for good (`host_empty`). A copy from
+    the device into pageable memory is synchronous, so there is no copy to wait on."""
+    return src.to(HOST, copy=True)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:
     host = src if to_device else dst
     if simulating():
@@ -162,6 +207,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> C
     if not has_accelerator() or dst.device == src.device:
         dst.copy_(src)  # within host memory (or within the device) a copy is ordered like any other work
         return DONE
+    _delay_device("compute")
     dst.copy_(src, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
@@ -200,8 +246,10 @@ class CommStream:
     def submit(self, launch: Callable[[], Any], settle: Callable[[], None]) -> Reduction:
         reduction = Reduction(launch, settle)
         if self.stream is not None:
+            _delay_device("compute")
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             with torch.cuda.stream(self.stream):
+                _delay_device("comm")
                 launch().wait()  # the communication stream waits on the collective, the host does not
                 settle()
                 reduction.event = torch.cuda.Event()
@@ -288,6 +336,10 @@ class _Simulator:
     def __init__(self) -> None:
         self.queued: list[Copy] = []
         self.lock = threading.Lock()
+        self.pinned_now = self.pinned_peak = 0  # bytes of as-if-pinned buffers alive, and their peak
+
+    def unpin(self, nbytes: int) -> None:
+        self.pinned_now -= nbytes
 
     def queue(self, dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:
         host = src if to_device else dst

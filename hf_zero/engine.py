@@ -68,6 +68,14 @@ def check_model(model: nn.Module, init_from: Any) -> None:
                          "(seed) or PretrainedWeights(folder) with zero_stage 3 to build it shard by shard")
     if not devices and init_from is None:
         raise ZeroConfigError("the model has no parameters to train")
+    if devices and devices[0].startswith("cuda"):
+        # The engine's collectives, streams and pinned copies use this process's own accelerator: a script that
+        # moves its model to cuda:LOCAL_RANK without torch.cuda.set_device would put every rank's on GPU 0.
+        where, own = torch.device(devices[0]), compute_device()
+        if own.type != "cuda" or (where.index if where.index is not None else own.index) != own.index:
+            raise ZeroConfigError(f"the model is on {where} but this process computes on {own}: call "
+                                  f"torch.cuda.set_device(local_rank) before init_process_group "
+                                  f"(hf_zero.launch.init_distributed and `hf-zero run` do), or move the model to {own}")
 
 
 def check_mesh(mesh: DeviceMesh | None, group: torch.distributed.ProcessGroup | None

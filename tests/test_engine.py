@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import hf_zero
+from hf_zero.config import ZeroConfigError
 from hf_zero.zero.reducer import MAX_IN_FLIGHT
 from tests.helpers import (batch, hf_zero_messages, make_optimizer, max_diff, named_copy, tiny_model,
                            train_single_process)
@@ -144,6 +145,28 @@ def test_loss_backward_outside_the_engine_is_refused():
     engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2})
     with pytest.raises(RuntimeError, match="engine.backward"):
         engine(**batch("gpt2", 0, 2)).loss.backward()
+
+
+@pytest.mark.parametrize("own, model_on", [("cuda:0", "cuda:1"), ("cpu", "cuda:0"), ("cuda:1", "cuda:1")])
+def test_a_model_on_another_accelerator_than_the_process_computes_on_is_refused(monkeypatch, own, model_on):
+    """A torchrun script that does model.to(f"cuda:{LOCAL_RANK}") without torch.cuda.set_device: the engine's
+    collectives and streams would all go to GPU 0 (issue 37). The check reads only where the parameters are, so
+    a stand-in parameter carries the device here, on a machine without one."""
+    from types import SimpleNamespace
+
+    from hf_zero import engine as engine_module
+
+    class OnAnAccelerator(torch.nn.Module):
+        def parameters(self, recurse=True):
+            return iter([SimpleNamespace(device=torch.device(model_on), is_meta=False)])
+
+    monkeypatch.setattr(engine_module, "compute_device", lambda: torch.device(own))
+    if own == model_on:
+        engine_module.check_model(OnAnAccelerator(), None)  # its own accelerator: accepted
+        return
+    with pytest.raises(ZeroConfigError, match=rf"the model is on {model_on} but this process computes on {own}: "
+                                              r"call torch.cuda.set_device\(local_rank\)"):
+        engine_module.check_model(OnAnAccelerator(), None)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -1,6 +1,7 @@
 """`hf-zero run`: unmodified Trainer scripts get the --zero_* flags and the engine."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -163,14 +164,16 @@ def test_a_tensor_parallel_group_larger_than_a_node_is_refused_unless_asked(refu
         check_script_flags(flags, 8, per_node=2)
     check_script_flags([*flags, "--tensor_parallel_across_nodes"], 8, per_node=2)
     check_script_flags(flags, 8, per_node=4)
-    code, err = refused_before_launch("run", "--nnodes", "2", "--nproc_per_node", "2", "--master_port", "29999",
-                                      str(SCRIPT), *flags)
+    code, err = refused_before_launch("run", "--nnodes", "2", "--nproc_per_node", "2", "--master_addr", "node0",
+                                      "--master_port", "29999", str(SCRIPT), *flags)
     assert code == 2 and "larger than the 2 processes per node" in err
 
 
 @pytest.mark.slow
 def test_two_nodes_of_two_processes_train_as_one_node_of_four(tmp_path):
-    """Two "nodes" on 127.0.0.1, each started with the same command and its own --node_rank, as on two machines.
+    """Two "nodes" on 127.0.0.1, each started with the same command, meeting at a c10d rendezvous endpoint as
+    under SLURM or an elastic launcher (torchrun gives each its ranks; the static rendezvous, --master_addr and
+    --node_rank, is the same torchrun with other options: test_each_rendezvous_reaches_torchrun_as_asked).
     The reference is one node of 4 processes: the stock Trainer's sampler gives 4 ranks other samples per step
     than one process (the weights differ by 1.5e-2 after 4 steps either way), so world size 4 it is."""
     train = [str(SCRIPT), "--zero_stage", "2", "--do_train", "--max_steps", "4", "--learning_rate", "3e-3",
@@ -178,10 +181,10 @@ def test_two_nodes_of_two_processes_train_as_one_node_of_four(tmp_path):
     one_node = hf_zero("run", "--nproc_per_node", "4", *train, "--output_dir", str(tmp_path / "one_node"))
     assert one_node.returncode == 0, one_node.stderr[-3000:]
     port = str(free_port())
-    nodes = [subprocess.Popen([sys.executable, "-m", "hf_zero", "run", "--nnodes", "2", "--node_rank", str(node),
-                               "--nproc_per_node", "2", "--master_port", port, *train,
+    nodes = [subprocess.Popen([sys.executable, "-m", "hf_zero", "run", "--nnodes", "2", "--nproc_per_node", "2",
+                               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes", *train,
                                "--output_dir", str(tmp_path / "two_nodes")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in (0, 1)]
     for node in nodes:
         _, err = node.communicate(timeout=600)
         assert node.returncode == 0, err[-3000:]
@@ -191,8 +194,13 @@ def test_two_nodes_of_two_processes_train_as_one_node_of_four(tmp_path):
 
 
 @pytest.mark.parametrize("launch, message", [
-    (["--nnodes", "2"], "--nnodes above 1 needs --master_port"),
+    (["--nnodes", "2"], "--nnodes above 1 needs --master_addr and --master_port"),
+    # Every node but the first would wait on its own loopback until the rendezvous timed out.
+    (["--nnodes", "2", "--master_port", "29500"], "--nnodes above 1 needs --master_addr and --master_port"),
     (["--nnodes", "2", "--node_rank", "2", "--master_port", "29500"], "--node_rank must be between 0 and"),
+    (["--rdzv_backend", "c10d"], "--rdzv_backend c10d needs --rdzv_endpoint"),
+    (["--rdzv_endpoint", "node0:29400", "--master_addr", "node0"], "are for the static rendezvous"),
+    (["--rdzv_backend", "static", "--rdzv_id", "job"], "are for the c10d rendezvous"),
 ])
 def test_a_launch_the_nodes_could_not_agree_on_is_refused_in_one_line(refused_before_launch, launch, message):
     code, err = refused_before_launch("run", *launch, str(SCRIPT))
@@ -261,3 +269,23 @@ def test_the_ranks_end_within_seconds_when_their_launcher_is_killed(tmp_path):
     for pid in still:
         os.kill(pid, 9)
     assert not still, "ranks outlived their launcher"
+
+
+@pytest.mark.parametrize("launch, expected", [
+    ([], ["--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port"]),
+    (["--nnodes", "2", "--node_rank", "1", "--master_addr", "node0", "--master_port", "29500"],
+     ["--node_rank", "1", "--master_addr", "node0", "--master_port", "29500"]),
+    (["--nnodes", "2", "--rdzv_endpoint", "node0:29400", "--rdzv_id", "job7"],
+     ["--rdzv_backend", "c10d", "--rdzv_endpoint", "node0:29400", "--rdzv_id", "job7"]),
+])
+def test_each_rendezvous_reaches_torchrun_as_asked(launch, expected):
+    """The rendezvous options `hf-zero run` and `hf-zero train` hand torchrun: the static rendezvous with node 0's
+    address (one node: this machine, any free port), or c10d at the endpoint the nodes share."""
+    from hf_zero import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_launch_arguments(parser, default_nproc=2)
+    args = parser.parse_args(launch)
+    cli._check_launch(parser, args)
+    handed = cli._rendezvous_args(args)
+    assert handed[:len(expected)] == expected and len(handed) == 6

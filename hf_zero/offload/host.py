@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.device import HOST, LatestCopy, copy_to_device, host_empty, to_host_memory
+from hf_zero.device import HOST, LatestCopy, copy_to_device, host_empty
 from hf_zero.ops import CPUAdam, adam_step_with_state, cpu_adam_kernel
 from hf_zero.zero.update import UpdateBackend
 
@@ -84,7 +84,9 @@ class HostUpdate(UpdateBackend):
         super().__init__(optimizer, param_chunks, chunks_lent)
         adamw_mode = adamw_mode_of(optimizer)
         self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
-        self.masters = self._own_masters(fp32_init or param_chunks, to_host_memory)
+        # Never pinned: the masters stay in host memory (the step reads and writes them there), no copy to
+        # the device reads them, and page-locked memory is taken from what the host can swap or cache.
+        self.masters = self._own_masters(fp32_init or param_chunks, HOST, consume=fp32_init is not None)
         self.staged = staged
         self.outputs = StagedOutputs(param_chunks, staged)
         self._retarget()

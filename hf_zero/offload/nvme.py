@@ -107,7 +107,8 @@ class NvmeAdamStates:
                     self.fds[(g, kind, side)] = self._allocate(self._path(g, kind, side),
                                                                sum(numels) * dtype.itemsize)
         tile = min(tile_numel, max((n for numels in chunk_numels for n in numels), default=1))
-        self.slots = [{kind: host_empty(tile, dtype) for kind, dtype in self.dtypes.items()}
+        # Ordinary memory: the slots go between the files and the kernel, and no device copy reads them.
+        self.slots = [{kind: torch.empty(tile, dtype=dtype) for kind, dtype in self.dtypes.items()}
                       for _ in range(SLOTS)]
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-nvme")
         for g, chunks in enumerate(fp32_init):

@@ -178,13 +178,16 @@ def dequantize(packed: Quantized, out: torch.Tensor | None = None) -> torch.Tens
 def dequantize_senders(values: torch.Tensor, scales: torch.Tensor, senders: int, bits: int, block: int,
                        numel: int, out: torch.Tensor) -> None:
     """What a gather of `senders` equal Quantized parts of `numel` elements delivered, dequantized into `out`
-    (`senders` x `numel` elements, sender by sender). The torch implementation (the GPU's) takes every
-    sender's part at once: its kernel launches depend on the size, not on the number of ranks (one
-    dequantization per sender would be some 4 launches each, 1,500 per buffer at 384 ranks)."""
+    (`senders` x `numel` elements, sender by sender). `values` and `scales` hold the senders' parts one after
+    the other, whole or as (senders, part) views whose rows may lie apart (a packed gather's). The torch
+    implementation (the GPU's) takes every sender's part at once: its kernel launches depend on the size, not
+    on the number of ranks (one dequantization per sender would be some 4 launches each, 1,500 per buffer at
+    384 ranks)."""
+    values, scales = values.reshape(senders, -1), scales.reshape(senders, -1)  # views: one row per sender
     kernel = quantize_kernel() if values.device.type == "cpu" else None
     if kernel is not None:
-        for r, part in enumerate(senders_parts(values, scales, senders, bits, block, numel)):
-            dequantize(part, out=out.view(-1)[r * numel:(r + 1) * numel])
+        for r in range(senders):
+            dequantize(Quantized(values[r], scales[r], bits, block, numel),
+                       out=out.view(-1)[r * numel:(r + 1) * numel])
         return
-    _dequantize_rows_in_pieces(values.view(senders, -1), scales.view(senders, -1), bits, block,
-                               out.view(senders, numel))
+    _dequantize_rows_in_pieces(values, scales, bits, block, out.view(senders, numel))

@@ -35,10 +35,10 @@ from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST, Copy, LatestCopy, to_device, to_host_memory
+from hf_zero.device import HOST, Copy, LatestCopy, host_empty, to_device
 from hf_zero.host_memory import HeapTrimmer
 from hf_zero.ops.quantize import dequantize_senders, quantize
-from hf_zero.zero.holder import ParamHolder
+from hf_zero.zero.holder import ParamHolder, fp32_start_device
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
 from hf_zero.zero.stage2 import PartitionedGradients
 from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
@@ -150,16 +150,21 @@ class Unit:
         outputs, inputs, world = [], [], self.comm.world_size
         for flat, shard in zip(self.flats, shards):
             packed = quantize(shard, 8, self.quantize_block)
-            values = torch.empty(world * packed.values.numel(), dtype=packed.values.dtype, device=shard.device)
-            scales = torch.empty(world * packed.scales.numel(), dtype=torch.float32, device=shard.device)
-            outputs += [values, scales]
-            inputs += [packed.values, packed.scales]
-            self.landing.append((flat, values, scales))
+            # Values and scales in one byte buffer per rank: one dtype in every call, as every backend takes it
+            # (gloo's grouped all-gather of int8 and fp32 tensors together delivered garbage).
+            sent = torch.cat([packed.values.view(torch.uint8), packed.scales.view(torch.uint8)])
+            received = torch.empty(world * sent.numel(), dtype=torch.uint8, device=shard.device)
+            outputs.append(received)
+            inputs.append(sent)
+            self.landing.append((flat, received, packed.values.numel()))
         return self.comm.all_gather_coalesced_(outputs, inputs, async_op=True)
 
     @torch.no_grad()
     def _dequantize_landed(self) -> None:
-        for flat, values, scales in self.landing:
+        for flat, received, values_numel in self.landing:
+            each_rank = received.view(self.comm.world_size, -1)
+            values = each_rank[:, :values_numel].view(torch.int8)
+            scales = each_rank[:, values_numel:].contiguous().view(torch.float32)  # fp32 alignment: a small copy
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
                 dequantize_senders(values, scales, self.comm.world_size, 8, self.quantize_block,
                                    flat.buckets[0].chunk_numel, flat.data)
@@ -333,7 +338,7 @@ class Stage3Params(ParamHolder):
                            "%d), where its quantization would lose precision and save no inter-node bytes; the "
                            "gradients are reduced exactly by the plain reduce-scatter", comm.world_size,
                            comm.ranks_per_node)
-        chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype)
+        chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype, config)
         if init_from is not None:
             self._fill_shards(model, init_from, chunk_of)
         else:
@@ -384,12 +389,13 @@ class Stage3Params(ParamHolder):
                 units.append(Unit(uname, modules[uname], flats, gs, self.comm, persistent=uname == PERSISTENT))
         return units
 
-    def _allocate_shards(self, num_groups: int, dtype: torch.dtype
+    def _allocate_shards(self, num_groups: int, dtype: torch.dtype, config: ZeroConfig
                          ) -> tuple[dict[int, Chunk], list[list[torch.Tensor]]]:
         """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D), and in
         lower precision a buffer per chunk for its fp32 start values (the masters' start). Returns where each
         flat buffer's chunk goes, and the fp32 buffers by param group."""
         rank, device = self.comm.rank, self.flats[0].data.device
+        fp32_device = fp32_start_device(config, device)
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
@@ -404,7 +410,7 @@ class Stage3Params(ParamHolder):
             lo, hi = flat.buckets[0].owned_range(rank)
             chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
             offsets[g] += hi - lo
-            fp32 = None if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=device)
+            fp32 = None if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=fp32_device)
             if fp32 is not None:
                 fp32_chunks[g].append(fp32)
             unit.shard_ids.append((g, len(self.param_chunks[g])))
@@ -457,7 +463,7 @@ class Stage3Params(ParamHolder):
             # Only staged until `read_shards_from` gives it back, and no device copy reads it after: pinned
             # memory could not be given back in place (a pinned storage cannot be resized).
             return torch.zeros(numel, dtype=dtype)
-        return to_host_memory(torch.zeros(numel, dtype=dtype))
+        return host_empty(numel, dtype).zero_()
 
     @property
     def shard(self) -> int:

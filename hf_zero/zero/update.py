@@ -39,13 +39,22 @@ class UpdateBackend(ABC):
             self.chunks_lent.wait()
         return self.param_chunks
 
-    def _own_masters(self, values: list[list[torch.Tensor]],
-                     place: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list[list[torch.Tensor]]:
-        """One contiguous fp32 master shard per param group (M_D), filled from `values` and put where `place`
-        puts it; returns its chunks, cut as the parameter chunks are."""
-        self.master_shards = [place(torch.cat([t.reshape(-1) for t in chunks]).float()) for chunks in values]
-        return [list(torch.split(shard, [c.numel() for c in chunks]))
-                for shard, chunks in zip(self.master_shards, self.param_chunks)]
+    def _own_masters(self, values: list[list[torch.Tensor]], device: torch.device,
+                     consume: bool) -> list[list[torch.Tensor]]:
+        """One contiguous fp32 master shard per param group (M_D) on `device`, filled chunk by chunk from
+        `values` (no whole-shard temporary, on the device or anywhere); returns its chunks, cut as the
+        parameter chunks are. `consume`: `values` is ours, and each chunk is let go once copied, so that the
+        start values and the masters are never both whole in memory."""
+        self.master_shards = [torch.empty(sum(c.numel() for c in chunks), dtype=torch.float32, device=device)
+                              for chunks in self.param_chunks]
+        masters = [list(torch.split(shard, [c.numel() for c in chunks]))
+                   for shard, chunks in zip(self.master_shards, self.param_chunks)]
+        for group_masters, group_values in zip(masters, values):
+            for k, master in enumerate(group_masters):
+                master.copy_(group_values[k].reshape(-1))
+                if consume:
+                    group_values[k] = None
+        return masters
 
     def _retarget(self) -> None:
         """The user's param groups step this rank's masters from now on (their hyper-parameters stay)."""
@@ -111,7 +120,8 @@ class DeviceUpdate(UpdateBackend):
         super().__init__(optimizer, param_chunks, chunks_lent)
         self.mixed = fp32_init is not None
         if self.mixed:
-            self.masters = self._own_masters(fp32_init)
+            compute = next(c.device for chunks in param_chunks for c in chunks)
+            self.masters = self._own_masters(fp32_init, compute, consume=True)
         else:
             self.masters = param_chunks
             for masters, grads in zip(param_chunks, grad_chunks):

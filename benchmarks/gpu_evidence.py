@@ -1,0 +1,262 @@
+"""The GPU evidence run: one command, one JSON and one markdown table, for the day a GPU is at hand.
+
+  python -m benchmarks.gpu_evidence --out bench_out/gpu         # on a GPU machine, about 5-8 minutes on an H100
+  python -m benchmarks.gpu_evidence --dry --out /tmp/gpu_dry    # anywhere: tiny sizes, gloo, the CPU simulation
+
+What it runs, each part in a fresh process so that one part's allocator state is not the next one's:
+  tests      tests/test_gpu.py under pytest (skipped in the dry mode, where it would only skip)
+  sanitizer  its stream-heavy tests again under TORCH_CUDA_SANITIZER=1 (CUDA's stream sanitizer)
+  systems    a GPT-2 of about 1.3B (width 2048, 24 blocks; `--dry`: the zoo's tiny one) trained by plain
+             PyTorch (fp32 weights, bf16 autocast, torch AdamW) and by the engine at stages 2 and 3, with and
+             without CPU offload, each inside a one-rank NCCL process group so that the communication stream
+             and the NCCL call shapes really run. Per system: device memory allocated by `initialize` at its
+             peak (torch.cuda.max_memory_allocated) beside the formula's model states, the per-step peak,
+             pinned host bytes before and after a save (torch.cuda.host_memory_stats), host synchronisations
+             per step (torch.cuda.set_sync_debug_mode counts the implicit ones), tokens per second and model
+             TFLOPS (6Ψ per token plus attention, the Megatron-LM count).
+In the dry mode the same code runs on CPU under hf_zero.device's simulation with a gloo group, so the run is
+known to work before a GPU is at hand (tests/test_gpu_evidence.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SYSTEMS = {"torch": None,
+           "stage2": {"zero_stage": 2},
+           "stage2+cpu": {"zero_stage": 2, "offload_optimizer": "cpu"},
+           "stage3": {"zero_stage": 3},
+           "stage3+cpu": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}
+# Under CUDA's stream sanitizer (TORCH_CUDA_SANITIZER=1, which reports any kernel that touches memory another
+# stream uses without an ordering between them): the GPU-path tests of the stream-heavy configurations.
+SANITIZED = ["-k", "nccl_group and offload_optimizer and not delayed and compute"]
+GPT2_1_3B = {"n_embd": 2048, "n_head": 16, "n_layer": 24, "n_positions": 1024}
+
+
+def model_flops_per_token(psi: int, n_layer: int, n_embd: int, seq: int) -> float:
+    """Forward and backward: 6 per parameter, plus attention's 12 · layers · width · sequence (Megatron-LM)."""
+    return 6 * psi + 12 * n_layer * n_embd * seq
+
+
+def write_profile(train_step, ids: torch.Tensor, cuda: bool, path: Path) -> None:
+    """One step under torch.profiler: the operators by device time and by host time, to see where a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        train_step(ids)
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    path.write_text(averages.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30)
+                    + "\n" + averages.table(sort_by="cpu_time_total", row_limit=30))
+
+
+def formula_device_bytes(config: dict | None, psi: int) -> float:
+    """Model states per device by the paper's formula (hf_zero.estimate), one rank, bf16 with fp32 masters."""
+    from hf_zero.estimate import Setting, model_states
+
+    if config is None:
+        return 16 * psi  # plain mixed precision: fp32 weights, gradients and Adam's two moments
+    setting = Setting(config["zero_stage"], 1, config.get("offload_optimizer", "none"),
+                      config.get("offload_param", "none"))
+    return sum(model_states(psi, setting)[0].values())
+
+
+def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: Path, profile: bool) -> dict:
+    """Trains one system in this process (a one-rank process group) and measures it."""
+    import torch.distributed as dist
+
+    import hf_zero
+    import model_zoo
+    from hf_zero.construct import SeededInit
+    from hf_zero.launch import free_port
+
+    cuda = torch.cuda.is_available() and not dry
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    zoo_name, overrides = ("gpt2-tiny", {}) if dry else ("gpt2-xl", GPT2_1_3B)
+    cfg = model_zoo.config(zoo_name, **overrides)
+    psi = model_zoo.parameter_count(zoo_name, **overrides)
+    config = SYSTEMS[name]
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated() if cuda else 0
+
+    def peak() -> int:
+        return torch.cuda.max_memory_allocated() if cuda else 0
+
+    def reset_peak() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    if config is not None and config["zero_stage"] == 3:
+        with torch.device("meta"):
+            model = model_zoo.build(zoo_name, **overrides)
+        init_from = SeededInit(0)
+    else:
+        with torch.device(device):
+            model = model_zoo.build(zoo_name, **overrides)
+        init_from = None
+    before_init = allocated()
+    reset_peak()
+    start = time.perf_counter()
+    if config is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+        forward = model
+
+        def train_step(ids: torch.Tensor) -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5),
+                                    {**config, "dtype": "bf16"}, init_from=init_from)
+        forward = engine
+
+        def train_step(ids: torch.Tensor) -> None:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+    init_seconds = time.perf_counter() - start
+    init_peak = peak() - before_init
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    reset_peak()
+    train_step(ids)  # warm-up: kernels chosen, buffers allocated
+    step_seconds, syncs = [], []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            train_step(ids)
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+        step_seconds.append(time.perf_counter() - start)
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    step_peak = peak()
+    pinned = {}
+    if config is not None and cuda and hasattr(torch.cuda, "host_memory_stats"):
+        pinned["before_save"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+        with tempfile.TemporaryDirectory() as folder:
+            engine.save_checkpoint(folder)
+        pinned["after_save"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    if profile:
+        write_profile(train_step, ids, cuda, workdir / f"profile-{name}.txt")
+    median = sorted(step_seconds)[len(step_seconds) // 2]
+    tokens = batch * seq
+    del forward
+    dist.destroy_process_group()
+    return {"system": name, "psi": psi, "formula_device_bytes": formula_device_bytes(config, psi),
+            "init_seconds": init_seconds, "init_peak_bytes": init_peak,
+            "step_peak_bytes": step_peak, "median_step_seconds": median, "tokens_per_second": tokens / median,
+            "model_tflops": model_flops_per_token(psi, cfg.n_layer, cfg.n_embd, seq) * tokens / median / 1e12,
+            "host_syncs_per_step": sorted(syncs)[len(syncs) // 2], "pinned_bytes": pinned}
+
+
+def in_fresh_process(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_evidence", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for evidence.json and evidence.md")
+    p.add_argument("--dry", action="store_true", help="tiny sizes on CPU under the simulation, gloo")
+    p.add_argument("--parts", nargs="+", default=["tests", "sanitizer", "systems"],
+                   choices=["tests", "sanitizer", "systems"])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--profile", nargs="*", default=[], choices=list(SYSTEMS),
+                   help="systems whose extra step runs under torch.profiler (profile-<system>.txt)")
+    p.add_argument("--one_system", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one_system:
+        result = one_system(args.one_system, args.dry, args.steps, args.batch, args.seq, args.out,
+                            args.one_system in args.profile)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if args.dry:
+        env["HF_ZERO_SIMULATE_ASYNC"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        args.batch, args.seq = min(args.batch, 2), min(args.seq, 32)
+    evidence: dict = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry
+                      else "cpu (dry run)", "torch": torch.__version__, "parts": {}}
+    for part, extra_env, selection in (("tests", {}, []), ("sanitizer", {"TORCH_CUDA_SANITIZER": "1"}, SANITIZED)):
+        if part in args.parts and not args.dry:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                   "tests/test_gpu.py", *selection], cwd=ROOT, env={**env, **extra_env},
+                                  capture_output=True, text=True, timeout=900)
+            evidence["parts"][part] = {"returncode": done.returncode, "summary": done.stdout.strip().splitlines()[-1:],
+                                       "tail": done.stdout[-3000:] + done.stderr[-2000:]}
+            print(f"{part}:", evidence["parts"][part]["summary"], flush=True)
+    if "systems" in args.parts:
+        rows = []
+        for name in args.systems:
+            done = in_fresh_process(["--out", str(args.out), "--one_system", name, "--steps", str(args.steps),
+                                     "--batch", str(args.batch), "--seq", str(args.seq), "--profile", *args.profile]
+                                    + (["--dry"] if args.dry else []), env, 900)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                rows.append({"system": name, "error": (done.stdout + done.stderr)[-3000:]})
+            else:
+                rows.append(json.loads(lines[-1][len("RESULT "):]))
+            print(json.dumps(rows[-1])[:3000], flush=True)
+        evidence["parts"]["systems"] = rows
+    (args.out / "evidence.json").write_text(json.dumps(evidence, indent=1))
+    (args.out / "evidence.md").write_text(markdown(evidence))
+    print(markdown(evidence))
+
+
+def markdown(evidence: dict) -> str:
+    gib = 2 ** 30
+    lines = [f"Device: {evidence['device']}, torch {evidence['torch']}", ""]
+    for part, what in (("tests", "tests/test_gpu.py"), ("sanitizer", "under TORCH_CUDA_SANITIZER=1")):
+        tests = evidence["parts"].get(part)
+        if tests:
+            lines += [f"{what}: {' '.join(tests['summary'])} (exit {tests['returncode']})", ""]
+    rows = evidence["parts"].get("systems", [])
+    if rows:
+        lines += ["| system | Ψ | model states by the formula (GiB) | initialize: device peak (GiB) | step peak (GiB) "
+                  "| tokens/s | model TFLOPS | host syncs/step | pinned before / after save (GiB) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['system']} | failed: {r['error'][-200:]!r} |")
+                continue
+            pinned = r["pinned_bytes"]
+            pinned_text = (f"{pinned['before_save'] / gib:.2f} / {pinned['after_save'] / gib:.2f}" if pinned else "-")
+            lines.append(f"| {r['system']} | {r['psi'] / 1e9:.2f}B | {r['formula_device_bytes'] / gib:.2f} "
+                         f"| {r['init_peak_bytes'] / gib:.2f} "
+                         f"| {r['step_peak_bytes'] / gib:.2f} | {r['tokens_per_second']:.0f} | {r['model_tflops']:.1f} "
+                         f"| {r['host_syncs_per_step']} | {pinned_text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
