@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hf_zero.device import HOST, compute_device
+from hf_zero.device import HOST, compute_device, poison, simulating
 from hf_zero.launch import (note_collective, other_ranks_report, processes_per_node,
                             start_heartbeat)
 
@@ -99,6 +99,22 @@ class _Pieces:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+
+
+class _Deferred:
+    """Simulation (hf_zero.device): a collective launched only when waited on."""
+
+    def __init__(self, launch: Callable[[], Any]) -> None:
+        self.launch, self.done = launch, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.launch().wait()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
 
 
 def _copy_locally(output: torch.Tensor, input: torch.Tensor) -> _Done:
@@ -325,6 +341,14 @@ class Communicator:
             self.ledger.count("all-gather launches", len(works))
             return _Pieces(works, lambda: None, async_op)
 
+        if async_op and simulating():
+            # As late as a GPU may finish it: NCCL's wait() does not block the host, so a reader that skips it
+            # reads whatever the buffer held. Here the other ranks' parts hold poison until the wait, which
+            # runs the gather, so a missing wait shows on CPU as a wrong result.
+            for output, input in zip(outputs, inputs):
+                for r in (r for r in range(self.world_size) if r != self.rank):
+                    poison(output[r * input.numel():(r + 1) * input.numel()])
+            return self._launch(op, outputs[0], lambda: _Deferred(launch_pieces))
         return self._launch(op, outputs[0], launch_pieces)
 
     def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):

@@ -319,7 +319,8 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_lo < b_hi and b_lo < a_hi
 
 
-def _poison(tensor: torch.Tensor) -> None:
+def poison(tensor: torch.Tensor) -> None:
+    """Simulation: fills `tensor` with what a buffer holds before device work fills it (NaN, or 0xA5 bytes)."""
     if tensor.is_floating_point():
         tensor.fill_(float("nan"))
     else:
@@ -352,7 +353,7 @@ class _Simulator:
             if to_device:
                 dst.copy_(src)
             else:
-                _poison(dst)
+                poison(dst)
                 copy.poison = dst.detach().clone()
             self.queued.append(copy)
         return copy
