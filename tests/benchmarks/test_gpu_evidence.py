@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
-    systems = ["torch", "stage3+cpu"]
+    systems = ["stage3+cpu"]  # the path with the most device-layer work; each system is a fresh process
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_evidence", "--dry", "--out", str(tmp_path),
                            "--systems", *systems, "--steps", "1", "--profile", "stage3+cpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
