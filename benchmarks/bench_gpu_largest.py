@@ -96,6 +96,17 @@ def run_trial(setting: str, args: argparse.Namespace, n_layer: int) -> dict | No
     return {**result, "seconds": time.perf_counter() - start}
 
 
+def depth_bound(setting: Setting, gpu_bytes: int, host_bytes: int, per_layer: int, headroom: float,
+                max_layers: int) -> int:
+    """The deepest trial the bisection starts: `headroom` times the formula's depth for the device's memory
+    (without parameter offload) and for the host's (with optimizer offload: offloaded states fill host memory,
+    and a trial beyond it only starts one the kernel kills, minutes each), at most `max_layers`."""
+    formula_psi = largest_params(setting, gpu_bytes) if setting.offload_param == "none" else None
+    host_psi = host_bytes / model_states(1, setting)[1] if setting.offload_optimizer != "none" else None
+    return min([max_layers] + [int(headroom * psi / per_layer) + 1 for psi in (formula_psi, host_psi)
+                               if psi is not None])
+
+
 def largest_fitting(fits, hi: int) -> tuple[int, dict | None]:
     """The largest n in [1, hi] with fits(n) not None, assuming fitting is monotone in n; (0, None) if none."""
     lo, best = 0, None
@@ -138,13 +149,7 @@ def main() -> None:
         setting = Setting(config["zero_stage"], args.nproc_per_node, config.get("offload_optimizer", "none"),
                           config.get("offload_param", "none"))
         formula_psi = largest_params(setting, gpu_bytes) if setting.offload_param == "none" else None
-        # Offloaded states fill host memory instead: bisecting beyond what it holds only starts trials the
-        # kernel kills (minutes each), so the search stops at the host's bound too.
-        host_psi = host_bytes // max(model_states(1, setting)[1], 1e-9) if setting.offload_optimizer != "none" \
-            else None
-        bounds = [args.max_layers] + [int(args.headroom * psi / per_layer) + 1
-                                      for psi in (formula_psi, host_psi) if psi is not None]
-        hi = min(bounds)
+        hi = depth_bound(setting, gpu_bytes, host_bytes, per_layer, args.headroom, args.max_layers)
         n_layer, result = largest_fitting(lambda n, s=name: run_trial(s, args, n), hi)
         psi = model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, n_layer)) if n_layer else 0
         rows.append((name, n_layer, psi, formula_psi, result))

@@ -1,0 +1,45 @@
+"""benchmarks/bench_gpu_largest.py's search, on CPU: it needs CUDA to run, but not to plan its trials."""
+from __future__ import annotations
+
+import subprocess
+from argparse import Namespace
+
+import pytest
+
+import model_zoo
+from benchmarks import bench_gpu_largest as bench
+from hf_zero.estimate import Setting
+
+GIB = 2 ** 30
+
+
+def test_with_offload_the_search_stops_at_what_host_memory_holds():
+    """On one 80 GB H100 with 125 GiB of host memory, stage 3 with CPU offload keeps 18 bytes a parameter on the
+    host (ZeRO-Offload's bound, about 7B): the search used to go up to 512 layers of width 4096 (100B), each
+    trial past the bound killed by the kernel after minutes."""
+    per_layer = model_zoo.parameter_count("gpt2-xl", **bench.gpt2_overrides(4096, 2)) - \
+        model_zoo.parameter_count("gpt2-xl", **bench.gpt2_overrides(4096, 1))
+    offload = Setting(3, 1, "cpu", "cpu")
+    hi = bench.depth_bound(offload, 80 * GIB, 125 * GIB, per_layer, 1.2, 512)
+    assert hi == int(1.2 * 125 * GIB / 18 / per_layer) + 1 < 60
+    # Without offload the device's formula bounds it, as before: 16Ψ on one GPU.
+    assert bench.depth_bound(Setting(0, 1), 80 * GIB, 125 * GIB, per_layer, 1.2, 512) == \
+        int(1.2 * (80 * GIB / 16) / per_layer) + 1
+
+
+@pytest.mark.parametrize("stderr, returncode", [("torch.OutOfMemoryError: CUDA out of memory", 1),
+                                                ("Signal 9 (SIGKILL) received by PID 1234", 1),
+                                                ("", -9)])
+def test_a_trial_killed_for_memory_counts_as_not_fitting(monkeypatch, stderr, returncode):
+    """The kernel's out-of-memory killer ends a trial with SIGKILL (torchrun: "Signal 9 (SIGKILL)"): the model
+    did not fit in host memory, which the bisection must take as "smaller", not abort the run."""
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, returncode, "", stderr))
+    args = Namespace(nproc_per_node=1, n_embd=64, seq=8, steps=1)
+    assert bench.run_trial("3+offload", args, 4) is None
+
+
+def test_any_other_failure_of_a_trial_stops_the_search_with_its_error(monkeypatch):
+    monkeypatch.setattr(bench.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ValueError: bad width"))
+    with pytest.raises(RuntimeError, match="ValueError: bad width"):
+        bench.run_trial("3", Namespace(nproc_per_node=1, n_embd=64, seq=8, steps=1), 4)
