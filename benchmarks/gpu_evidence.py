@@ -119,7 +119,6 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     start = time.perf_counter()
     if config is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-        forward = model
 
         def train_step(ids: torch.Tensor) -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -130,7 +129,6 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     else:
         engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5),
                                     {**config, "dtype": "bf16"}, init_from=init_from)
-        forward = engine
 
         def train_step(ids: torch.Tensor) -> None:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -166,7 +164,6 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
         write_profile(train_step, ids, cuda, workdir / f"profile-{name}.txt")
     median = sorted(step_seconds)[len(step_seconds) // 2]
     tokens = batch * seq
-    del forward
     dist.destroy_process_group()
     return {"system": name, "psi": psi, "formula_device_bytes": formula_device_bytes(config, psi),
             "init_seconds": init_seconds, "init_peak_bytes": init_peak,

@@ -40,7 +40,7 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.config import DTYPES
-from hf_zero.device import HOST, host_copy
+from hf_zero.device import in_host_memory
 from hf_zero.export import weights_to_save
 from hf_zero.tensor_parallel import split_of
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, copy_cut_into, is_tp_replicated, local
@@ -331,7 +331,7 @@ def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicat
     starts = set()
 
     def on_host(key: str, value: torch.Tensor) -> None:
-        host = value if value.device == HOST else host_copy(value)
+        host = in_host_memory(value)
         if host.numel() and host.data_ptr() in starts:
             host = host.clone()  # a tied tensor already in host memory: the file stores each name apart
         starts.add(host.data_ptr())

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_zero.device import HOST, compute_device, host_copy, to_device
+from hf_zero.device import HOST, compute_device, in_host_memory, to_device
 from hf_zero.export import TORCH_DTYPES
 from hf_zero.tensor_parallel import local_ranges
 from hf_zero.zero.partition import copy_cut_into, is_tp_replicated, local, wrap_like
@@ -75,7 +75,7 @@ def _gather_on_host(param: DTensor, name: str) -> torch.Tensor:
     mesh's collectives run (NCCL takes no host tensors), and brought back to the host."""
     part, copy = to_device(local(param).detach(), compute_device(), f"{name}'s part")
     copy.wait()
-    return host_copy(wrap_like(param, part).full_tensor())
+    return in_host_memory(wrap_like(param, part).full_tensor())
 
 
 def _init_order(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:

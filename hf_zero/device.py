@@ -193,11 +193,11 @@ def to_host(src: torch.Tensor, name: str) -> tuple[torch.Tensor, Copy]:
     return dst, copy_to_host(dst, src, name)
 
 
-def host_copy(src: torch.Tensor) -> torch.Tensor:
-    """`src` copied into ordinary (pageable) host memory, filled when this returns: for a one-off copy, such
-    as a checkpoint's pieces, which pinned memory would keep page-locked for good (`host_empty`). A copy from
-    the device into pageable memory is synchronous, so there is no copy to wait on."""
-    return src.to(HOST, copy=True)
+def in_host_memory(src: torch.Tensor) -> torch.Tensor:
+    """`src` in host memory: itself when it is there, else copied into ordinary (pageable) memory, filled when
+    this returns. For one-off copies, such as a checkpoint's pieces, which pinned memory would keep page-locked
+    for good (`host_empty`). A copy from the device into pageable memory is synchronous: no copy to wait on."""
+    return src.to(HOST)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:

@@ -41,9 +41,9 @@ class FlatParams(ParamHolder):
         self.allgather_bucket_size = config.allgather_bucket_size
         self.flats = [FlatParamBuffer(list(reversed(named)), 1 if self.replicated else comm.world_size, dtype,
                                       config.bucket_numel(comm.world_size)) for named in groups]
+        fp32_device = fp32_start_device(config, self.flats[0].data.device)
         self.fp32_init = None if dtype == torch.float32 else [
-            [self._read_fp32(flat, b, fp32_start_device(config, flat.data.device)) for b in flat.buckets]
-            for flat in self.flats]
+            [self._read_fp32(flat, b, fp32_device) for b in flat.buckets] for flat in self.flats]
         for flat in self.flats:
             flat.pack_and_bind()
         if stage == 2:
