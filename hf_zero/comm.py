@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hf_zero.device import HOST, compute_device, poison, simulating
+from hf_zero.device import HOST, PendingCopyError, compute_device, overlaps, poison, same_bytes, simulation
 from hf_zero.launch import (note_collective, other_ranks_report, processes_per_node,
                             start_heartbeat)
 
@@ -101,14 +101,34 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
 
 
-class _Deferred:
-    """Simulation (hf_zero.device): a collective launched only when waited on."""
+class _Late:
+    """Simulation "late" (hf_zero.device): an asynchronous collective that runs only when waited on, as late as
+    NCCL may finish it (NCCL's wait() does not block the host, so a reader that skips it reads whatever the
+    buffer held). Until then its outputs hold poison, and its inputs must keep the values they had when it was
+    issued; an input that shares memory with an output (an in-place all-gather's own part, an all-reduce) gets
+    them back before it runs."""
 
-    def __init__(self, launch: Callable[[], Any]) -> None:
-        self.launch, self.done = launch, False
+    def __init__(self, launch: Callable[[], Any], reads: list[torch.Tensor], writes: list[torch.Tensor],
+                 what: Callable[[], str]) -> None:
+        self.launch, self.what, self.done = launch, what, False
+        self.reads = [(t, t.detach().clone()) for t in reads]
+        for output in writes:
+            poison(output)
+        self.poisoned = [(t, t.detach().clone()) for t in writes]
 
     def wait(self) -> bool:
         if not self.done:
+            for tensor, issued in self.reads:
+                shared = any(overlaps(tensor, output) for output, _ in self.poisoned)
+                if not shared and not same_bytes(tensor, issued):
+                    raise PendingCopyError(f"{self.what()}: an input was written while the collective could still "
+                                           f"read it: wait on the collective first")
+            for output, poisoned in self.poisoned:
+                if not same_bytes(output, poisoned):
+                    raise PendingCopyError(f"{self.what()}: an output was written while the collective could "
+                                           f"still fill it: wait on the collective first")
+            for tensor, issued in self.reads:
+                tensor.copy_(issued)
             self.launch().wait()
             self.done = True
         return True
@@ -263,8 +283,12 @@ class Communicator:
         volume = 2 * tensor.numel() if op == "all_reduce" else tensor.numel()
         self.ledger.record(op, volume, tensor.element_size(), sent, paper_cross_node)
 
-    def _launch(self, op: str, tensor: torch.Tensor | None, launch: Callable[[], Any]) -> Any:
-        """Issues one collective through `launch`; its work handle, if any, names it should it fail."""
+    def _launch(self, op: str, tensor: torch.Tensor | None, launch: Callable[[], Any], async_op: bool = False,
+                reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()) -> Any:
+        """Issues one collective through `launch`; its work handle, if any, names it should it fail. An
+        asynchronous one (`async_op`) that `reads` and `writes` those tensors runs under hf_zero.device's
+        simulation as late ("late": at its wait) or as early ("early": finished when this returns) as a GPU
+        may run it."""
         self.launched += 1
         number, size = self.launched, None if tensor is None else (tensor.numel(), tensor.dtype)
 
@@ -273,7 +297,12 @@ class Communicator:
             return f"rank {rank()}: {op} #{number} of its group of {self.world_size}{elements}"
 
         note_collective(what)
+        mode = simulation() if async_op else None
+        if mode == "late":
+            return _Named(_Late(launch, list(reads), list(writes), what), what)
         work = _named(what, launch)
+        if mode == "early":
+            _named(what, work.wait)
         return None if work is None else _Named(work, what)
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
@@ -281,7 +310,8 @@ class Communicator:
             return _Done()
         self._record("all_reduce", tensor)
         return self._launch("all_reduce", tensor,
-                            lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op))
+                            lambda: dist.all_reduce(tensor, group=self.group, async_op=async_op),
+                            async_op, reads=[tensor], writes=[tensor])
 
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Sums `input` over ranks; this rank receives its 1/world_size part in `output` (may alias input)."""
@@ -290,7 +320,7 @@ class Communicator:
         self._record("reduce_scatter", input)
         if not self.per_rank_pieces:
             return self._launch("reduce_scatter", input, lambda: dist.reduce_scatter_single(
-                output, input, group=self.group, async_op=async_op))
+                output, input, group=self.group, async_op=async_op), async_op, reads=[input], writes=[output])
         n = output.numel()
         mine = input[self.rank * n:(self.rank + 1) * n]
 
@@ -299,7 +329,7 @@ class Communicator:
                      for r in range(self.world_size)]
             return _Pieces(works, lambda: None if _same_memory(output, mine) else output.copy_(mine), async_op)
 
-        return self._launch("reduce_scatter", input, launch)
+        return self._launch("reduce_scatter", input, launch, async_op, reads=[input], writes=[output])
 
     def all_gather_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Concatenates every rank's `input` into `output` (input may be this rank's slice of output)."""
@@ -320,7 +350,7 @@ class Communicator:
             self.ledger.count("all-gather launches")
             if len(outputs) == 1:
                 return self._launch(op, outputs[0], lambda: dist.all_gather_single(
-                    outputs[0], inputs[0], group=self.group, async_op=async_op))
+                    outputs[0], inputs[0], group=self.group, async_op=async_op), async_op, inputs, outputs)
 
             def launch_grouped() -> _Pieces:
                 with dist._coalescing_manager(self.group, async_ops=async_op) as grouped:
@@ -328,28 +358,20 @@ class Communicator:
                         dist.all_gather_single(output, input, group=self.group)
                 return _Pieces(grouped.works, lambda: None, async_op)
 
-            return self._launch(op, outputs[0], launch_grouped)
-        for output, input in zip(outputs, inputs):
-            mine = output[self.rank * input.numel():(self.rank + 1) * input.numel()]
-            if not _same_memory(mine, input):
-                mine.copy_(input)
+            return self._launch(op, outputs[0], launch_grouped, async_op, inputs, outputs)
 
         def launch_pieces() -> _Pieces:
+            for output, input in zip(outputs, inputs):
+                mine = output[self.rank * input.numel():(self.rank + 1) * input.numel()]
+                if not _same_memory(mine, input):
+                    mine.copy_(input)
             works = [dist.broadcast(output[r * input.numel():(r + 1) * input.numel()], group_src=r,
                                     group=self.group, async_op=True)
                      for output, input in zip(outputs, inputs) for r in range(self.world_size)]
             self.ledger.count("all-gather launches", len(works))
             return _Pieces(works, lambda: None, async_op)
 
-        if async_op and simulating():
-            # As late as a GPU may finish it: NCCL's wait() does not block the host, so a reader that skips it
-            # reads whatever the buffer held. Here the other ranks' parts hold poison until the wait, which
-            # runs the gather, so a missing wait shows on CPU as a wrong result.
-            for output, input in zip(outputs, inputs):
-                for r in (r for r in range(self.world_size) if r != self.rank):
-                    poison(output[r * input.numel():(r + 1) * input.numel()])
-            return self._launch(op, outputs[0], lambda: _Deferred(launch_pieces))
-        return self._launch(op, outputs[0], launch_pieces)
+        return self._launch(op, outputs[0], launch_pieces, async_op, inputs, outputs)
 
     def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""
@@ -357,7 +379,8 @@ class Communicator:
             return _copy_locally(output, input)
         self._record("all_to_all", input)
         return self._launch("all_to_all", input,
-                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op))
+                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op),
+                            async_op, reads=[input], writes=[output])
 
     def subgroup(self, ranks_of_each: list[list[int]]) -> "Communicator":
         """A Communicator over the subgroup, among `ranks_of_each` (ranks of this group, covering it once),

@@ -8,38 +8,56 @@ later, and a device-to-host copy fills its destination some time later. The host
 buffers again only after waiting on the copy (`Copy.wait`). Device work queued after the copy on the
 same stream (compute, NCCL collectives) is ordered after it and needs no wait.
 
-On CPU every copy is immediate, so a missing wait can never show. `HF_ZERO_SIMULATE_ASYNC=1` makes the
-CPU behave as a GPU would at its most unlucky, which is how the tests check the GPU path:
-- host to device: the destination receives the values at once (later device work is stream-ordered),
-  but the source stays lent to the copy until it is waited on. Writing into it meanwhile (through file
-  I/O, the C++ kernel, or torch) is caught, naming the buffer.
-- device to host: the destination holds poison (NaN) until the copy is waited on, and receives the
-  values the source had when the copy was queued. Reading or writing it meanwhile is caught.
-A wait lands every copy queued before it (one stream, in order), as a CUDA event does.
+Copies run on one of three streams: the compute stream (the default), the communication stream (what a
+reduction's settle copies, `CommStream`) and the copy stream (`overlap=True`: copies that must not hold up the
+compute queued after them, such as a prefetched parameter shard or an offloaded activation checkpoint). Copies
+on one stream run in order; copies on two streams are ordered only by a wait (`Copy.ready`, `CommStream.wait`).
+
+On CPU every copy is immediate, so a missing wait can never show. `HF_ZERO_SIMULATE_ASYNC` makes the CPU behave
+as a GPU would at its most unlucky, which is how the tests check the GPU path. "late" (or "1"): asynchronous
+work lands as late as a GPU may land it:
+- host to device: the destination receives the values at once when the copy is on the compute stream (later
+  compute is stream-ordered), else only when a stream waits on it (`Copy.ready`) or the host does; it holds
+  poison (NaN) until then. The source stays lent to the copy until the host waits on it: writing into it
+  meanwhile (through file I/O, the C++ kernel, or torch) is caught, naming the buffer.
+- device to host: the destination holds poison until the copy is waited on, and receives the values the
+  source had when the copy was queued. Reading or writing it meanwhile is caught.
+- a host buffer that copies on two streams use, one of them writing it, with no wait ordering them, is caught.
+- a reduction on the communication stream runs when the compute stream waits on it; an asynchronous collective
+  (hf_zero.comm) runs when waited on, its outputs poison until then, and its inputs must not change meanwhile.
+A wait lands every copy queued before it on the same stream, as a CUDA event does.
+"early": asynchronous work runs the moment it is issued, copies and reductions and collectives whole, as a GPU
+with an idle side stream runs them: code that counts on them not having run yet (a buffer reused before the
+work that reads it was issued, a shard zeroed after its reduction was handed over) shows as a wrong result.
 
 File I/O reads and writes the memory of host tensors only: a device address handed to the operating
 system is a crash or silent garbage, so `bytes_of` refuses anything else.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 HOST = torch.device("cpu")
 SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
+SIMULATION_MODES = ("late", "early")
+COMPUTE, COMM, COPY = "compute", "comm", "copy"  # the streams a copy may be queued on
 # On a GPU (tests/test_gpu.py): "STREAM:CYCLES" queues CYCLES of `torch.cuda._sleep` on one side, so that a
 # missing wait reads or writes a buffer too early and shows as a wrong number, the GPU's own version of the
 # simulation below. STREAM "compute": before every asynchronous copy and every reduction's hand-over, so copies
 # land late and backward writes its buckets late (a reduction that does not wait on the compute stream reads a
 # bucket too early; a host that does not wait on a copy reads or writes its buffer too early). STREAM "comm":
 # before every reduction on the communication stream (compute that does not wait on it reads its result early).
+# STREAM "copy": before every copy on the copy stream (compute that does not wait on one reads its destination
+# early).
 DELAY_ENV = "HF_ZERO_CUDA_DELAY"
 
 
@@ -72,9 +90,61 @@ def _delay_device(stream: str) -> None:
         torch.cuda._sleep(int(cycles))
 
 
+def simulation() -> str | None:
+    """How asynchronous work runs on CPU (tests: HF_ZERO_SIMULATE_ASYNC): "late", "early" or None (at once)."""
+    mode = os.environ.get(SIMULATE_ENV, "")
+    if mode in ("", "0"):
+        return None
+    mode = "late" if mode == "1" else mode
+    if mode not in SIMULATION_MODES:
+        raise ValueError(f"{SIMULATE_ENV} must be one of {', '.join(SIMULATION_MODES)} (or 1: late); got {mode!r}")
+    return mode
+
+
 def simulating() -> bool:
-    """Whether copies behave as on a GPU (tests: HF_ZERO_SIMULATE_ASYNC=1), though they run on CPU."""
-    return os.environ.get(SIMULATE_ENV) == "1"
+    """Whether asynchronous work behaves as on a GPU (`simulation`), though it runs on CPU."""
+    return simulation() is not None
+
+
+_current = threading.local()  # simulation: the stream device work is queued on now (`stream` attribute)
+
+
+def _stream_now() -> str:
+    return getattr(_current, "stream", COMPUTE)
+
+
+@contextlib.contextmanager
+def _queued_on(name: str, stream: "torch.cuda.Stream | None") -> Iterator[None]:
+    """Device work issued inside goes to `stream` (a GPU), or is counted as queued on stream `name` (CPU)."""
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            yield
+        return
+    previous, _current.stream = _stream_now(), name
+    try:
+        yield
+    finally:
+        _current.stream = previous
+
+
+_copy_streams: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _copy_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """The copy stream of a GPU (one per device, made on first use); None on the host."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _copy_streams:
+        _copy_streams[index] = torch.cuda.Stream(index)
+    return _copy_streams[index]
+
+
+def on_copy_stream(device: torch.device) -> contextlib.AbstractContextManager:
+    """Device work issued inside runs on `device`'s copy stream: after the copies queued there (`overlap=True`),
+    without waiting for the compute queued before it. A collective issued inside (NCCL waits on the stream it is
+    issued from) reads what those copies brought, while the compute stream runs on."""
+    return _queued_on(COPY, _copy_stream(device))
 
 
 def _pins() -> bool:
@@ -136,15 +206,29 @@ class Copy:
     host: torch.Tensor  # the host side: the source of a copy to the device, the destination of one to the host
     to_device: bool
     event: "torch.cuda.Event | None" = None
+    stream: str = COMPUTE
     snapshot: torch.Tensor | None = None  # simulation: the values the copy moves, as they were when queued
     poison: torch.Tensor | None = None  # simulation, to the host: what the destination holds until it lands
+    # simulation, to the device on a side stream: the destination, poison until a stream or the host waits
+    undelivered: torch.Tensor | None = None
     landed: bool = False
+    # simulation: streams that waited on this copy's stream after it was queued (their later copies follow it)
+    ordered_before: set[str] | None = None
 
     def wait(self) -> None:
+        """The host waits until the copy (and every copy queued before it on its stream) has landed."""
         if self.event is not None:
             self.event.synchronize()
         if not self.landed:
             _simulator.land_through(self)
+
+    def ready(self) -> None:
+        """The stream the caller queues on now waits for the copy (its destination may be read there); the host
+        does not: the source of a copy to the device stays lent until `wait`."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        elif self.undelivered is not None:
+            _simulator.deliver(self)
 
 
 DONE = Copy("done", torch.empty(0), to_device=True, landed=True)
@@ -165,32 +249,35 @@ class LatestCopy:
         self.copy = DONE
 
 
-def copy_to_device(dst: torch.Tensor, src: torch.Tensor, name: str) -> Copy:
-    """Queues `dst` (device) <- `src` (host, pinned on a GPU). `src` stays lent until the copy is waited on."""
-    return _copy(dst, src, name, to_device=True)
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor, name: str, overlap: bool = False) -> Copy:
+    """Queues `dst` (device) <- `src` (host, pinned on a GPU). `src` stays lent until the copy is waited on.
+    `overlap`: on the copy stream, where the compute queued after it does not wait for it; whoever reads `dst`
+    makes their stream wait first (`Copy.ready`, or work issued `on_copy_stream`)."""
+    return _copy(dst, src, name, to_device=True, overlap=overlap)
 
 
-def copy_to_host(dst: torch.Tensor, src: torch.Tensor, name: str) -> Copy:
-    """Queues `dst` (host, pinned on a GPU) <- `src` (device). `dst` holds the values once waited on."""
-    return _copy(dst, src, name, to_device=False)
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, name: str, overlap: bool = False) -> Copy:
+    """Queues `dst` (host, pinned on a GPU) <- `src` (device). `dst` holds the values once waited on.
+    `overlap`: on the copy stream, where the compute queued after it does not wait for it."""
+    return _copy(dst, src, name, to_device=False, overlap=overlap)
 
 
-def to_device(src: torch.Tensor, device: torch.device, name: str) -> tuple[torch.Tensor, Copy]:
+def to_device(src: torch.Tensor, device: torch.device, name: str, overlap: bool = False) -> tuple[torch.Tensor, Copy]:
     """`src` (host) on `device`, and the copy that puts it there: `src` stays lent until that is waited on.
     Without a copy to make (already there, not simulating) it is `src` itself."""
     if src.device == device and not simulating():
         return src, DONE
     dst = torch.empty_like(src, device=device)
-    return dst, copy_to_device(dst, src, name)
+    return dst, copy_to_device(dst, src, name, overlap)
 
 
-def to_host(src: torch.Tensor, name: str) -> tuple[torch.Tensor, Copy]:
+def to_host(src: torch.Tensor, name: str, overlap: bool = False) -> tuple[torch.Tensor, Copy]:
     """`src` (device) in a new host buffer, and the copy that fills it (wait before reading). A tensor
     already in host memory is returned as it is, unless simulating."""
     if src.device == HOST and not simulating():
         return src, DONE
     dst = host_empty(src.numel(), src.dtype).view(src.shape)
-    return dst, copy_to_host(dst, src, name)
+    return dst, copy_to_host(dst, src, name, overlap)
 
 
 def in_host_memory(src: torch.Tensor) -> torch.Tensor:
@@ -200,18 +287,32 @@ def in_host_memory(src: torch.Tensor) -> torch.Tensor:
     return src.to(HOST)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:
-    host = src if to_device else dst
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool, overlap: bool) -> Copy:
+    host, on_device = (src, dst) if to_device else (dst, src)
     if simulating():
-        return _simulator.queue(dst, src, name, to_device)
+        return _simulator.queue(dst, src, name, to_device, COPY if overlap else _stream_now())
     if not has_accelerator() or dst.device == src.device:
         dst.copy_(src)  # within host memory (or within the device) a copy is ordered like any other work
         return DONE
-    _delay_device("compute")
-    dst.copy_(src, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return Copy(name, host, to_device, event)
+    if not overlap:
+        _delay_device("compute")
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Copy(name, host, to_device, event)
+    side = _copy_stream(on_device.device)
+    # The compute queued so far wrote the source (to the host), or used the block the allocator just gave the
+    # destination (to the device): the copy starts after it.
+    side.wait_stream(torch.cuda.current_stream(on_device.device))
+    with torch.cuda.stream(side):
+        _delay_device("copy")
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    # The allocator reuses a freed block in the order of the stream that allocated it: keep this one from compute
+    # until the copy stream is done with it, should the compute stream drop the tensor first.
+    on_device.record_stream(side)
+    return Copy(name, host, to_device, event, stream=COPY)
 
 
 # ---- the communication stream ----------------------------------------------------------------
@@ -234,9 +335,9 @@ class CommStream:
     reduction stream do. Whatever the host does with a reduction's buffers or results comes after `wait`.
 
     On CPU a collective runs in gloo's own thread from `submit` on, and `settle` runs at `wait`. Under the
-    simulation the whole reduction runs at `wait`, as late as a GPU may run it: a bucket the host writes
+    simulation the whole reduction runs at `wait` ("late"), as late as a GPU may run it: a bucket the host writes
     again before waiting is reduced with the wrong values, and a shard read before waiting misses the
-    reduction; either shows as a wrong result.
+    reduction; either shows as a wrong result. "early": it runs whole at `submit`.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -256,9 +357,13 @@ class CommStream:
                 reduction.event.record(self.stream)
             reduction.settled = True
             return reduction
-        if not simulating():
-            reduction.work = launch()
+        mode = simulation()
+        if mode != "late":
+            with _queued_on(COMM, None):
+                reduction.work = launch()
         self.queued.append(reduction)
+        if mode == "early":
+            self.wait(reduction)
         return reduction
 
     def done(self, reduction: Reduction) -> bool:
@@ -274,10 +379,13 @@ class CommStream:
             return
         while not reduction.settled:
             earliest = self.queued.pop(0)
-            work = earliest.work if earliest.work is not None else earliest.launch()
-            work.wait()
-            earliest.settle()
+            with _queued_on(COMM, None):
+                work = earliest.work if earliest.work is not None else earliest.launch()
+                work.wait()
+                earliest.settle()
             earliest.settled = True
+        if simulating():  # the compute stream's later copies come after the settles' copies
+            _simulator.order(COMM, COMPUTE)
 
     def join(self) -> None:
         """The compute stream waits for every reduction submitted so far."""
@@ -314,7 +422,8 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + tensor.numel() * tensor.element_size()
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the two tensors' memory spans share a byte."""
     (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
     return a_lo < b_hi and b_lo < a_hi
 
@@ -327,36 +436,59 @@ def poison(tensor: torch.Tensor) -> None:
         tensor.view(torch.uint8).fill_(0xA5)
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 class _Simulator:
-    """Copies queued in order on one simulated stream (hf_zero.device's CPU test mode)."""
+    """Copies queued in order on each simulated stream (hf_zero.device's CPU test mode)."""
 
     def __init__(self) -> None:
-        self.queued: list[Copy] = []
+        self.queued: list[Copy] = []  # every stream's, in the order queued
         self.lock = threading.Lock()
         self.pinned_now = self.pinned_peak = 0  # bytes of as-if-pinned buffers alive, and their peak
 
     def unpin(self, nbytes: int) -> None:
         self.pinned_now -= nbytes
 
-    def queue(self, dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool) -> Copy:
+    def queue(self, dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool, stream: str) -> Copy:
         host = src if to_device else dst
+        if simulation() == "early":
+            dst.copy_(src)
+            return Copy(name, host, to_device, stream=stream, landed=True)
         with self.lock:
-            # Device work is stream-ordered: an earlier copy touching the same host buffer lands first.
-            earlier = [c for c in self.queued if _overlap(c.host, host)]
-            if earlier:
-                self._land_through(earlier[-1])
-            copy = Copy(name, host, to_device, snapshot=src.detach().clone())
-            if to_device:
-                dst.copy_(src)
-            else:
+            for earlier in [c for c in self.queued if overlaps(c.host, host)]:
+                if earlier.stream == stream or stream in earlier.ordered_before:
+                    self._land_through(earlier)  # device work is stream-ordered: the earlier copy lands first
+                elif not (to_device and earlier.to_device):  # two reads of a host buffer do not race
+                    raise PendingCopyError(f"{name} is queued on the {stream} stream while {earlier.name}, on the "
+                                           f"{earlier.stream} stream, still uses the same host memory, and no wait "
+                                           f"orders the two: wait on the earlier copy first")
+            copy = Copy(name, host, to_device, stream=stream, snapshot=src.detach().clone(), ordered_before=set())
+            if not to_device:
                 poison(dst)
                 copy.poison = dst.detach().clone()
+            elif stream == _stream_now():
+                dst.copy_(src)  # later device work on the same stream is ordered after the copy
+            else:
+                poison(dst)
+                copy.undelivered = dst
             self.queued.append(copy)
         return copy
+
+    def order(self, waited: str, waiting: str) -> None:
+        """Stream `waiting` waited on stream `waited`: its later copies come after every copy queued there."""
+        with self.lock:
+            for copy in self.queued:
+                if copy.stream == waited:
+                    copy.ordered_before.add(waiting)
+
+    def deliver(self, copy: Copy) -> None:
+        """A stream waited on `copy` (to the device, on a side stream): its destination holds the values."""
+        with self.lock:
+            if copy.undelivered is not None:
+                copy.undelivered.copy_(copy.snapshot)
+                copy.undelivered = None
 
     def check_access(self, tensor: torch.Tensor, writing: bool) -> None:
         with self.lock:
@@ -368,15 +500,15 @@ class _Simulator:
 
     def _land_through(self, copy: Copy) -> None:
         if copy in self.queued:
-            index = self.queued.index(copy)
-            for earlier in self.queued[:index + 1]:
+            on_its_stream = [c for c in self.queued if c.stream == copy.stream]
+            for earlier in on_its_stream[:on_its_stream.index(copy) + 1]:
                 self._land(earlier)
-            del self.queued[:index + 1]
+                self.queued.remove(earlier)
         copy.landed = True
 
     def _check(self, tensor: torch.Tensor, writing: bool) -> None:
         for copy in self.queued:
-            if _overlap(tensor, copy.host) and (writing or not copy.to_device):
+            if overlaps(tensor, copy.host) and (writing or not copy.to_device):
                 what = ("reads it, to the device" if copy.to_device else "will fill it, from the device")
                 raise PendingCopyError(f"the host {'writes' if writing else 'reads'} {copy.name} while a queued "
                                        f"copy still {what}: wait on the copy first")
@@ -384,11 +516,14 @@ class _Simulator:
     def _land(self, copy: Copy) -> None:
         """Checks that the host kept its hands off the copy's host buffer, then lands it."""
         if copy.to_device:
-            if not _same_bytes(copy.host, copy.snapshot):
+            if not same_bytes(copy.host, copy.snapshot):
                 raise PendingCopyError(f"{copy.name} was written by the host while a queued copy still read it, "
                                        f"to the device: wait on the copy first")
+            if copy.undelivered is not None:
+                copy.undelivered.copy_(copy.snapshot)
+                copy.undelivered = None
         else:
-            if not _same_bytes(copy.host, copy.poison):
+            if not same_bytes(copy.host, copy.poison):
                 raise PendingCopyError(f"{copy.name} was written by the host while a queued copy from the device "
                                        f"still had to fill it: wait on the copy first")
             copy.host.copy_(copy.snapshot)

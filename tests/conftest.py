@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
-from hf_zero.device import SIMULATE_ENV
+from hf_zero.device import SIMULATE_ENV, SIMULATION_MODES
 from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, spawn_gloo
 from tests.helpers import Scenario, run_scenarios
 
@@ -106,14 +107,15 @@ def refused_before_launch(monkeypatch, capsys):
     return refused
 
 
-@pytest.fixture(scope="module", params=["immediate", "simulated_async"])
+@pytest.fixture(scope="module", params=["immediate", *SIMULATION_MODES])
 def copies(request) -> str:
-    """Runs a module's tests twice: with copies as the CPU makes them (immediate), and under hf_zero.device's
-    simulation of a GPU's asynchronous copies, where a copy lands only when waited on and the host touching
-    a buffer that a queued copy still uses raises. The second is how a missing wait on the GPU path shows."""
+    """Runs a module's tests three times: with copies as the CPU makes them (immediate), and under each mode of
+    hf_zero.device's simulation of a GPU: "late", where a copy lands only when waited on and the host touching
+    a buffer that a queued copy still uses raises (how a missing wait on the GPU path shows), and "early",
+    where every copy and reduction has run the moment it is issued."""
     with pytest.MonkeyPatch.context() as patch:
-        if request.param == "simulated_async":
-            patch.setenv(SIMULATE_ENV, "1")
+        if request.param in SIMULATION_MODES:
+            patch.setenv(SIMULATE_ENV, request.param)
         else:
             patch.delenv(SIMULATE_ENV, raising=False)
         yield request.param
@@ -156,7 +158,23 @@ def world2_scenarios() -> list[Scenario]:
     scenarios.append(Scenario("s3_hpz_bf16", config={"zero_stage": 3, "dtype": "bf16", "ranks_per_node": 2,
                                                      "hpz_partition_size": 2, "reshard_root_after_forward": True},
                               steps=2))
+    scenarios += [
+        Scenario("s3_qwz", config={"zero_stage": 3, "quantized_weights": True, "quantization_block_size": 64},
+                 steps=2),
+        Scenario("s2_offload_ga2", config={"zero_stage": 2, "offload_optimizer": "cpu", "dtype": "bf16",
+                                           "gradient_accumulation_steps": 2, **SMALL_BUCKETS}, steps=2),
+        Scenario("s3_offload", config={"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu",
+                                       "dtype": "bf16", **SMALL_BUCKETS}, steps=2),
+    ]
+    # The same runs with every asynchronous copy, reduction and collective as late, then as early, as a GPU may
+    # run them (hf_zero.device's simulation): tests/test_engine.py holds them bitwise to the runs above.
+    scenarios += [replace(sc, name=f"{sc.name}_{mode}", simulate=mode)
+                  for sc in scenarios if sc.name in UNDER_SIMULATION for mode in SIMULATION_MODES]
     return scenarios
+
+
+UNDER_SIMULATION = ["s0_gpt2", "s1_gpt2", "s2_gpt2", "s3_gpt2", "s2_ga4", "s3_hpz_bf16", "s3_qwz", "s2_offload_ga2",
+                    "s3_offload"]
 
 
 def world4_scenarios() -> list[Scenario]:

@@ -6,7 +6,10 @@ tests assert on. The references (single process, DDP) are computed from the same
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +21,7 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 from transformers.utils import logging as hf_logging
 
 import hf_zero
+from hf_zero.device import SIMULATE_ENV
 
 hf_logging.set_verbosity_error()
 VOCAB, SEQ = 96, 16
@@ -137,6 +141,7 @@ class Scenario:
     steps: int = 5
     global_batch: int = 8
     poison_step: int | None = None  # fp16: rank 1 makes one element owned by rank 0 inf at this step
+    simulate: str | None = None  # run under hf_zero.device's simulation of a GPU ("late" or "early")
 
 
 def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
@@ -149,51 +154,71 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
             dtype = hf_zero.ZeroConfig(**sc.config).torch_dtype
             results[sc.name] = train_ddp(sc.kind, sc.steps, sc.global_batch, dtype)
             continue
-        model = tiny_model(sc.kind)
-        psi = sum(p.numel() for p in model.parameters())
-        engine = hf_zero.initialize(model, make_optimizer(model), sc.config)
-        ga = engine.gradient_accumulation_steps
-        record: dict[str, Any] = {"scales": [], "norms": [], "skipped": []}
-        for step in range(sc.steps):
-            hook = None
-            if sc.poison_step == step and rank == 1:
-                flat = engine.params.flats[0]
-                target = flat.slices[0].param  # its element 0 sits in rank 0's chunk of bucket 0
-                hook = target.register_hook(lambda g: g.index_put((torch.tensor([0]),) * g.dim(),
-                                                                  torch.tensor(float("inf"), dtype=g.dtype)))
-            if sc.poison_step == step:
-                with engine.gathered_parameters():
-                    record["before_poison"] = named_copy(model)
-            b = local_part(batch(sc.kind, step, sc.global_batch), rank, world)
-            for mb in range(ga):
-                part = {k: v.chunk(ga)[mb] for k, v in b.items()}
-                engine.backward(engine(**part).loss)
-                engine.step()
-            if hook is not None:
-                hook.remove()
-            record["scales"].append(engine.scaler.scale)
-            record["norms"].append(engine.global_grad_norm)
-            record["skipped"].append(engine.skipped_steps)
-            if sc.poison_step == step:
-                with engine.gathered_parameters():
-                    record["after_poison"] = named_copy(model)
-        with engine.gathered_parameters():
-            record["params"] = named_copy(model)
-        record["masters"] = engine.gathered_masters()
-        record["comm_elements"] = engine.ledger.last_step_elements
-        record["events"] = engine.ledger.last_step_events
-        record["peaks"] = engine.ledger.last_step_peaks
-        record["state_bytes"] = engine.ledger.state_bytes
-        flats = engine.params.flats
-        record["padding"] = sum(f.padded_numel - f.numel for f in flats)
-        record["psi"] = psi
-        record["peak_buffer_bytes"] = getattr(engine.params.grads, "peak_buffer_bytes", 0)
-        element = flats[0].data.element_size()
-        group_bytes = sorted(sum(t.numel() for t in g["params"]) * world * element for g in engine.optimizer.param_groups)
-        record["smaller_groups_bytes"] = sum(group_bytes[:-1])
-        record["bucket_numels"] = [b.numel for f in flats for b in f.buckets]
-        record["largest_bucket_bytes"] = max(b.numel for f in flats for b in f.buckets) * element
-        record["root_numel"] = sum(f.numel for u in getattr(engine.params, "units", []) if u.is_root for f in u.flats)
-        record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
-        results[sc.name] = record
+        with simulated(sc.simulate):
+            results[sc.name] = train_scenario(sc, rank, world)
     return results
+
+
+@contextlib.contextmanager
+def simulated(mode: str | None) -> Iterator[None]:
+    """Asynchronous work inside runs as hf_zero.device's simulation `mode` has it (None: as the CPU runs it)."""
+    previous = os.environ.pop(SIMULATE_ENV, None)
+    if mode is not None:
+        os.environ[SIMULATE_ENV] = mode
+    try:
+        yield
+    finally:
+        os.environ.pop(SIMULATE_ENV, None)
+        if previous is not None:
+            os.environ[SIMULATE_ENV] = previous
+
+
+def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:
+    """One hf_zero scenario of `run_scenarios`."""
+    model = tiny_model(sc.kind)
+    psi = sum(p.numel() for p in model.parameters())
+    engine = hf_zero.initialize(model, make_optimizer(model), sc.config)
+    ga = engine.gradient_accumulation_steps
+    record: dict[str, Any] = {"scales": [], "norms": [], "skipped": []}
+    for step in range(sc.steps):
+        hook = None
+        if sc.poison_step == step and rank == 1:
+            flat = engine.params.flats[0]
+            target = flat.slices[0].param  # its element 0 sits in rank 0's chunk of bucket 0
+            hook = target.register_hook(lambda g: g.index_put((torch.tensor([0]),) * g.dim(),
+                                                              torch.tensor(float("inf"), dtype=g.dtype)))
+        if sc.poison_step == step:
+            with engine.gathered_parameters():
+                record["before_poison"] = named_copy(model)
+        b = local_part(batch(sc.kind, step, sc.global_batch), rank, world)
+        for mb in range(ga):
+            part = {k: v.chunk(ga)[mb] for k, v in b.items()}
+            engine.backward(engine(**part).loss)
+            engine.step()
+        if hook is not None:
+            hook.remove()
+        record["scales"].append(engine.scaler.scale)
+        record["norms"].append(engine.global_grad_norm)
+        record["skipped"].append(engine.skipped_steps)
+        if sc.poison_step == step:
+            with engine.gathered_parameters():
+                record["after_poison"] = named_copy(model)
+    with engine.gathered_parameters():
+        record["params"] = named_copy(model)
+    record["masters"] = engine.gathered_masters()
+    record["comm_elements"] = engine.ledger.last_step_elements
+    record["events"] = engine.ledger.last_step_events
+    record["peaks"] = engine.ledger.last_step_peaks
+    record["state_bytes"] = engine.ledger.state_bytes
+    flats = engine.params.flats
+    record["padding"] = sum(f.padded_numel - f.numel for f in flats)
+    record["psi"] = psi
+    record["peak_buffer_bytes"] = getattr(engine.params.grads, "peak_buffer_bytes", 0)
+    element = flats[0].data.element_size()
+    group_bytes = sorted(sum(t.numel() for t in g["params"]) * world * element for g in engine.optimizer.param_groups)
+    record["smaller_groups_bytes"] = sum(group_bytes[:-1])
+    record["bucket_numels"] = [b.numel for f in flats for b in f.buckets]
+    record["largest_bucket_bytes"] = max(b.numel for f in flats for b in f.buckets) * element
+    record["root_numel"] = sum(f.numel for u in getattr(engine.params, "units", []) if u.is_root for f in u.flats)
+    record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
+    return record

@@ -71,6 +71,129 @@ def test_a_later_copy_over_the_same_host_buffer_is_ordered_after_the_earlier_one
     copy.wait()
 
 
+def test_a_copy_on_the_copy_stream_reaches_the_device_only_when_a_stream_waits_on_it(simulated):
+    """Compute queued after a copy on the copy stream does not wait for it: its destination holds poison until a
+    stream waits on the copy (`ready`), and its source stays lent until the host does."""
+    host = torch.arange(4.0)
+    on_device, copy = to_device(host, torch.device("cpu"), "the host shard", overlap=True)
+    assert on_device.isnan().all()
+    copy.ready()
+    assert torch.equal(on_device, host)
+    with pytest.raises(PendingCopyError, match="the host writes the host shard while a queued copy still reads"):
+        bytes_of(host, writing=True)
+    copy.wait()
+    bytes_of(host, writing=True)
+
+
+def test_copies_on_two_streams_over_one_host_buffer_are_refused_unless_a_wait_orders_them(simulated):
+    """A copy to the host on the copy stream and a copy out of the same host memory on the compute stream may
+    run in either order on a GPU. On one stream they are ordered; a wait between them orders them too."""
+    kept = torch.zeros(3)
+    copy_to_host(kept, torch.tensor([1.0, 2.0, 3.0]), "an offloaded activation", overlap=True)
+    with pytest.raises(PendingCopyError, match="on the compute stream while an offloaded activation, on the copy "
+                                               "stream, still uses the same host memory"):
+        to_device(kept, torch.device("cpu"), "the activation back")
+    back, copy = to_device(kept, torch.device("cpu"), "the activation back", overlap=True)  # same stream: ordered
+    copy.ready()
+    assert back.tolist() == [1, 2, 3]
+    copy.wait()
+    staged = torch.ones(2)
+    first = copy_to_device(torch.empty(2), staged, "staged values", overlap=True)
+    copy_to_device(torch.empty(2), staged, "staged values again")  # two reads of one buffer do not race
+    first.wait()
+
+
+def test_a_reduction_whose_settle_copies_to_the_host_orders_that_copy_before_the_compute_streams_next(simulated):
+    """What a reduction's settle copies runs on the communication stream; the compute stream's wait on the
+    reduction orders its later copies after it, as `wait_event` does on a GPU."""
+    landing = torch.zeros(2)
+    stream = device.CommStream(torch.device("cpu"))
+    settled: list[device.Copy] = []
+    reduction = stream.submit(lambda: _Finished(), lambda: settled.append(
+        copy_to_host(landing, torch.tensor([5.0, 6.0]), "a reduced chunk")))
+    stream.wait(reduction)
+    assert settled[0].stream == device.COMM and landing.isnan().all()
+    back, copy = to_device(landing, torch.device("cpu"), "the chunk back")  # ordered by the wait: no error
+    assert back.tolist() == [5, 6]
+
+
+class _Finished:
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def test_early_runs_every_copy_and_reduction_whole_the_moment_it_is_issued(monkeypatch):
+    monkeypatch.setenv(device.SIMULATE_ENV, "early")
+    dst, copy = to_host(torch.arange(3.0), "a checkpoint piece")
+    assert dst.tolist() == [0, 1, 2] and copy.landed
+    on_device, copy = to_device(torch.arange(3.0), torch.device("cpu"), "a shard", overlap=True)
+    assert on_device.tolist() == [0, 1, 2]
+    settled = []
+    device.CommStream(torch.device("cpu")).submit(lambda: _Finished(), lambda: settled.append(True))
+    assert settled == [True]  # a shard read or zeroed after the hand-over sees the reduction done
+
+
+def test_an_unknown_simulation_mode_is_refused_naming_the_setting(monkeypatch):
+    monkeypatch.setenv(device.SIMULATE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="HF_ZERO_SIMULATE_ASYNC must be one of late, early"):
+        device.simulating()
+
+
+def collectives_under_simulation(mode: str) -> dict:
+    """Each asynchronous collective of hf_zero.comm, on 2 ranks, with what it shows before and after its wait."""
+    import os
+
+    import torch.distributed as dist
+
+    from hf_zero.comm import Communicator, Ledger
+    os.environ[device.SIMULATE_ENV] = mode
+    comm, me = Communicator(Ledger()), dist.get_rank()
+    seen = {}
+    values = torch.arange(4.0) + 10 * me
+    reduce_out = torch.empty(2)
+    work = comm.reduce_scatter_(reduce_out, values.clone(), async_op=True)
+    seen["reduce_scatter"] = (reduce_out.clone(), work.wait() and reduce_out.clone())
+    summed = values.clone()
+    work = comm.all_reduce_(summed, async_op=True)
+    seen["all_reduce"] = (summed.clone(), work.wait() and summed.clone())
+    gathered = torch.empty(8)
+    work = comm.all_gather_(gathered, values, async_op=True)
+    seen["all_gather"] = (gathered.clone(), work.wait() and gathered.clone())
+    exchanged = torch.empty(4)
+    work = comm.all_to_all_(exchanged, values, async_op=True)
+    seen["all_to_all"] = (exchanged.clone(), work.wait() and exchanged.clone())
+    sent = values.clone()
+    work = comm.all_gather_(torch.empty(8), sent, async_op=True)
+    sent.add_(1)  # written before the wait: on a GPU the gather may not have read it yet
+    try:
+        work.wait()
+        seen["input written"] = "not caught"
+    except Exception as e:  # noqa: BLE001 (the message is what the test reads)
+        seen["input written"] = str(e)
+    return seen
+
+
+@pytest.mark.parametrize("mode", device.SIMULATION_MODES)
+def test_every_asynchronous_collective_delivers_at_its_wait_when_late_and_at_once_when_early(mode):
+    from hf_zero.launch import spawn_gloo
+    ranks = spawn_gloo(collectives_under_simulation, 2, mode)
+    everyone = [torch.arange(4.0) + 10 * r for r in range(2)]
+    expected = {"reduce_scatter": lambda r: (everyone[0] + everyone[1])[2 * r:2 * r + 2],
+                "all_reduce": lambda r: everyone[0] + everyone[1],
+                "all_gather": lambda r: torch.cat(everyone),
+                "all_to_all": lambda r: torch.cat([everyone[0][2 * r:2 * r + 2], everyone[1][2 * r:2 * r + 2]])}
+    for r, seen in enumerate(ranks):
+        for op, result in expected.items():
+            before, after = seen[op]
+            assert torch.equal(after, result(r)), op
+            assert before.isnan().all() if mode == "late" else torch.equal(before, result(r)), op
+        if mode == "late":
+            assert "an input was written while the collective could still read it" in seen["input written"]
+
+
 def test_without_the_simulation_copies_on_cpu_are_immediate_and_make_no_copy_of_host_tensors(monkeypatch):
     monkeypatch.delenv(device.SIMULATE_ENV, raising=False)
     host = torch.arange(3.0)

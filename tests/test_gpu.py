@@ -114,14 +114,15 @@ def one_rank_nccl_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("late", ["compute", "comm"])
+@pytest.mark.parametrize("late", ["compute", "comm", "copy"])
 @pytest.mark.parametrize("config", OFFLOADS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_every_stage_trains_as_plain_torch_in_an_nccl_group_with_one_stream_far_behind(
         one_rank_nccl_group, monkeypatch, config, late):
     """Device sleeps (DELAY_ENV) keep one side far behind: the compute stream (copies land late, backward writes
-    its buckets late) or the communication stream (reductions finish late). A missing wait, of a reduction on
-    the compute stream, of the compute stream on a reduction, or of the host on a copy, then reads or writes a
-    buffer too early and the weights differ from plain torch's."""
+    its buckets late), the communication stream (reductions finish late) or the copy stream (a prefetched
+    parameter shard arrives late). A missing wait, of a reduction on the compute stream, of the compute stream on
+    a reduction or a copy, or of the host on a copy, then reads or writes a buffer too early and the weights
+    differ from plain torch's."""
     from hf_zero.device import DELAY_ENV
 
     monkeypatch.setenv(DELAY_ENV, f"{late}:2000000")  # about a millisecond of an H100's clock each

@@ -27,7 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_zero.comm import Communicator
-from hf_zero.device import copy_to_host, host_empty, to_device, to_host
+from hf_zero.device import DONE, Copy, copy_to_host, host_empty, on_copy_stream, to_device, to_host
 
 logger = logging.getLogger("hf_zero")
 
@@ -40,7 +40,7 @@ class SavedCheckpoint:
     device: torch.device   # where the block computes (and the tensor returns to)
     partitioned: bool
     offloaded: bool        # kept in host memory (P_a+cpu)
-    prefetched: Any = None  # (work, gathered tensor) started ahead of use
+    prefetched: Any = None  # (its copy, or its all-gather's work; the tensor it brings) started ahead of use
 
 
 class CheckpointStore:
@@ -90,9 +90,11 @@ class CheckpointStore:
         if index > 0:  # backward runs blocks in reverse: bring the previous one's checkpoint in meanwhile
             self._start_fetch(self.live[index - 1])
         self._start_fetch(saved)
-        work, whole = saved.prefetched
-        if work is not None:
-            work.wait()
+        arrival, whole = saved.prefetched
+        if isinstance(arrival, Copy):
+            arrival.ready()  # the recomputation reads it on the compute stream
+        else:
+            arrival.wait()
         self.live.pop(index)
         self._count(saved, -1)
         return whole[:saved.shape.numel()].view(saved.shape)
@@ -115,24 +117,26 @@ class CheckpointStore:
             kept = self.buffer[self.buffer_used:self.buffer_used + flat.numel()]
             self.buffer_used += flat.numel()
             if self.cpu:
-                copy_to_host(kept, flat, "an offloaded activation checkpoint")
+                copy_to_host(kept, flat, "an offloaded activation checkpoint", overlap=True)
                 return kept
             return kept.copy_(flat)
         if self.cpu:
-            return to_host(flat, "an offloaded activation checkpoint")[0]
+            return to_host(flat, "an offloaded activation checkpoint", overlap=True)[0]
         return flat.clone()
 
     def _start_fetch(self, saved: SavedCheckpoint) -> None:
         """Starts bringing a checkpoint back: host to device, then the all-gather of its slices."""
         if saved.prefetched is not None:
             return
-        kept = to_device(saved.kept, saved.device, "an offloaded activation checkpoint")[0] if saved.offloaded \
-            else saved.kept
+        kept, copy = to_device(saved.kept, saved.device, "an offloaded activation checkpoint", overlap=True) \
+            if saved.offloaded else (saved.kept, DONE)
         if not saved.partitioned:
-            saved.prefetched = (None, kept)
+            saved.prefetched = (copy, kept)
             return
         whole = torch.empty(kept.numel() * self.tp_comm.world_size, dtype=kept.dtype, device=saved.device)
-        saved.prefetched = (self.tp_comm.all_gather_(whole, kept, async_op=True), whole)
+        with on_copy_stream(saved.device):  # the gather follows the copy there, not the recomputation
+            copy.ready()
+            saved.prefetched = (self.tp_comm.all_gather_(whole, kept, async_op=True), whole)
 
     def _count(self, saved: SavedCheckpoint, sign: int) -> None:
         where = "host" if saved.offloaded else "device"

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST, Copy, LatestCopy, host_empty, to_device
+from hf_zero.device import HOST, Copy, LatestCopy, host_empty, on_copy_stream, to_device
 from hf_zero.host_memory import HeapTrimmer
 from hf_zero.ops.quantize import dequantize_senders, quantize
 from hf_zero.zero.holder import ParamHolder, fp32_start_device
@@ -100,10 +100,15 @@ class Unit:
             self.works.append(self._gather_exact(self.secondary, self.secondary_parts))
         else:
             shards = [self._shard_on_device(i) for i in range(len(self.flats))]
-            if purpose != "read" and self.quantize_block is not None:
+            if purpose != "read" and self.quantize_block is not None:  # never with offload_param (config.py)
                 self.works.append(self._gather_quantized(shards))
             else:
-                self.works.append(self._gather_exact(self.comm, shards))
+                # With the shards in host memory the gather follows their copies on the copy stream, so that
+                # neither holds up the compute queued meanwhile (on one stream, PCIe time would add to every step).
+                with on_copy_stream(self.flats[0].data.device) if self.copies else contextlib.nullcontext():
+                    for copy in self.copies:
+                        copy.ready()
+                    self.works.append(self._gather_exact(self.comm, shards))
         for flat in self.flats:
             for s in flat.slices:
                 set_data(s.param, flat.view_of(s))
@@ -111,8 +116,9 @@ class Unit:
 
     def _shard_on_device(self, i: int) -> torch.Tensor:
         shard = self.shards[i] if self.reader is None else self._read(i)
-        if self.shards_lent is not None:  # a prefetched unit's copy to the device overlaps compute
-            shard, copy = to_device(shard, self.flats[i].data.device, f"the host shard of unit {self.name!r}")
+        if self.shards_lent is not None:
+            shard, copy = to_device(shard, self.flats[i].data.device, f"the host shard of unit {self.name!r}",
+                                    overlap=True)
             self.copies.append(copy)
         return shard
 

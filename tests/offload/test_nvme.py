@@ -18,7 +18,7 @@ from tests.conftest import SMALL_BUCKETS
 from tests.helpers import batch, max_diff, named_copy, tiny_model
 from tests.test_engine import FP32_TOL
 
-# Under both immediate and simulated asynchronous copies (tests/conftest.py: copies).
+# Immediate, and under each mode of the simulation of a GPU (tests/conftest.py: copies).
 pytestmark = pytest.mark.usefixtures("copies")
 
 TILE = 1000  # elements: several tiles per chunk, and chunks smaller than a tile
@@ -119,7 +119,7 @@ def test_nvme_offload_trains_exactly_as_cpu_offload_and_as_one_process(tmp_path,
 
 def test_host_memory_during_the_step_is_bounded_by_the_pool_not_the_states(tmp_path, copies):
     """4.2M parameters: 50 MB of states on NVMe (twice: A and B), a 2.4 MB pool."""
-    if copies == "simulated_async":
+    if copies != "immediate":
         pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
     layer = torch.nn.Linear(2048, 2048)
     model = torch.nn.Sequential(layer, torch.nn.Linear(2048, 8))
@@ -203,7 +203,7 @@ def backward_and_step_memory(path: str, offload_optimizer: str) -> dict[str, int
 
 @pytest.mark.parametrize("offload_optimizer", ["cpu", "nvme"])
 def test_the_gradient_shard_on_nvme_takes_no_host_memory(tmp_path, copies, offload_optimizer):
-    if copies == "simulated_async":
+    if copies != "immediate":
         pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
     m = spawn_gloo(backward_and_step_memory, 1, str(tmp_path), offload_optimizer, start_method="spawn")[0]
     print(f"{offload_optimizer}: backward + step grew RSS by {m['grown'] / 2**20:.1f} MiB; gradient shard "
@@ -264,7 +264,7 @@ def test_parameters_on_nvme_hold_only_the_read_pool_in_host_memory(tmp_path, cop
     spawned rank's glibc at start), as in the other peak-memory tests: with glibc's own threshold, which rises
     as large blocks are freed, the step grew 0-20 MiB run alone and 44-56 MiB in 3 of 4 full runs on two
     xdist workers, the freed 4 MiB blocks kept in the heap as the order of frees across threads fell."""
-    if copies == "simulated_async":
+    if copies != "immediate":
         pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     m = spawn_gloo(parameters_on_nvme_memory, 1, str(tmp_path), start_method="spawn")[0]

@@ -17,7 +17,7 @@ from tests.conftest import SMALL_BUCKETS
 from tests.helpers import Scenario, assert_weights_round_the_masters, max_diff, run_scenarios, train_single_process
 from tests.test_engine import FP32_TOL
 
-# Under both immediate and simulated asynchronous copies (tests/conftest.py: copies).
+# Immediate, and under each mode of the simulation of a GPU (tests/conftest.py: copies).
 pytestmark = pytest.mark.usefixtures("copies")
 
 STEPS = 4

@@ -14,7 +14,7 @@ from hf_zero.zero.activations import CheckpointStore, apply_activation_checkpoin
 from tests.helpers import SEQ, batch, make_optimizer, tiny_model
 from tests.test_tensor_parallel import tp_model
 
-# Under both immediate and simulated asynchronous copies (tests/conftest.py: copies).
+# Immediate, and under each mode of the simulation of a GPU (tests/conftest.py: copies).
 pytestmark = pytest.mark.usefixtures("copies")
 
 STEPS, GLOBAL_BATCH = 3, 8
