@@ -45,6 +45,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 HOST = torch.device("cpu")
 SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
@@ -158,8 +161,25 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     up to a power of two and keeps it for the life of the process, so a one-off buffer pinned here is
     page-locked memory the host never gets back."""
     if simulating():
-        return _as_if_pinned(numel, dtype)
+        return _in_host_memory(lambda: _as_if_pinned(numel, dtype))
     return torch.empty(numel, dtype=dtype, pin_memory=_pins())
+
+
+def host_memory_empty(numel: int, dtype: torch.dtype = torch.float32, zeroed: bool = False) -> torch.Tensor:
+    """Ordinary (pageable) host memory for what the engine keeps on the host whatever it computes on: offloaded
+    masters and their start values, the staging of files. Under the simulation it is host memory, not the
+    simulated device's (`DeviceMemory`)."""
+    return _in_host_memory(lambda: (torch.zeros if zeroed else torch.empty)(numel, dtype=dtype, device=HOST))
+
+
+def _in_host_memory(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """make(), a tensor the caller places in host memory; the simulation counts it so (`DeviceMemory`)."""
+    if not simulating():
+        return make()
+    with torch.utils._python_dispatch._disable_current_modes():
+        tensor = make()
+    _simulator.host_storages.add(tensor)
+    return tensor
 
 
 class _PinnedBytes(bytearray):
@@ -280,11 +300,12 @@ def to_host(src: torch.Tensor, name: str, overlap: bool = False) -> tuple[torch.
     return dst, copy_to_host(dst, src, name, overlap)
 
 
-def in_host_memory(src: torch.Tensor) -> torch.Tensor:
-    """`src` in host memory: itself when it is there, else copied into ordinary (pageable) memory, filled when
-    this returns. For one-off copies, such as a checkpoint's pieces, which pinned memory would keep page-locked
-    for good (`host_empty`). A copy from the device into pageable memory is synchronous: no copy to wait on."""
-    return src.to(HOST)
+def in_host_memory(src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`src` in host memory (as `dtype`): itself when it is there, else copied into ordinary (pageable) memory,
+    filled when this returns. For one-off copies, such as a checkpoint's pieces, which pinned memory would keep
+    page-locked for good (`host_empty`). A copy from the device into pageable memory is synchronous: no copy to
+    wait on. Under the simulation always a copy: the simulated device's memory is apart from the host's."""
+    return _in_host_memory(lambda: src.to(HOST, dtype, copy=simulating()).contiguous())
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool, overlap: bool) -> Copy:
@@ -416,6 +437,61 @@ def bytes_of(tensor: torch.Tensor, writing: bool) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+# ---- the simulated device's memory -----------------------------------------------------------------
+class _Storages:
+    """Tensor storages, held weakly: a storage freed (and its address reused) drops out."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, StorageWeakRef] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.refs[storage._cdata] = StorageWeakRef(storage)
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        ref = self.refs.get(tensor.untyped_storage()._cdata)
+        return ref is not None and not ref.expired()
+
+    def nbytes(self) -> int:
+        """Bytes the live storages hold now (a storage resized to nothing holds none)."""
+        total = 0
+        for key, ref in list(self.refs.items()):
+            if ref.expired():
+                del self.refs[key]
+            else:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+
+class DeviceMemory(TorchDispatchMode):
+    """Simulation: while active, counts the memory allocated on the simulated device, as `max_memory_allocated`
+    does on a GPU: every tensor storage an operation creates, except host memory made by this layer
+    (`host_empty`, `host_memory_empty`, `in_host_memory`), for as long as it lives, with its peak (`peak`).
+    A storage given back by resizing (stage 3's freed units) counts as freed, and again once re-grown. What was
+    allocated before it became active is not counted: it measures growth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        if not simulating():
+            raise RuntimeError(f"DeviceMemory counts the simulated device's memory: set {SIMULATE_ENV}")
+        self.storages = _Storages()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor not in self.storages \
+                    and tensor not in _simulator.host_storages and not any(same_storage(tensor, t) for t in inputs):
+                self.storages.add(tensor)
+        self.peak = max(self.peak, self.storages.nbytes())
+        return out
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
 # ---- the CPU simulation of a GPU's copy engine -------------------------------------------------
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     start = tensor.data_ptr()
@@ -445,6 +521,7 @@ class _Simulator:
 
     def __init__(self) -> None:
         self.queued: list[Copy] = []  # every stream's, in the order queued
+        self.host_storages = _Storages()  # host memory, not the simulated device's (`DeviceMemory`)
         self.lock = threading.Lock()
         self.pinned_now = self.pinned_peak = 0  # bytes of as-if-pinned buffers alive, and their peak
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_zero.device import HOST, LatestCopy, copy_to_device, host_empty
+from hf_zero.device import HOST, LatestCopy, copy_to_device, host_empty, host_memory_empty
 from hf_zero.ops import CPUAdam, adam_step_with_state, cpu_adam_kernel
 from hf_zero.zero.update import UpdateBackend
 
@@ -86,7 +86,7 @@ class HostUpdate(UpdateBackend):
         self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
         # Never pinned: the masters stay in host memory (the step reads and writes them there), no copy to
         # the device reads them, and page-locked memory is taken from what the host can swap or cache.
-        self.masters = self._own_masters(fp32_init or param_chunks, HOST, consume=fp32_init is not None)
+        self.masters = self._own_masters(fp32_init or param_chunks, host_memory_empty, consume=fp32_init is not None)
         self.staged = staged
         self.outputs = StagedOutputs(param_chunks, staged)
         self._retarget()

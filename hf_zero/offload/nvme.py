@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from hf_zero.config import nvme_path_problem
-from hf_zero.device import HOST, Copy, LatestCopy, bytes_of, host_empty
+from hf_zero.device import HOST, Copy, LatestCopy, bytes_of, host_empty, host_memory_empty, in_host_memory
 from hf_zero.offload.host import HostAdam, StagedOutputs, adamw_mode_of
 from hf_zero.zero.update import UpdateBackend
 
@@ -108,13 +108,13 @@ class NvmeAdamStates:
                                                                sum(numels) * dtype.itemsize)
         tile = min(tile_numel, max((n for numels in chunk_numels for n in numels), default=1))
         # Ordinary memory: the slots go between the files and the kernel, and no device copy reads them.
-        self.slots = [{kind: torch.empty(tile, dtype=dtype) for kind, dtype in self.dtypes.items()}
+        self.slots = [{kind: host_memory_empty(tile, dtype) for kind, dtype in self.dtypes.items()}
                       for _ in range(SLOTS)]
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-nvme")
         for g, chunks in enumerate(fp32_init):
             for k, values in enumerate(chunks):
-                zeros = torch.zeros(values.numel())
-                self.write_chunk(g, k, {"master": values.reshape(-1).float(), "exp_avg": zeros, "exp_avg_sq": zeros},
+                zeros = host_memory_empty(values.numel(), zeroed=True)
+                self.write_chunk(g, k, {"master": values.reshape(-1), "exp_avg": zeros, "exp_avg_sq": zeros},
                                  side=self.side)
 
     def _path(self, g: int, kind: str, side: int) -> Path:
@@ -155,7 +155,7 @@ class NvmeAdamStates:
 
     def read_chunk(self, g: int, k: int) -> dict[str, torch.Tensor]:
         """A chunk's master and moments, read into new tensors (checkpoints)."""
-        values = {kind: torch.empty(self.chunk_numels[g][k]) for kind in STATE_KINDS}
+        values = {kind: host_memory_empty(self.chunk_numels[g][k]) for kind in STATE_KINDS}
         for kind, tensor in values.items():
             self._io(True, g, kind, self.side, self.chunk_starts[g][k], tensor)
         return values
@@ -164,7 +164,7 @@ class NvmeAdamStates:
         """Sets a chunk's master and moments, and parameters if given (start-up and checkpoint loading)."""
         for kind, tensor in values.items():
             self._io(False, g, kind, self.side if side is None else side, self.chunk_starts[g][k],
-                     tensor.to(HOST, self.dtypes[kind]).contiguous())
+                     in_host_memory(tensor, self.dtypes[kind]))
 
     def read_param(self, g: int, k: int, out: torch.Tensor) -> None:
         """Chunk k of group g's parameters, as last published, into `out` (a unit being gathered)."""

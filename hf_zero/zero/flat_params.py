@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST
-from hf_zero.zero.holder import ParamHolder, fp32_start_device
+from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import Bucket, FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
 from hf_zero.zero.reducer import BucketKey, BucketReduction, GradientReducer
 from hf_zero.zero.stage2 import PartitionedGradients
@@ -41,9 +41,9 @@ class FlatParams(ParamHolder):
         self.allgather_bucket_size = config.allgather_bucket_size
         self.flats = [FlatParamBuffer(list(reversed(named)), 1 if self.replicated else comm.world_size, dtype,
                                       config.bucket_numel(comm.world_size)) for named in groups]
-        fp32_device = fp32_start_device(config, self.flats[0].data.device)
+        fp32_empty = fp32_start_empty(config, self.flats[0].data.device)
         self.fp32_init = None if dtype == torch.float32 else [
-            [self._read_fp32(flat, b, fp32_device) for b in flat.buckets] for flat in self.flats]
+            [self._read_fp32(flat, b, fp32_empty) for b in flat.buckets] for flat in self.flats]
         for flat in self.flats:
             flat.pack_and_bind()
         if stage == 2:
@@ -60,10 +60,11 @@ class FlatParams(ParamHolder):
     def shard(self) -> int:
         return 0 if self.replicated else self.comm.rank
 
-    def _read_fp32(self, flat: FlatParamBuffer, bucket: Bucket, device: torch.device) -> torch.Tensor:
-        """This rank's chunk of a bucket, in fp32 on `device`, read from the parameters before they are cast."""
+    def _read_fp32(self, flat: FlatParamBuffer, bucket: Bucket, empty: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """This rank's chunk of a bucket, in fp32 where `empty` allocates, read from the parameters before they are
+        cast."""
         lo, hi = bucket.owned_range(self.shard)
-        values = torch.empty(hi - lo, device=device)
+        values = empty(hi - lo)
         flat.read_params(lo, hi, values)
         return values
 

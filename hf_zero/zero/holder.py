@@ -10,22 +10,24 @@ from __future__ import annotations
 import contextlib
 import functools
 from abc import ABC, abstractmethod
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST, LatestCopy
+from hf_zero.device import LatestCopy, host_memory_empty
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice
 from hf_zero.zero.reducer import GradientReducer
 
 
-def fp32_start_device(config: ZeroConfig, compute: torch.device) -> torch.device:
-    """Where the fp32 start values of this rank's chunks (the masters' first values) are read to: next to
-    the masters. With the optimizer offloaded that is host memory, so that `initialize` never holds fp32
-    states on the device, the memory ZeRO-Offload exists to save (4 bytes a parameter / Nd more)."""
-    return HOST if config.offload_optimizer != "none" else compute
+def fp32_start_empty(config: ZeroConfig, compute: torch.device) -> Callable[[int], torch.Tensor]:
+    """Allocates the fp32 start values of this rank's chunks (the masters' first values) next to the masters.
+    With the optimizer offloaded that is host memory, so that `initialize` never holds fp32 states on the device,
+    the memory ZeRO-Offload exists to save (4 bytes a parameter / Nd more)."""
+    if config.offload_optimizer != "none":
+        return host_memory_empty
+    return lambda numel: torch.empty(numel, dtype=torch.float32, device=compute)
 
 
 class ParamHolder(ABC):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.device import to_host
+from hf_zero.device import host_memory_empty, to_host
 from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
 from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, BucketReduction, GradientReducer
 
@@ -66,7 +66,9 @@ class PartitionedGradients(GradientReducer):
         for fi, flat in enumerate(flat_params):
             # torch.empty touches no pages; the views are taken before the storage is released, and keep
             # the storage object, so they see it once allocated.
-            grad_shard = torch.empty(sum(b.chunk_numel for b in flat.buckets), dtype=self.dtype, device=device)
+            numel = sum(b.chunk_numel for b in flat.buckets)
+            grad_shard = host_memory_empty(numel, self.dtype) if self.offloaded else \
+                torch.empty(numel, dtype=self.dtype, device=device)
             offset = 0
             for b in flat.buckets:
                 self.owned_grads[(fi, b.index)] = grad_shard[offset:offset + b.chunk_numel]

@@ -35,10 +35,10 @@ from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST, Copy, LatestCopy, host_empty, on_copy_stream, to_device
+from hf_zero.device import HOST, Copy, LatestCopy, host_empty, host_memory_empty, on_copy_stream, to_device
 from hf_zero.host_memory import HeapTrimmer
 from hf_zero.ops.quantize import dequantize_senders, quantize
-from hf_zero.zero.holder import ParamHolder, fp32_start_device
+from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
 from hf_zero.zero.stage2 import PartitionedGradients
 from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
@@ -401,7 +401,7 @@ class Stage3Params(ParamHolder):
         lower precision a buffer per chunk for its fp32 start values (the masters' start). Returns where each
         flat buffer's chunk goes, and the fp32 buffers by param group."""
         rank, device = self.comm.rank, self.flats[0].data.device
-        fp32_device = fp32_start_device(config, device)
+        fp32_empty = fp32_start_empty(config, device)
         sizes = [0] * num_groups
         for flat, unit in zip(self.flats, self.unit_of_flat):
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
@@ -416,7 +416,7 @@ class Stage3Params(ParamHolder):
             lo, hi = flat.buckets[0].owned_range(rank)
             chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
             offsets[g] += hi - lo
-            fp32 = None if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=fp32_device)
+            fp32 = None if dtype == torch.float32 else fp32_empty(hi - lo)
             if fp32 is not None:
                 fp32_chunks[g].append(fp32)
             unit.shard_ids.append((g, len(self.param_chunks[g])))
@@ -468,7 +468,7 @@ class Stage3Params(ParamHolder):
         if self.offload_param == "nvme":
             # Only staged until `read_shards_from` gives it back, and no device copy reads it after: pinned
             # memory could not be given back in place (a pinned storage cannot be resized).
-            return torch.zeros(numel, dtype=dtype)
+            return host_memory_empty(numel, dtype, zeroed=True)
         return host_empty(numel, dtype).zero_()
 
     @property
@@ -511,7 +511,7 @@ class Stage3Params(ParamHolder):
         are fp32; filling a bf16 buffer directly would lose the masters' precision). In host memory, so that a
         seeded init draws from the CPU generator: the same values as a build on CPU, and the accelerator's
         generator left as it was."""
-        buffer = torch.zeros(flat.padded_numel, dtype=torch.float32, device=HOST)
+        buffer = host_memory_empty(flat.padded_numel, zeroed=True)
         for s in flat.slices:
             set_data(s.param, flat.view_of(s, buffer))
         return buffer

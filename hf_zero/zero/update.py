@@ -39,14 +39,13 @@ class UpdateBackend(ABC):
             self.chunks_lent.wait()
         return self.param_chunks
 
-    def _own_masters(self, values: list[list[torch.Tensor]], device: torch.device,
+    def _own_masters(self, values: list[list[torch.Tensor]], empty: Callable[[int], torch.Tensor],
                      consume: bool) -> list[list[torch.Tensor]]:
-        """One contiguous fp32 master shard per param group (M_D) on `device`, filled chunk by chunk from
+        """One contiguous fp32 master shard per param group (M_D) where `empty` allocates, filled chunk by chunk from
         `values` (no whole-shard temporary, on the device or anywhere); returns its chunks, cut as the
         parameter chunks are. `consume`: `values` is ours, and each chunk is let go once copied, so that the
         start values and the masters are never both whole in memory."""
-        self.master_shards = [torch.empty(sum(c.numel() for c in chunks), dtype=torch.float32, device=device)
-                              for chunks in self.param_chunks]
+        self.master_shards = [empty(sum(c.numel() for c in chunks)) for chunks in self.param_chunks]
         masters = [list(torch.split(shard, [c.numel() for c in chunks]))
                    for shard, chunks in zip(self.master_shards, self.param_chunks)]
         for group_masters, group_values in zip(masters, values):
@@ -121,7 +120,7 @@ class DeviceUpdate(UpdateBackend):
         self.mixed = fp32_init is not None
         if self.mixed:
             compute = next(c.device for chunks in param_chunks for c in chunks)
-            self.masters = self._own_masters(fp32_init, compute, consume=True)
+            self.masters = self._own_masters(fp32_init, lambda n: torch.empty(n, device=compute), consume=True)
         else:
             self.masters = param_chunks
             for masters, grads in zip(param_chunks, grad_chunks):
