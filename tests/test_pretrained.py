@@ -105,8 +105,9 @@ def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with
 def peak_growth(folder: Path, output_dir: Path, partitioned: bool = True, nvme_path: str | None = None,
                 steps: int = 0) -> dict:
     """Peak RSS growth of this rank from before from_pretrained until the engine holds the model (the Trainer
-    built, its optimizer created: what a rank needs before the first step), then through `steps` training
-    steps, with the parameters, optimizer states and gradients on NVMe when `nvme_path` is given."""
+    built, its optimizer created: what a rank needs before the first step; "loaded"), then through `steps`
+    training steps ("growth"), with the parameters, optimizer states and gradients on NVMe when `nvme_path` is
+    given."""
     from hf_zero import ZeroTrainer
     from hf_zero.memory import current_rss, peak_rss, reset_peak_rss
 
@@ -122,45 +123,57 @@ def peak_growth(folder: Path, output_dir: Path, partitioned: bool = True, nvme_p
     trainer = ZeroTrainer(model=model, args=args)
     trainer.create_optimizer()
     engine = trainer.engine
+    loaded = peak_rss() - before
     for step in range(steps):
         ids = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(step))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    return {"growth": peak_rss() - before, "offload": (engine.config.offload_param, engine.config.offload_optimizer),
+    return {"loaded": loaded, "growth": peak_rss() - before,
+            "offload": (engine.config.offload_param, engine.config.offload_optimizer),
             "holds": sum(s.numel() * s.element_size() for s in engine.params.param_shards)}
 
 
+@pytest.fixture(scope="module")
+def memory_runs(tmp_path_factory) -> tuple[int, dict[str, list[dict]]]:
+    """A 32-block GPT-2 of 233 MB in fp32 (its blocks each 3% of it; gpt2-large's are 2.5%) on 4 ranks, built
+    partitioned, built whole, and built partitioned with NVMe offload; the partitioned runs then train two steps.
+    glibc's mmap threshold is fixed at 1 MiB in the ranks, as in the benchmarks: these units (7 MB) are below the
+    threshold glibc raises itself to, and it would then keep freed units in its heap (0.87x the model, measured,
+    with NVMe), which is the allocator's history and not what the engine holds (gpt2-large's 75 MB units are
+    above it: benchmarks/bench_pretrained_memory.py)."""
+    folder = tmp_path_factory.mktemp("memory")
+    model_bytes = save_gpt2(folder / "ckpt", n_layer=32, n_embd=384, vocab_size=4096)
+    (folder / "nvme").mkdir()
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))  # read by the spawned ranks' glibc at start
+        for name, partitioned, nvme, steps in [("partitioned", True, None, 2), ("whole", False, None, 0),
+                                               ("nvme", True, str(folder / "nvme"), 2)]:
+            runs[name] = spawn_gloo(peak_growth, 4, folder / "ckpt", folder / name, partitioned, nvme, steps,
+                                    start_method="spawn")
+    return model_bytes, runs
+
+
 @pytest.mark.slow
-def test_no_rank_holds_the_whole_model_while_it_loads_and_the_whole_model_path_does(tmp_path):
-    """4 ranks, a 32-block GPT-2 of 233 MB in fp32, its blocks each 3% of it (gpt2-large's are 2.5%). Measured:
-    0.40x the whole model per rank (its shard 0.25x, one unit being filled, the allocator's free memory),
-    and 1.34x on the whole-model path."""
-    model_bytes = save_gpt2(tmp_path / "ckpt", n_layer=32, n_embd=384, vocab_size=4096)
-    partitioned = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "a", True, start_method="spawn")
-    whole = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "b", False, start_method="spawn")
+def test_no_rank_holds_the_whole_model_while_it_loads_and_the_whole_model_path_does(memory_runs):
+    """Measured: 0.40x the whole model per rank (its shard 0.25x, one unit being filled, the allocator's free
+    memory), and 1.34x on the whole-model path."""
+    model_bytes, runs = memory_runs
+    partitioned, whole = runs["partitioned"], runs["whole"]
     for rank in range(4):
         assert partitioned[rank]["holds"] == whole[rank]["holds"] < 0.26 * model_bytes
-        assert partitioned[rank]["growth"] < 0.6 * model_bytes, (rank, partitioned[rank]["growth"] / model_bytes)
-        assert whole[rank]["growth"] >= model_bytes, (rank, whole[rank]["growth"] / model_bytes)
+        assert partitioned[rank]["loaded"] < 0.6 * model_bytes, (rank, partitioned[rank]["loaded"] / model_bytes)
+        assert whole[rank]["loaded"] >= model_bytes, (rank, whole[rank]["loaded"] / model_bytes)
 
 
 @pytest.mark.slow
-def test_with_nvme_offload_no_rank_holds_the_whole_model_over_training_and_without_it_every_rank_does(tmp_path,
-                                                                                                  monkeypatch):
-    """ZeRO-Infinity's promise at the scale of a test: the 233 MB GPT-2 above on 4 ranks, two steps. In memory the
-    states alone are 16Ψ/Nd = the whole fp32 model per rank; with parameters, states and gradients on NVMe a
-    rank's growth stays below it: pools, a unit and its gradients at a time, and torch's own first-forward
-    set-up (about 50 MiB). Measured 0.49-0.51x against 1.39-1.42x; the gradient shard kept in memory makes it
-    0.74-0.75x. glibc's mmap threshold is fixed at 1 MiB in the
-    ranks, as in the benchmarks: these units (7 MB) are below the threshold glibc raises itself to, and it
-    would then keep freed units in its heap (0.87x, measured), which is the allocator's history and
-    not what the engine holds (gpt2-large's 75 MB units are above it: benchmarks/bench_pretrained_memory.py)."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))  # read by the spawned ranks' glibc at start
-    model_bytes = save_gpt2(tmp_path / "ckpt", n_layer=32, n_embd=384, vocab_size=4096)
-    (tmp_path / "nvme").mkdir()
-    on_nvme = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "a", True, str(tmp_path / "nvme"), 2,
-                         start_method="spawn")
-    in_memory = spawn_gloo(peak_growth, 4, tmp_path / "ckpt", tmp_path / "b", True, None, 2, start_method="spawn")
+def test_with_nvme_offload_no_rank_holds_the_whole_model_over_training_and_without_it_every_rank_does(memory_runs):
+    """ZeRO-Infinity's promise at the scale of a test, two steps. In memory the states alone are 16Ψ/Nd = the whole
+    fp32 model per rank; with parameters, states and gradients on NVMe a rank's growth stays below it: pools, a
+    unit and its gradients at a time, and torch's own first-forward set-up (about 50 MiB). Measured 0.49-0.51x
+    against 1.39-1.42x; the gradient shard kept in memory makes it 0.74-0.75x."""
+    model_bytes, runs = memory_runs
+    on_nvme, in_memory = runs["nvme"], runs["partitioned"]
     assert on_nvme[0]["offload"] == ("nvme", "nvme") and in_memory[0]["offload"] == ("none", "none")
     for rank in range(4):
         print(f"rank {rank}: {on_nvme[rank]['growth'] / model_bytes:.2f}x the model with NVMe, "
