@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from hf_zero.comm import Communicator
+from hf_zero.comm import Communicator, rank as global_rank
 from hf_zero.config import ZeroConfig
 from hf_zero.device import HOST, Copy, LatestCopy, host_empty, host_memory_empty, on_copy_stream, to_device
 from hf_zero.host_memory import HeapTrimmer
@@ -262,23 +262,61 @@ class Unit:
 
 
 def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[tuple[str, nn.Module]]:
-    """The outermost modules to gather as units: named classes, else the model's `_no_split_modules`,
-    else the children of its ModuleLists."""
-    names = class_names or list(getattr(model, "_no_split_modules", None) or [])
-    if names:
-        wanted = lambda m: type(m).__name__ in names  # noqa: E731
+    """The outermost modules to gather as units: the classes `unit_module_classes` names (the user's word wins),
+    else the model's `_no_split_modules` (transformers' block classes), else the children of its ModuleLists.
+    Says once which it chose (rank 0's log). A class list that matches nothing is refused when it is the user's;
+    a model's own falls back to the ModuleList children, with a warning, or is refused when there are none:
+    one unit holding the whole model would keep every rank holding all of it, the memory stage 3 exists to
+    save. A model with neither is one unit, with a warning."""
+    present = lambda: sorted({type(m).__name__ for m in model.modules()})  # noqa: E731
+    if class_names:
+        units = _outermost(model, lambda m: type(m).__name__ in class_names)
+        if not units:
+            raise ValueError(f"unit_module_classes {class_names} match no module of the model; its module "
+                             f"classes are {present()}")
+        _say_units(model, units, f"unit_module_classes {class_names}")
+        return units
+    declared = list(getattr(model, "_no_split_modules", None) or [])
+    if declared:
+        units = _outermost(model, lambda m: type(m).__name__ in declared)
+        if units:
+            _say_units(model, units, "its _no_split_modules")
+            return units
+    in_lists = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+    units = _outermost(model, lambda m: id(m) in in_lists)
+    if declared and not units:
+        raise ValueError(f"stage 3 cannot cut {type(model).__name__} into blocks: its _no_split_modules {declared} "
+                         f"match none of its modules and it holds no ModuleList. Name its block classes with "
+                         f"unit_module_classes (--zero_unit_module_classes); its module classes are {present()}")
+    if global_rank() != 0:
+        return units
+    if declared:
+        logger.warning("%s's _no_split_modules %s match none of its modules: stage 3 gathers the children of its "
+                       "ModuleLists one at a time instead; name the block classes with unit_module_classes "
+                       "(--zero_unit_module_classes) to choose", type(model).__name__, declared)
+    if not units:
+        logger.warning("%s has no blocks stage 3 can gather one at a time (no _no_split_modules, no ModuleList): "
+                       "it is one unit, and every rank holds all of it while it computes. Name its block classes "
+                       "with unit_module_classes (--zero_unit_module_classes) to cut it", type(model).__name__)
     else:
-        in_lists = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
-        wanted = lambda m: id(m) in in_lists  # noqa: E731
+        _say_units(model, units, "the children of its ModuleLists")
+    return units
+
+
+def _outermost(model: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
     units: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if module is not model and wanted(module) and not any(name.startswith(u + ".") for u, _ in units):
             units.append((name, module))
-    if class_names and not units:
-        present = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(f"unit_module_classes {class_names} match no module of the model; its module "
-                         f"classes are {present}")
     return units
+
+
+def _say_units(model: nn.Module, units: list[tuple[str, nn.Module]], chosen_by: str) -> None:
+    if global_rank() != 0:
+        return
+    classes = sorted({type(m).__name__ for _, m in units})
+    logger.info("stage 3 cuts %s into %d units of %s (chosen by %s) and a root unit of the rest",
+                type(model).__name__, len(units), ", ".join(classes), chosen_by)
 
 
 def units_using_each_param(model: nn.Module, unit_names: list[str]) -> dict[int, set[str]]:
