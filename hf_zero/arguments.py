@@ -86,6 +86,10 @@ def _post_init(self: Any) -> None:
     if self.ddp_timeout is None:  # before transformers starts the process group with it
         self.ddp_timeout = math.ceil(collective_timeout().total_seconds())
     super(ZeroArgumentsMixin, self).__post_init__()
+    if self.torch_compile:  # also set by --torch_compile_mode or --torch_compile_backend
+        raise ZeroConfigError("--torch_compile is not supported with hf_zero's ZeRO engine yet: the Trainer would "
+                              "compile the engine's wrapper, not the model, and nothing would be compiled. Drop "
+                              "--torch_compile (and --torch_compile_mode, --torch_compile_backend)")
     _check_engine_flags(self, processes, per_node)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
@@ -169,11 +173,26 @@ def zero_config_from_flags(args: Any) -> ZeroConfig:
     # The Trainer scales each micro-batch's loss for accumulation and decides where each window
     # ends (the last one of an epoch may be short), so the engine reduces when told and does not
     # divide the loss again.
-    settings.update(dtype="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
-                    gradient_clipping=float(args.max_grad_norm or 0.0), gradient_accumulation_steps=1)
+    settings.update(dtype=_engine_dtype(args), gradient_clipping=float(args.max_grad_norm or 0.0),
+                    gradient_accumulation_steps=1)
     config = ZeroConfig(**settings)
     config.validate(name=trainer_flag)
     return config
+
+
+def _engine_dtype(args: Any) -> str:
+    """--fp16 or --bf16, else what `accelerate launch --mixed_precision` asked for, which transformers reads into
+    `mixed_precision` (ACCELERATE_MIXED_PRECISION): the engine then computes in that dtype over fp32 masters,
+    where the stock Trainer would autocast to it over fp32 weights."""
+    if args.fp16:
+        return "fp16"
+    if args.bf16:
+        return "bf16"
+    from_accelerate = getattr(args, "mixed_precision", None) or "no"
+    if from_accelerate not in ("no", "fp16", "bf16"):
+        raise ZeroConfigError(f"accelerate's --mixed_precision {from_accelerate} is not a dtype hf_zero's engine "
+                              f"computes in: launch with --mixed_precision bf16, fp16 or no")
+    return "fp32" if from_accelerate == "no" else from_accelerate
 
 
 def readme_flag_table() -> str:

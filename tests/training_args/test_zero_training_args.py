@@ -122,3 +122,29 @@ def test_every_engine_setting_is_a_trainer_flag_or_the_trainers_own():
     flags = {option for action in parser._actions for option in action.option_strings}
     for setting in fields(ZeroConfig):
         assert trainer_flag(setting.name).split("/")[0] in flags, setting.name
+
+
+@pytest.mark.parametrize("asked", ["bf16", "fp16", "no"])
+def test_accelerate_launchs_mixed_precision_sets_the_engine_dtype_as_it_sets_the_stock_trainers(monkeypatch, asked):
+    """`accelerate launch --mixed_precision bf16` hands ACCELERATE_MIXED_PRECISION to the processes. The stock
+    TrainingArguments read it into mixed_precision (transformers' own reading is the reference); the engine
+    computes in that dtype, where before it was dropped and the engine ran in fp32."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", asked)
+    stock = TrainingArguments(output_dir="unused", use_cpu=True).mixed_precision
+    assert parse("--zero_stage", "2").zero_engine_config.dtype == {"bf16": "bf16", "fp16": "fp16", "no": "fp32"}[stock]
+    assert parse("--zero_stage", "2", "--fp16").zero_engine_config.dtype == "fp16"  # the Trainer's flag wins
+
+
+def test_accelerates_fp8_is_refused_naming_the_setting(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ZeroConfigError, match="accelerate's --mixed_precision fp8 is not a dtype hf_zero's engine "
+                                              "computes in: launch with --mixed_precision bf16, fp16 or no"):
+        parse("--zero_stage", "2")
+
+
+@pytest.mark.parametrize("flags", [["--torch_compile"], ["--torch_compile_mode", "max-autotune"]])
+def test_torch_compile_is_refused_instead_of_compiling_nothing(flags):
+    with pytest.raises(ZeroConfigError, match="--torch_compile is not supported with hf_zero's ZeRO engine yet"):
+        parse("--zero_stage", "2", *flags)
