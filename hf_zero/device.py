@@ -478,18 +478,15 @@ class DeviceMemory(TorchDispatchMode):
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" and tensor not in self.storages \
-                    and tensor not in _simulator.host_storages and not any(same_storage(tensor, t) for t in inputs):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" \
+                    and tensor.untyped_storage()._cdata not in inputs and tensor not in self.storages \
+                    and tensor not in _simulator.host_storages:
                 self.storages.add(tensor)
         self.peak = max(self.peak, self.storages.nbytes())
         return out
-
-
-def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 # ---- the CPU simulation of a GPU's copy engine -------------------------------------------------
@@ -563,9 +560,13 @@ class _Simulator:
     def deliver(self, copy: Copy) -> None:
         """A stream waited on `copy` (to the device, on a side stream): its destination holds the values."""
         with self.lock:
-            if copy.undelivered is not None:
-                copy.undelivered.copy_(copy.snapshot)
-                copy.undelivered = None
+            self._deliver(copy)
+
+    @staticmethod
+    def _deliver(copy: Copy) -> None:
+        if copy.undelivered is not None:
+            copy.undelivered.copy_(copy.snapshot)
+            copy.undelivered = None
 
     def check_access(self, tensor: torch.Tensor, writing: bool) -> None:
         with self.lock:
@@ -596,9 +597,7 @@ class _Simulator:
             if not same_bytes(copy.host, copy.snapshot):
                 raise PendingCopyError(f"{copy.name} was written by the host while a queued copy still read it, "
                                        f"to the device: wait on the copy first")
-            if copy.undelivered is not None:
-                copy.undelivered.copy_(copy.snapshot)
-                copy.undelivered = None
+            self._deliver(copy)
         else:
             if not same_bytes(copy.host, copy.poison):
                 raise PendingCopyError(f"{copy.name} was written by the host while a queued copy from the device "

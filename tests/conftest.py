@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_zero.device import SIMULATE_ENV, SIMULATION_MODES
+from hf_zero.device import SIMULATION_MODES
 from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, spawn_gloo
-from tests.helpers import Scenario, run_scenarios
+from tests.helpers import Scenario, run_scenarios, simulated
 
 # Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies
 # on a signal, so a rare abort in CI says where it happened.
@@ -113,11 +113,7 @@ def copies(request) -> str:
     hf_zero.device's simulation of a GPU: "late", where a copy lands only when waited on and the host touching
     a buffer that a queued copy still uses raises (how a missing wait on the GPU path shows), and "early",
     where every copy and reduction has run the moment it is issued."""
-    with pytest.MonkeyPatch.context() as patch:
-        if request.param in SIMULATION_MODES:
-            patch.setenv(SIMULATE_ENV, request.param)
-        else:
-            patch.delenv(SIMULATE_ENV, raising=False)
+    with simulated(request.param if request.param in SIMULATION_MODES else None):
         yield request.param
 
 

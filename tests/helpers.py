@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -162,15 +162,12 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
 @contextlib.contextmanager
 def simulated(mode: str | None) -> Iterator[None]:
     """Asynchronous work inside runs as hf_zero.device's simulation `mode` has it (None: as the CPU runs it)."""
-    previous = os.environ.pop(SIMULATE_ENV, None)
-    if mode is not None:
-        os.environ[SIMULATE_ENV] = mode
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        if mode is None:
+            patch.delenv(SIMULATE_ENV, raising=False)
+        else:
+            patch.setenv(SIMULATE_ENV, mode)
         yield
-    finally:
-        os.environ.pop(SIMULATE_ENV, None)
-        if previous is not None:
-            os.environ[SIMULATE_ENV] = previous
 
 
 def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import Bucket, FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
 from hf_zero.zero.reducer import BucketKey, BucketReduction, GradientReducer
@@ -50,7 +49,7 @@ class FlatParams(ParamHolder):
             # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
             self.grads = PartitionedGradients(self.flats, comm, config.overlap_comm, position,
                                               config.torch_reduce_dtype,
-                                              shard_device=HOST if config.offload_optimizer != "none" else None)
+                                              offloaded=config.offload_optimizer != "none")
         else:
             self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, position, config.torch_reduce_dtype,
                                              partitioned=stage == 1)

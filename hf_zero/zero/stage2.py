@@ -39,8 +39,9 @@ EARLY_SHARE = 16  # a bucket takes memory once its pieces would fill 1/EARLY_SHA
 class PartitionedGradients(GradientReducer):
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
                  position: dict[nn.Parameter, int], reduce_dtype: torch.dtype, reuse_buffers: bool = True,
-                 shard_device: torch.device | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        """Buckets are reduced, and micro-batches accumulated into the gradient shards, in `reduce_dtype`."""
+                 offloaded: bool = False, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        """Buckets are reduced, and micro-batches accumulated into the gradient shards, in `reduce_dtype`;
+        `offloaded` (offload_optimizer): the gradient shards live in host memory, next to the optimizer."""
         super().__init__(flat_params, comm, overlap_comm, position, max_in_flight)
         # Stage 2's buckets share one size, so reduced buffers are kept for the next bucket (M_D).
         # Stage 3's buckets are units of many sizes: keeping one of each (the root's is vocabulary
@@ -51,9 +52,7 @@ class PartitionedGradients(GradientReducer):
         self.reduce_scatter: Callable[[torch.Tensor, torch.Tensor], Any] = \
             lambda output, input: comm.reduce_scatter_(output, input, async_op=True)
         self.dtype = reduce_dtype
-        # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
-        device = shard_device or flat_params[0].data.device
-        self.offloaded = shard_device is not None
+        self.offloaded = offloaded
         self.landing: tuple | None = None  # offload: the last reduced chunk on its way to the host
         # Optimizer states on NVMe: where landed chunks go instead of grad_shards (NvmeAdamStates), the
         # (param group, chunk) of each bucket there, and the write in flight with the bucket it reads.
@@ -68,7 +67,7 @@ class PartitionedGradients(GradientReducer):
             # the storage object, so they see it once allocated.
             numel = sum(b.chunk_numel for b in flat.buckets)
             grad_shard = host_memory_empty(numel, self.dtype) if self.offloaded else \
-                torch.empty(numel, dtype=self.dtype, device=device)
+                torch.empty(numel, dtype=self.dtype, device=flat.data.device)
             offset = 0
             for b in flat.buckets:
                 self.owned_grads[(fi, b.index)] = grad_shard[offset:offset + b.chunk_numel]

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from hf_zero.comm import Communicator, rank as global_rank
 from hf_zero.config import ZeroConfig
-from hf_zero.device import HOST, Copy, LatestCopy, host_empty, host_memory_empty, on_copy_stream, to_device
+from hf_zero.device import Copy, LatestCopy, host_empty, host_memory_empty, on_copy_stream, to_device
 from hf_zero.host_memory import HeapTrimmer
 from hf_zero.ops.quantize import dequantize_senders, quantize
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
@@ -288,16 +288,14 @@ def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[t
         raise ValueError(f"stage 3 cannot cut {type(model).__name__} into blocks: its _no_split_modules {declared} "
                          f"match none of its modules and it holds no ModuleList. Name its block classes with "
                          f"unit_module_classes (--zero_unit_module_classes); its module classes are {present()}")
-    if global_rank() != 0:
-        return units
     if declared:
-        logger.warning("%s's _no_split_modules %s match none of its modules: stage 3 gathers the children of its "
-                       "ModuleLists one at a time instead; name the block classes with unit_module_classes "
-                       "(--zero_unit_module_classes) to choose", type(model).__name__, declared)
+        _on_rank0(logging.WARNING, "%s's _no_split_modules %s match none of its modules: stage 3 gathers the "
+                  "children of its ModuleLists one at a time instead; name the block classes with unit_module_classes "
+                  "(--zero_unit_module_classes) to choose", type(model).__name__, declared)
     if not units:
-        logger.warning("%s has no blocks stage 3 can gather one at a time (no _no_split_modules, no ModuleList): "
-                       "it is one unit, and every rank holds all of it while it computes. Name its block classes "
-                       "with unit_module_classes (--zero_unit_module_classes) to cut it", type(model).__name__)
+        _on_rank0(logging.WARNING, "%s has no blocks stage 3 can gather one at a time (no _no_split_modules, no "
+                  "ModuleList): it is one unit, and every rank holds all of it while it computes. Name its block "
+                  "classes with unit_module_classes (--zero_unit_module_classes) to cut it", type(model).__name__)
     else:
         _say_units(model, units, "the children of its ModuleLists")
     return units
@@ -312,11 +310,15 @@ def _outermost(model: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[tu
 
 
 def _say_units(model: nn.Module, units: list[tuple[str, nn.Module]], chosen_by: str) -> None:
-    if global_rank() != 0:
-        return
     classes = sorted({type(m).__name__ for _, m in units})
-    logger.info("stage 3 cuts %s into %d units of %s (chosen by %s) and a root unit of the rest",
-                type(model).__name__, len(units), ", ".join(classes), chosen_by)
+    _on_rank0(logging.INFO, "stage 3 cuts %s into %d units of %s (chosen by %s) and a root unit of the rest",
+              type(model).__name__, len(units), ", ".join(classes), chosen_by)
+
+
+def _on_rank0(level: int, message: str, *args: Any) -> None:
+    """Logs once for the whole job: every rank cuts the same model the same way."""
+    if global_rank() == 0:
+        logger.log(level, message, *args)
 
 
 def units_using_each_param(model: nn.Module, unit_names: list[str]) -> dict[int, set[str]]:
@@ -351,13 +353,12 @@ class Stage3Params(ParamHolder):
         parameter shards (offload_param) and gradient shards (offload_optimizer) live in host memory."""
         self.comm, self.prefetch_numel = comm, config.prefetch_bucket_size
         self.offload_param = config.offload_param
-        self.param_shard_device = HOST if config.offload_param != "none" else None
         self.reader: ParamReader | None = None
         self.reshard_root_after_forward = config.reshard_root_after_forward
         self.trim_host_heap = config.trim_host_heap
         self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.flats]
-        self.chunks_lent = LatestCopy() if self.param_shard_device is not None else None
+        self.chunks_lent = LatestCopy() if self.offload_param != "none" else None
         secondary = consecutive_ranks(comm, config.hpz_partition_size) if config.hpz_partition_size > 1 else None
         for unit in self.units:
             unit.shards_lent = self.chunks_lent
@@ -372,7 +373,7 @@ class Stage3Params(ParamHolder):
         self.unit_of_flat = [u for u in self.units for _ in u.flats]
         self.position = model_order(model)
         self.grads = Stage3Gradients(self, comm, config.overlap_comm, config.torch_reduce_dtype,
-                                     HOST if config.offload_optimizer != "none" else None)
+                                     offloaded=config.offload_optimizer != "none")
         if config.quantized_gradients and comm.world_size > comm.ranks_per_node:
             self.grads.reduce_scatter = QuantizedReduceScatter(comm, config.quantized_gradients_bits,
                                                                config.quantization_block_size)
@@ -501,7 +502,7 @@ class Stage3Params(ParamHolder):
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
 
     def _new_param_shard(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.param_shard_device is None:
+        if self.offload_param == "none":
             return torch.zeros(numel, dtype=dtype, device=device)
         if self.offload_param == "nvme":
             # Only staged until `read_shards_from` gives it back, and no device copy reads it after: pinned
@@ -876,9 +877,9 @@ class Stage3Gradients(PartitionedGradients):
     Units with parameters no gradient reached are freed at the end of backward."""
 
     def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool, reduce_dtype: torch.dtype,
-                 shard_device: torch.device | None) -> None:
+                 offloaded: bool) -> None:
         super().__init__(params.flats, comm, overlap_comm, params.position, reduce_dtype, reuse_buffers=False,
-                         shard_device=shard_device, max_in_flight=1)
+                         offloaded=offloaded, max_in_flight=1)
         self.params = params
         self.unit_of_param = {s.param: unit for unit in params.units for flat in unit.flats for s in flat.slices}
         self.params_waiting: dict[int, int] = {}  # per unit: its parameters whose gradient has not come yet
