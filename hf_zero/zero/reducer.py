@@ -7,7 +7,12 @@ order buckets happen to become ready would not do: a parameter used on some rank
 experts, a conditional branch) completes its bucket during backward there and only in `finish` elsewhere,
 and the ranks' collectives would then pair up different buckets (a mismatch abort, a hang, or silently
 wrong sums when sizes agree). A ready bucket waits for those before it in the order; whatever is left at
-the end of backward is launched in `finish`, in the same order.
+the end of backward is launched in `finish`, in the same order, its missing pieces zeros (a parameter no
+gradient reached on this rank adds nothing to the average).
+
+That one order is enough at stages 1-2, whose backward issues no other collective. Stage 3's backward also
+all-gathers units, so there the position of each reduction among the gathers must be the same on every rank
+too: its buckets launch at points every rank reaches, not when they happen to be complete (Stage3Gradients).
 
 The order is the expected order of readiness: backward produces gradients roughly in the reverse of the
 order the model registers its parameters, so a bucket is ready about when its earliest-registered parameter's
@@ -82,7 +87,8 @@ class GradientReducer:
             pieces.sort(key=lambda key_piece: self.launch_rank[key_piece[0]])
         self.pending: dict[BucketKey, int] = {}
         self.ready: set[BucketKey] = set()
-        self.launched = 0  # buckets of launch_order launched in this backward
+        self.launched: set[BucketKey] = set()  # in this backward
+        self.next_in_order = 0  # launch_order[:next_in_order] are launched
         self.comm_stream = CommStream(comm.device)
         self.in_flight: deque[tuple[Reduction, Callable[[], None]]] = deque()
         self.active = False
@@ -115,7 +121,8 @@ class GradientReducer:
         self.active, self.reducing = True, reduce
         self.pending = dict(self.expected)
         self.ready.clear()
-        self.launched = 0
+        self.launched.clear()
+        self.next_in_order = 0
 
     def check_in_backward(self) -> None:
         """Raises when a gradient arrives outside engine.backward()."""
@@ -137,12 +144,29 @@ class GradientReducer:
             # Piece by piece in launch order, so that a parameter spanning many buckets never opens them all
             # at once.
             for key, piece in self.param_pieces[param]:
+                self._check_not_launched(key, param)
                 write(key, piece)
                 self.pending[key] -= 1
                 if self.pending[key] == 0:
                     self.ready.add(key)
-                    while self.launched < len(self.launch_order) and self.launch_order[self.launched] in self.ready:
-                        self._launch_next()
+                    self.bucket_ready()
+
+    def bucket_ready(self) -> None:
+        """A bucket is complete: launches the ready buckets that are next in launch order (stages 1-2)."""
+        order = self.launch_order
+        while self.next_in_order < len(order) and order[self.next_in_order] in self.ready:
+            self.launch(order[self.next_in_order])
+            self.next_in_order += 1
+
+    def _check_not_launched(self, key: BucketKey, param: nn.Parameter) -> None:
+        if key in self.launched:
+            raise RuntimeError(f"a gradient of a parameter of shape {tuple(param.shape)} came after its bucket "
+                               f"was reduced ({self.reduced_when(key)}): it was read again outside the module that "
+                               f"holds it, whose backward had ended")
+
+    def reduced_when(self, key: BucketKey) -> str:
+        """Says when bucket `key` is reduced, for errors."""
+        return "once every gradient in it had come"
 
     def take_unused(self) -> list[nn.Parameter]:
         """The parameters no gradient reached on this rank since the last call (one optimizer step's window)."""
@@ -150,9 +174,9 @@ class GradientReducer:
         self.got_grad.clear()
         return unused
 
-    def _launch_next(self) -> None:
-        key = self.launch_order[self.launched]
-        self.launched += 1
+    def launch(self, key: BucketKey) -> None:
+        """Reduces bucket `key` now; the pieces no gradient reached on this rank add zeros."""
+        self.launched.add(key)
         bucket = self.reduce_bucket(key)
         self.in_flight.append((self.comm_stream.submit(bucket.launch, bucket.settle), bucket.release))
         limit = self.max_in_flight if self.overlap_comm else 0
@@ -168,8 +192,9 @@ class GradientReducer:
     def finish(self) -> None:
         """Reduces buckets left incomplete by unused parameters and waits for every reduction."""
         if self.reducing:
-            while self.launched < len(self.launch_order):
-                self._launch_next()
+            for key in self.launch_order:
+                if key not in self.launched:
+                    self.launch(key)
         self.comm_stream.join()  # the one wait of the compute stream on every reduction left
         for _, release in self.in_flight:
             release()

@@ -141,7 +141,7 @@ class PartitionedGradients(GradientReducer):
         self.check_in_backward()
         self.got_grad.add(param)
         for key, piece in self.param_pieces[param]:
-            if self.launch_rank[key] < self.launched:
+            if key in self.launched:
                 raise RuntimeError(f"a gradient of a tied weight ({tuple(param.shape)}) came after its bucket was "
                                    f"reduced: a later use in the forward reached backward after the first one. "
                                    f"ZeRO stage 3 expects the first use of a tied weight to get its gradient last")

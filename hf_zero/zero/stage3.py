@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from hf_zero.comm import Communicator, rank as global_rank
 from hf_zero.config import ZeroConfig
@@ -40,6 +40,7 @@ from hf_zero.host_memory import HeapTrimmer
 from hf_zero.ops.quantize import dequantize_senders, quantize
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
+from hf_zero.zero.reducer import BucketKey
 from hf_zero.zero.stage2 import PartitionedGradients
 from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
 
@@ -49,6 +50,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger("hf_zero")
 PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
 Chunk = tuple[torch.Tensor, "torch.Tensor | None"]  # this rank's chunk of a flat buffer, and its fp32 start
+
+
+class ExecutionOrder:
+    """The units one pass (a forward, or a backward) visits, against the order of the last pass of its kind."""
+
+    def __init__(self) -> None:
+        self.expected: list[Unit] = []
+        self.seen: list[Unit] = []
+        self.on_track = True  # every unit so far came where `expected` has it
+
+    def begin(self) -> None:
+        """A new pass: the one before it (if it visited any unit) is what this one is expected to do."""
+        if self.seen:
+            self.expected, self.seen = self.seen, []
+        self.on_track = True
+
+    def visit(self, unit: Unit) -> Iterator[Unit]:
+        """Records `unit` as the next to run (a unit visited twice in a row counts once: a recomputation
+        following its backward's gather) and returns the units expected after it: none once the pass has left
+        the expected order."""
+        if self.seen and self.seen[-1] is unit:
+            return iter(())
+        position = len(self.seen)
+        self.seen.append(unit)
+        self.on_track = self.on_track and position < len(self.expected) and self.expected[position] is unit
+        return (self.expected[i] for i in range(position + 1, len(self.expected) if self.on_track else 0))
 
 
 class Unit:
@@ -301,6 +328,21 @@ def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[t
     return units
 
 
+def refuse_layer_drop(model: nn.Module) -> None:
+    """LayerDrop (BART's, Whisper's, wav2vec2's `*layerdrop` settings) skips whole layers at random, drawn on
+    each rank: a layer one rank runs and another skips is a unit all-gathered on one rank only, whose collective
+    would pair with another one (a hang, or wrong weights). Refused before any work, naming the setting."""
+    config = getattr(model, "config", None)
+    dropping = {name: value for name, value in vars(config).items()
+                if name.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0} if config else {}
+    if dropping:
+        settings = ", ".join(f"{name}={value}" for name, value in sorted(dropping.items()))
+        raise ValueError(f"ZeRO stage 3 cannot train {type(model).__name__} with LayerDrop ({settings}): each rank "
+                         f"draws the layers it skips, and a layer gathered on some ranks only would leave the others "
+                         f"waiting. Set {' and '.join(f'config.{name} = 0' for name in sorted(dropping))} before "
+                         f"training, or use zero_stage 2 (--zero_stage 2), which trains with it")
+
+
 def _outermost(model: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
     units: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
@@ -389,9 +431,9 @@ class Stage3Params(ParamHolder):
         else:
             self._shard_built_units(chunk_of)
         self.fp32_init = None if dtype == torch.float32 else fp32_chunks
-        # Execution orders, recorded as units first run; prefetch follows them.
-        self.forward_order: list[Unit] = []
-        self.backward_order: list[Unit] = []
+        # The order units ran in, each forward's and each backward's, recorded again every pass; prefetch follows
+        # the last pass's until the running pass leaves it.
+        self.forward, self.backward = ExecutionOrder(), ExecutionOrder()
         self.in_backward = False  # between engine.backward's start and end: forwards then are recomputations
         self._install_hooks(model)
 
@@ -400,6 +442,7 @@ class Stage3Params(ParamHolder):
         """One unit per block module, one for the root (the rest), one for the persistent small parameters;
         each holds one flat buffer per param group it has parameters of."""
         group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
+        refuse_layer_drop(model)
         unit_modules = find_unit_modules(model, config.unit_module_classes)
         users = units_using_each_param(model, [name for name, _ in unit_modules])
         members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], PERSISTENT: []}
@@ -557,6 +600,8 @@ class Stage3Params(ParamHolder):
 
     # ---- hooks -------------------------------------------------------------------------------
     def _install_hooks(self, model: nn.Module) -> None:
+        # First of the model's hooks: the root's gather (its unit's pre-forward hook) is the new pass's first visit.
+        model.register_forward_pre_hook(lambda m, a: None if self.in_backward else self.forward.begin())
         self.root = next((u for u in self.units if u.is_root), None)
         self.root_saves_waiting = 0  # tensors of the root's buffers the forward saved and backward has not read
         self.tied_read: set[int] = set()  # tied root weights read by this forward (see _split_tied_uses)
@@ -568,7 +613,8 @@ class Stage3Params(ParamHolder):
             self._split_tied_uses(model)
         for unit in self.units:
             if not unit.persistent:
-                unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+                unit.module.register_forward_pre_hook(lambda m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs),
+                                                      with_kwargs=True)
                 unit.module.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         # Units prefetched for a forward that then took another path are freed when the model returns.
         model.register_forward_hook(lambda m, a, out: self._free_all_but_root())
@@ -689,10 +735,23 @@ class Stage3Params(ParamHolder):
 
         setattr(model, method, with_root_gathered)
 
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # A forward inside backward is activation checkpointing recomputing the unit: its gradients come next,
         # so the units to prefetch are those that follow it in backward.
         self._fetch(unit, backward=self.in_backward)
+        if unit.is_root or not torch.is_grad_enabled():
+            return None
+        # A recomputation inside backward whose forward already marked the unit's post-backward (non-reentrant
+        # checkpointing, whose recomputed graph is never run backward) marks nothing; a reentrant one, whose
+        # forward ran without autograd, marks it now.
+        if self.in_backward and self.grads.post_backwards_to_come.get(id(unit), 0):
+            return None
+        inputs = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.requires_grad]
+        if not inputs:  # nothing marks the end of its backward: reduced at the end of backward (finish)
+            return None
+        self.grads.post_backwards_to_come[id(unit)] = self.grads.post_backwards_to_come.get(id(unit), 0) + 1
+        marked = iter(_PostBackward.apply(self.grads, unit, *inputs))
+        return tree_map(lambda t: next(marked) if torch.is_tensor(t) and t.requires_grad else t, (args, kwargs))
 
     def _post_forward(self, unit: Unit, output) -> None:
         if self.in_backward:  # recomputed: its backward runs at once, and its reduction frees it (Stage3Gradients)
@@ -707,26 +766,27 @@ class Stage3Params(ParamHolder):
             register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, backward=True), mode="any")
 
     def _fetch(self, unit: Unit, backward: bool) -> None:
-        """Gathers `unit`, then starts gathering the units that ran after it last time, so that their
-        all-gathers overlap this unit's compute: always the next one (a 7B block is larger than any sensible
-        budget, and without it every all-gather would be exposed), then more up to `prefetch_bucket_size`
-        elements in all."""
-        order, purpose = (self.backward_order, "backward") if backward else (self.forward_order, "forward")
+        """Gathers `unit`, then starts gathering the units that ran after it in the last pass of the same kind,
+        so that their all-gathers overlap this unit's compute: always the next one (a 7B block is larger than
+        any sensible budget, and without it every all-gather would be exposed), then more up to
+        `prefetch_bucket_size` elements in all. Once this pass has left the last one's order (a model whose
+        order changes between steps), nothing more is prefetched in it: what was would be gathered for
+        nothing, or too early and held. Every rank runs the same order, so every rank prefetches alike."""
+        order, purpose = (self.backward, "backward") if backward else (self.forward, "forward")
         if backward and self.in_backward and self.trim_heap is not None:
             self.trim_heap()
         if backward and self.in_backward and unit is not self.root and self.root_frees_early \
                 and self.root_saves_waiting <= 0:
             self.root.free_early()  # backward has read back all the forward saved of it
             self.grads.open_buckets()  # the tied head's gradient, kept until the root's weights went
-        if unit not in order:
-            order.append(unit)
+        to_come = order.visit(unit)
         unit.gather(purpose)
-        first = order.index(unit) + 1
-        i, budget = first, self.prefetch_numel
-        while i < len(order) and (i == first or order[i].numel <= budget):
-            budget -= order[i].numel
-            order[i].gather(purpose)
-            i += 1
+        budget = self.prefetch_numel
+        for i, next_unit in enumerate(to_come):
+            if i > 0 and next_unit.numel > budget:
+                break
+            budget -= next_unit.numel
+            next_unit.gather(purpose)
         unit.wait()
 
     @contextlib.contextmanager
@@ -768,6 +828,7 @@ class Stage3Params(ParamHolder):
     def begin_backward(self, last_micro_batch: bool) -> None:
         super().begin_backward(last_micro_batch)
         self.in_backward = True
+        self.backward.begin()
 
     def end_backward(self) -> None:
         self.in_backward = False
@@ -791,6 +852,27 @@ class Stage3Params(ParamHolder):
         gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)
         pool = self.reader.pool_bytes() if self.reader is not None else 0
         return gathered + pool + sum(s.numel() * s.element_size() for s in self.param_shards)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Applied to the inputs of a unit's forward that require grad, as they are (FSDP2's
+    RegisterPostBackwardFunction): its backward runs once the unit's backward has given them their gradients,
+    after the unit's parameters took theirs in (autograd runs a leaf's gradient accumulation before other work
+    that is ready, and this node, made first in the unit's forward, after the rest of the unit's). That is the
+    unit's post-backward (Stage3Gradients.post_backward), which every rank reaches whatever its forward used."""
+
+    @staticmethod
+    def forward(grads: Stage3Gradients, unit: Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return inputs
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.grads, ctx.unit = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.grads.post_backward(ctx.unit)
+        return (None, None, *grads)
 
 
 class _TiedUse(torch.autograd.Function):
@@ -874,7 +956,16 @@ class Stage3Gradients(PartitionedGradients):
     the last of its parameters has its gradient, before that gradient is copied into the bucket: the node
     that computed it was the last to read the unit's weights, and the root's last gradient (a tied
     vocabulary embedding) would otherwise hold the gathered weights, the gradient and the bucket at once.
-    Units with parameters no gradient reached are freed at the end of backward."""
+
+    A unit's buckets launch at its post-backward (_PostBackward), not when they are complete: a rank whose
+    forward skipped part of the unit (an expert no token was routed to, a branch not taken) gets no gradient
+    for those parameters and its buckets would complete only at the end of backward, after all-gathers of the
+    units that follow, while on the other ranks they launch before those (rank 0's reduce-scatter would meet
+    rank 1's all-gather: a hang, or wrong weights if their sizes agree). The post-backward is a point every
+    rank reaches in the same place among its gathers; there a parameter without a gradient adds zeros, and a
+    unit whose parameters some ranks left unused is freed. A unit used n times in a forward (a layer shared by
+    several positions) has n post-backwards, and reduces at the last. Units without one (no forward input
+    requires grad), the root and the persistent unit launch at the end of backward, in launch order."""
 
     def __init__(self, params: Stage3Params, comm: Communicator, overlap_comm: bool, reduce_dtype: torch.dtype,
                  offloaded: bool) -> None:
@@ -883,10 +974,41 @@ class Stage3Gradients(PartitionedGradients):
         self.params = params
         self.unit_of_param = {s.param: unit for unit in params.units for flat in unit.flats for s in flat.slices}
         self.params_waiting: dict[int, int] = {}  # per unit: its parameters whose gradient has not come yet
+        self.unit_keys = {id(u): [key for key in self.launch_order if params.unit_of_flat[key[0]] is u]
+                          for u in params.units}
+        # Per unit: its forwards since the last backward whose post-backward has not run yet (_PostBackward).
+        self.post_backwards_to_come: dict[int, int] = {}
 
     def begin(self, reduce: bool) -> None:
         super().begin(reduce)
         self.params_waiting = {id(u): sum(len(f.slices) for f in u.flats) for u in self.params.units}
+
+    def bucket_ready(self) -> None:
+        """A complete bucket waits for its unit's post-backward."""
+
+    def reduced_when(self, key: BucketKey) -> str:
+        unit = self.params.unit_of_flat[key[0]]
+        return f"at the end of the backward of unit {unit.name!r}"
+
+    @torch.no_grad()
+    def post_backward(self, unit: Unit) -> None:
+        """The unit's backward is over on this rank: its buckets are reduced now, the same point among the
+        collectives on every rank, with zeros for its parameters no gradient reached here."""
+        to_come = self.post_backwards_to_come.pop(id(unit), 0) - 1
+        if to_come > 0:  # a later use's backward is still to run
+            self.post_backwards_to_come[id(unit)] = to_come
+            return
+        self.check_in_backward()
+        unit.free()
+        if self.reducing:
+            for key in self.unit_keys[id(unit)]:
+                if key not in self.launched:
+                    self.launch(key)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        super().finish()
+        self.post_backwards_to_come.clear()  # left by a forward whose backward never came
 
     def accumulate(self, param: nn.Parameter) -> None:
         unit = self.unit_of_param[param]

@@ -290,7 +290,7 @@ def end_of_backward_over_what_it_leaves() -> dict:
 
     def observed(unit, backward: bool) -> None:
         fetch(unit, backward)
-        if backward and params.backward_order.index(unit) == 1:
+        if backward and params.backward.seen.index(unit) == 1:
             assert not params.root.gathered
             reset_peak_rss()
 
