@@ -226,6 +226,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     torch.set_num_threads(threads)
     os.environ.clear()  # the caller's environment, not the one a forkserver started with
     os.environ.update(environ)
+    # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again, so that the
+    # caller's setting (DETAIL's checks of every collective across ranks, or none) is the one the ranks run under.
+    dist.set_debug_level_from_env()
     # What torchrun sets for ranks on one node (accelerate would otherwise fill in LOCAL_WORLD_SIZE=1).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))

@@ -219,3 +219,21 @@ def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:
     record["root_numel"] = sum(f.numel for u in getattr(engine.params, "units", []) if u.is_root for f in u.flats)
     record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
     return record
+
+
+def sgd_steps(model: nn.Module, steps: int, config: dict) -> hf_zero.ZeroEngine | None:
+    """`steps` SGD steps on the global batches of 8: in one process (returns None), or at stage 3 with `config`,
+    each of 2 ranks on its half (returns the engine). SGD with momentum, not Adam: GPT-2's key bias gets a
+    gradient of rounding noise only, which Adam would scale up to lr."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if not torch.distributed.is_initialized():
+        for step in range(steps):
+            model(**batch("gpt2", step, 8)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return None
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0, **config})
+    for step in range(steps):
+        engine.backward(engine(**local_part(batch("gpt2", step, 8), engine.comm.rank, 2)).loss)
+        engine.step()
+    return engine

@@ -56,6 +56,19 @@ def test_spawned_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, sta
     assert spawn_gloo(environment_variable, 2, "HF_ZERO_PROBE", start_method=start_method) == [start_method] * 2
 
 
+def debug_level() -> str:
+    return dist.get_debug_level().name
+
+
+def test_spawned_ranks_run_under_the_callers_distributed_debug_level_not_the_forkservers(monkeypatch):
+    """torch reads TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported, which the forkserver did once."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    spawn_gloo(debug_level, 1)  # a forkserver that imported torch.distributed under DETAIL, if none was running
+    assert spawn_gloo(debug_level, 2) == ["DETAIL"] * 2
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    assert spawn_gloo(debug_level, 2) == ["OFF"] * 2
+
+
 def test_an_unknown_start_method_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="'forkserver' or 'spawn', not 'fork'"):
         spawn_gloo(environment_variable, 1, "HOME", start_method="fork")

@@ -9,7 +9,8 @@ The package, in the order a reader meets it:
                     gradient reduction of stages 0-1 (all-reduce, in-place reduce-scatter)
     stage2.py       stage 2's reduction: gradients copied into fixed-size buckets and reduce-scattered into
                     a gradient shard during backward (stage 3 reuses it, one bucket per unit)
-    stage3.py       stage 3: units gathered on use and freed after, shards, prefetch, partitioned construction
+    stage3/         stage 3: units gathered on use and freed after, their shards and construction, the
+                    schedule of gathers and reductions, shared weights (its __init__ maps its files)
     reducer.py      bucket readiness during backward, shared by every stage
     update.py       update backends: where the masters and optimizer states live (the device here; host
                     memory and NVMe in hf_zero/offload/)

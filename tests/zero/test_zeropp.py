@@ -1,4 +1,4 @@
-"""ZeRO++ on stage 3 (hf_zero/zero/stage3.py, hf_zero/zero/zeropp.py, hf_zero/ops/quantize.py).
+"""ZeRO++ on stage 3 (hf_zero/zero/stage3/, hf_zero/zero/zeropp.py, hf_zero/ops/quantize.py).
 
 qwZ: units are all-gathered as block-quantized int8 with fp32 scales, so the model computes forward and
 backward with the dequantized weights while the fp32 masters take the update. The reference is one process

@@ -1,75 +1,19 @@
-"""Stage 3 (hf_zero/zero/stage3.py): units recomputed by activation checkpointing that wraps a whole unit's
-__call__ (the recomputation in backward runs the unit's forward hooks again), weights several units use, and which
-modules are the units."""
+"""Weights several units use at stage 3 (hf_zero/zero/stage3/shared_weights.py): a weight two blocks or the root
+and a block share, the root freed early in backward, and a tied vocabulary weight's uses split."""
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
 import hf_zero
 from hf_zero.launch import spawn_gloo
 from hf_zero.memory import current_rss, peak_rss, reset_peak_rss
-from tests.helpers import VOCAB, batch as lm_batch, local_part, named_copy, tiny_model
+from tests.helpers import VOCAB, batch as lm_batch, local_part, named_copy, sgd_steps, tiny_model
 
 STEPS, WIDTH = 3, 32
-
-
-class Checkpointed(nn.Module):
-    """Four blocks (stage-3 units), each run through torch.utils.checkpoint by the model itself."""
-
-    def __init__(self, mode: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.mode = mode
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x) if self.mode == "none" else checkpoint(block, x, use_reentrant=self.mode == "reentrant")
-        return self.head(x).pow(2).mean()
-
-
-def batch(step: int) -> torch.Tensor:
-    """Requires grad, so that reentrant checkpointing (which needs an input that does) trains every block."""
-    return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step)).requires_grad_()
-
-
-def run(mode: str) -> dict:
-    model = Checkpointed(mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if not torch.distributed.is_initialized():  # the reference: one process, whole batch
-        for step in range(STEPS):
-            model(batch(step)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0})
-    rank = engine.comm.rank
-    with set_checkpoint_early_stop(False):  # recompute the whole block, as FSDP2 documents the hazard with
-        for step in range(STEPS):
-            engine.backward(engine(batch(step).detach()[rank * 4:(rank + 1) * 4].requires_grad_()))
-            engine.step()
-    gathered = engine.ledger.last_step_elements.get("all_gather", 0)
-    with engine.gathered_parameters():
-        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "all_gather": gathered}
-
-
-@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
-def test_stage3_units_recomputed_by_checkpointing_train_as_one_process_with_two_gathers_each(mode):
-    expected = run(mode)
-    first_block = "blocks.0.0.weight"  # trained: the recomputation's gradients reach the first block
-    assert (expected[first_block] - Checkpointed(mode).state_dict()[first_block]).abs().max() > 1e-4
-    plain = spawn_gloo(run, 2, "none")[0]
-    for result in spawn_gloo(run, 2, mode):
-        assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
-        assert result["all_gather"] == plain["all_gather"]  # once for forward, once for backward, per unit
 
 
 def model_with_shared_weights(kind: str) -> nn.Module:
@@ -91,24 +35,6 @@ SHARED = {"bert_mlm_tied_decoder": ["bert.embeddings.word_embeddings.weight"],
           "weight_shared_by_two_blocks": ["transformer.h.0.mlp.c_fc.weight"],
           "module_shared_by_two_blocks": [f"transformer.h.0.mlp.{name}" for name in
                                           ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")]}
-
-
-def sgd_steps(model: nn.Module, steps: int, config: dict) -> hf_zero.ZeroEngine | None:
-    """`steps` SGD steps on the global batches of 8: in one process (returns None), or at stage 3 with `config`,
-    each of 2 ranks on its half (returns the engine). SGD with momentum, not Adam: GPT-2's key bias gets a
-    gradient of rounding noise only, which Adam would scale up to lr."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if not torch.distributed.is_initialized():
-        for step in range(steps):
-            model(**lm_batch("gpt2", step, 8)).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return None
-    engine = hf_zero.initialize(model, optimizer, {"zero_stage": 3, "param_persistence_threshold": 0, **config})
-    for step in range(steps):
-        engine.backward(engine(**local_part(lm_batch("gpt2", step, 8), engine.comm.rank, 2)).loss)
-        engine.step()
-    return engine
 
 
 def sgd_trained(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -139,29 +65,6 @@ def test_weights_several_units_use_train_at_stage3_as_one_process(kind):
         assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
         assert list(result["shared_weights"]) == SHARED[kind]
         assert all(where.startswith("root unit") for where in result["shared_weights"].values())
-
-
-def train_deep(prefetch_bucket_size: int) -> dict:
-    """2 steps of the 8-block GPT-2 (sgd_steps)."""
-    model = tiny_model("gpt2-deep")
-    engine = sgd_steps(model, 2, {"prefetch_bucket_size": prefetch_bucket_size})
-    if engine is None:
-        return named_copy(model)
-    ledger = engine.ledger
-    with engine.gathered_parameters():
-        return {"params": named_copy(model), "gathers": ledger.last_step_events["unit all-gathers"],
-                "most_gathered": ledger.last_step_peaks["units gathered"]}
-
-
-@pytest.mark.parametrize("prefetch_bucket_size, most_gathered", [(1, 3), (50_000_000, 9)])
-def test_the_next_unit_is_prefetched_even_when_it_exceeds_the_prefetch_budget(prefetch_bucket_size, most_gathered):
-    """With a budget smaller than any unit, the root (kept through forward), the running block and the next
-    one are gathered at once; with the default budget every block of this small model is."""
-    expected = train_deep(0)
-    for result in spawn_gloo(train_deep, 2, prefetch_bucket_size):
-        assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
-        assert result["most_gathered"] == most_gathered
-        assert result["gathers"] == 2 * 8 + 1  # each block for forward and backward, the root once
 
 
 def bucket_peak_of_the_tied_gpt2() -> dict:
@@ -210,7 +113,9 @@ def test_the_root_is_freed_once_backward_has_read_back_what_the_forward_saved_of
     """GPT-2's root (embeddings, final norm, tied head) is read in backward by the head and the final norm only,
     which run first: from the last block's backward on it is freed, instead of staying gathered to the end
     for the embeddings' gradients (which need no weights). Training is bitwise what keeping it gives."""
-    expected = train_deep(0)
+    model = tiny_model("gpt2-deep")
+    sgd_steps(model, 2, {})  # one process
+    expected = named_copy(model)
     for early, kept in zip(spawn_gloo(root_during_backward, 2, True), spawn_gloo(root_during_backward, 2, False)):
         assert len(early["root_gathered"]) == 2 * 8 and not any(early["root_gathered"])
         assert all(kept["root_gathered"])  # the reference: the root held through every block's backward
@@ -328,7 +233,7 @@ def test_an_embeddings_rows_are_its_dense_gradients_rows_bit_for_bit(dtype, padd
     """The rows a tied embedding hands to the reducer at stage 3 are those of torch's dense embedding gradient,
     summed in the same order (a token repeated many times, the padding token, scaling by frequency), and the
     rows no token picked are the only ones left out."""
-    from hf_zero.zero.stage3 import _EmbeddingRows
+    from hf_zero.zero.stage3.shared_weights import _EmbeddingRows
 
     embedding = nn.Embedding(50, 16, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq, dtype=dtype)
     ids = torch.randint(0, 12, (6, 40), generator=torch.Generator().manual_seed(0))
@@ -399,55 +304,3 @@ def test_a_tied_weight_read_once_more_outside_its_modules_trains_as_one_process(
     expected = train_with_a_wte_penalty()
     for result in spawn_gloo(train_with_a_wte_penalty, 2):
         assert max((result[n] - expected[n]).abs().max().item() for n in expected) < 1e-6
-
-
-# ---- which modules are the units -----------------------------------------------------------------------------
-def blocks_of(engine) -> list[str]:
-    return [unit.name for unit in engine.params.units if unit.name and not unit.persistent]
-
-
-def test_the_units_chosen_are_logged_once_with_their_count_classes_and_what_chose_them(caplog):
-    model = tiny_model("gpt2")
-    with caplog.at_level(logging.INFO, logger="hf_zero"):
-        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
-    said = [r.getMessage() for r in caplog.records if "stage 3 cuts" in r.getMessage()]
-    n = len(model.transformer.h)
-    assert said == [f"stage 3 cuts GPT2LMHeadModel into {n} units of GPT2Block (chosen by its _no_split_modules) "
-                    f"and a root unit of the rest"]
-    assert blocks_of(engine) == [f"transformer.h.{i}" for i in range(n)]
-
-
-def test_no_split_modules_that_match_nothing_fall_back_to_the_modulelist_children_and_say_so(caplog):
-    """Before: one silent unit of the whole model, which every rank then held whole while it computed."""
-    model = tiny_model("gpt2")
-    model._no_split_modules = ["Gpt2Block"]  # a misspelt class name, as a hand-written model may carry
-    with caplog.at_level(logging.INFO, logger="hf_zero"):
-        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
-    assert blocks_of(engine) == [f"transformer.h.{i}" for i in range(len(model.transformer.h))]
-    assert "GPT2LMHeadModel's _no_split_modules ['Gpt2Block'] match none of its modules: stage 3 gathers the " \
-           "children of its ModuleLists one at a time instead" in caplog.text
-    assert "--zero_unit_module_classes" in caplog.text
-
-
-class _Declared(nn.Module):
-    _no_split_modules = ["Block"]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
-
-
-def test_a_model_whose_declared_blocks_match_nothing_and_that_has_no_module_list_is_refused_naming_the_setting():
-    model = _Declared()
-    with pytest.raises(ValueError, match=r"stage 3 cannot cut _Declared into blocks: its _no_split_modules "
-                                         r"\['Block'\] match none of its modules and it holds no ModuleList. Name "
-                                         r"its block classes with unit_module_classes \(--zero_unit_module_classes\)"):
-        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
-
-
-def test_a_model_without_blocks_is_one_unit_and_a_warning_says_so(caplog):
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    with caplog.at_level(logging.WARNING, logger="hf_zero"):
-        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
-    assert blocks_of(engine) == []
-    assert "Sequential has no blocks stage 3 can gather one at a time" in caplog.text

@@ -1,0 +1,313 @@
+"""Stage3Params, the stage-3 parameter holder: cuts the model into units, lays this rank's chunk of each into
+one shard per param group, fills them from a built model or unit by unit while it is constructed
+(construct.py, pretrained.py), and gathers everything for reading. Its hooks are in schedule.py and
+shared_weights.py."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hf_zero.comm import Communicator
+from hf_zero.config import ZeroConfig
+from hf_zero.device import LatestCopy, host_empty, host_memory_empty
+from hf_zero.zero.holder import ParamHolder, fp32_start_empty
+from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
+from hf_zero.zero.stage3.discovery import find_unit_modules, refuse_layer_drop, units_using_each_param
+from hf_zero.zero.stage3.gradients import Stage3Gradients
+from hf_zero.zero.stage3.schedule import ExecutionOrder, Schedule
+from hf_zero.zero.stage3.shared_weights import SharedWeights
+from hf_zero.zero.stage3.unit import Unit
+from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
+
+if TYPE_CHECKING:
+    from hf_zero.offload.nvme import ParamReader
+
+logger = logging.getLogger("hf_zero")
+PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
+Chunk = tuple[torch.Tensor, "torch.Tensor | None"]  # this rank's chunk of a flat buffer, and its fp32 start
+
+
+class Stage3Params(Schedule, SharedWeights, ParamHolder):
+    """The stage-3 parameter holder (holder.py): owns the units, their shards and the hooks that gather
+    and free them around each use. Its gather is Unit.gather, its reduce Stage3Gradients, below."""
+
+    replicated, reduces_every_backward = False, True
+
+    def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
+                 comm: Communicator, config: ZeroConfig, init_from: Any = None,
+                 device: torch.device | None = None) -> None:
+        """`init_from` (hf_zero/construct.py) fills a model built on meta, on `device`. With offload the
+        parameter shards (offload_param) and gradient shards (offload_optimizer) live in host memory."""
+        self.comm, self.prefetch_numel = comm, config.prefetch_bucket_size
+        self.offload_param = config.offload_param
+        self.reader: ParamReader | None = None
+        self.reshard_root_after_forward = config.reshard_root_after_forward
+        self.trim_host_heap = config.trim_host_heap
+        self.units = self._cut_into_units(model, groups, dtype, config, device)
+        self.flats = [f for u in self.units for f in u.flats]
+        self.chunks_lent = LatestCopy() if self.offload_param != "none" else None
+        secondary = consecutive_ranks(comm, config.hpz_partition_size) if config.hpz_partition_size > 1 else None
+        for unit in self.units:
+            unit.shards_lent = self.chunks_lent
+            # Persistent parameters are gathered once a step and kept: they stay exact.
+            if not unit.persistent:
+                unit.quantize_block = config.quantization_block_size if config.quantized_weights else None
+                unit.secondary = secondary
+        if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
+            self._leave_meta(device)
+        for s in (s for flat in self.flats for s in flat.slices if not isinstance(s.param, DTensor)):
+            s.param.hf_zero_numel = s.numel  # its size when gathered, for counts (a DTensor knows its own)
+        self.unit_of_flat = [u for u in self.units for _ in u.flats]
+        self.position = model_order(model)
+        self.grads = Stage3Gradients(self.units, self.position, comm, config.overlap_comm,
+                                     config.torch_reduce_dtype, offloaded=config.offload_optimizer != "none")
+        if config.quantized_gradients and comm.world_size > comm.ranks_per_node:
+            self.grads.reduce_scatter = QuantizedReduceScatter(comm, config.quantized_gradients_bits,
+                                                               config.quantization_block_size)
+        elif config.quantized_gradients and comm.rank == 0:
+            # As DeepSpeed does: on one node qgZ would lose the precision and save no network bytes.
+            logger.warning("quantized_gradients (ZeRO++ qgZ) is off: all %d ranks are on one node (ranks_per_node "
+                           "%d), where its quantization would lose precision and save no inter-node bytes; the "
+                           "gradients are reduced exactly by the plain reduce-scatter", comm.world_size,
+                           comm.ranks_per_node)
+        chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype, config)
+        if init_from is not None:
+            self._fill_shards(model, init_from, chunk_of)
+        else:
+            self._shard_built_units(chunk_of)
+        self.fp32_init = None if dtype == torch.float32 else fp32_chunks
+        # The order units ran in, each forward's and each backward's, recorded again every pass; prefetch follows
+        # the last pass's until the running pass leaves it.
+        self.forward, self.backward = ExecutionOrder(), ExecutionOrder()
+        self.in_backward = False  # between engine.backward's start and end: forwards then are recomputations
+        self._install_hooks(model)
+
+    def _cut_into_units(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
+                        config: ZeroConfig, device: torch.device | None) -> list[Unit]:
+        """One unit per block module, one for the root (the rest), one for the persistent small parameters;
+        each holds one flat buffer per param group it has parameters of."""
+        group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
+        refuse_layer_drop(model)
+        unit_modules = find_unit_modules(model, config.unit_module_classes)
+        users = units_using_each_param(model, [name for name, _ in unit_modules])
+        members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], PERSISTENT: []}
+        shared: dict[str, str] = {}
+        for name, p in model.named_parameters():
+            if id(p) in group_of:
+                used_by = users[id(p)]
+                if p.numel() < config.param_persistence_threshold:
+                    key = PERSISTENT
+                else:  # a weight several units use lives in their common ancestor: the root, gathered around them
+                    key = next(iter(used_by)) if len(used_by) == 1 else ""
+                if len(used_by) > 1:
+                    shared[name] = (f"{'persistent' if key == PERSISTENT else 'root'} unit (used by "
+                                    f"{', '.join(repr(u) if u else 'the root' for u in sorted(used_by))})")
+                members.setdefault(key, []).append((name, p))
+        self.comm.ledger.shared_weights = shared
+        # The root is freed once backward has read back what the forward saved of it (_count_root_saves_in),
+        # unless a block reads one of its weights (a layer shared by blocks, read again by a block's
+        # recomputation in backward, where no saved tensor says so) or its parameters are DTensors (whose saved
+        # tensors are wrappers without the storage to recognise).
+        self.root_frees_early = bool(members[""]) and not any(
+            unit != "" or isinstance(p, DTensor) for _, p in members[""] for unit in users[id(p)])
+        modules = dict(unit_modules) | {"": model, PERSISTENT: model}
+        units = []
+        for uname, named in members.items():
+            by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+            for n, p in named:
+                by_group.setdefault(group_of[id(p)], []).append((n, p))
+            gs = sorted(by_group)
+            flats = [FlatParamBuffer(by_group[g], self.comm.world_size, dtype, device=device) for g in gs]
+            if flats:
+                units.append(Unit(uname, modules[uname], flats, gs, self.comm, persistent=uname == PERSISTENT))
+        return units
+
+    def _allocate_shards(self, num_groups: int, dtype: torch.dtype, config: ZeroConfig
+                         ) -> tuple[dict[int, Chunk], list[list[torch.Tensor]]]:
+        """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D), and in
+        lower precision a buffer per chunk for its fp32 start values (the masters' start). Returns where each
+        flat buffer's chunk goes, and the fp32 buffers by param group."""
+        rank, device = self.comm.rank, self.flats[0].data.device
+        fp32_empty = fp32_start_empty(config, device)
+        sizes = [0] * num_groups
+        for flat, unit in zip(self.flats, self.unit_of_flat):
+            sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
+        self.param_shards = [self._new_param_shard(n, dtype, device) for n in sizes]
+        self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
+        fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        chunk_of: dict[int, Chunk] = {}
+        offsets = [0] * num_groups
+        for fi, (flat, unit) in enumerate(zip(self.flats, self.unit_of_flat)):
+            g = unit.group_of(flat)
+            lo, hi = flat.buckets[0].owned_range(rank)
+            chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
+            offsets[g] += hi - lo
+            fp32 = None if dtype == torch.float32 else fp32_empty(hi - lo)
+            if fp32 is not None:
+                fp32_chunks[g].append(fp32)
+            unit.shard_ids.append((g, len(self.param_chunks[g])))
+            self.param_chunks[g].append(chunk)
+            self.chunk_flats[g].append(fi)
+            unit.shards.append(chunk)
+            chunk_of[id(flat)] = (chunk, fp32)
+        return chunk_of, fp32_chunks
+
+    def _cut(self, unit: Unit, chunk_of: dict[int, Chunk]) -> None:
+        """Copies this rank's chunk of each of the unit's flat buffers into its shard (and fp32 start)."""
+        for flat in unit.flats:
+            chunk, fp32 = chunk_of[id(flat)]
+            lo, hi = flat.buckets[0].owned_range(self.comm.rank)
+            flat.read_params(lo, hi, chunk if fp32 is None else fp32)
+            if fp32 is not None:
+                chunk.copy_(fp32)
+
+    def _shard_built_units(self, chunk_of: dict[int, Chunk]) -> None:
+        """A model that has its values: each unit gives this rank its chunk, then frees its buffer."""
+        for unit in self.units:
+            self._cut(unit, chunk_of)
+            unit.adopt_params()
+
+    def _fill_shards(self, model: nn.Module, init_from: Any, chunk_of: dict[int, Chunk]) -> None:
+        """A model without values yet: one unit at a time gets memory, is filled by `init_from` (in fp32),
+        gives up its chunk and is freed, so no rank holds more than its shard and one unit."""
+        staging: dict[int, torch.Tensor] = {}
+
+        def open_unit(unit: Unit) -> list[torch.Tensor]:
+            staging.update({id(f): self._stage(f) for f in unit.flats})
+            return [staging[id(f)] for f in unit.flats]
+
+        def close_unit(unit: Unit) -> None:
+            self._cut(unit, chunk_of)
+            for flat in unit.flats:
+                staged = staging.pop(id(flat))
+                if unit.persistent:  # stays gathered: its values move into its own compute-dtype buffer
+                    flat.allocate_storage()
+                    flat.data.copy_(staged)
+                    flat.bind()
+            unit.built()
+
+        init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
+
+    def _new_param_shard(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.offload_param == "none":
+            return torch.zeros(numel, dtype=dtype, device=device)
+        if self.offload_param == "nvme":
+            # Only staged until `read_shards_from` gives it back, and no device copy reads it after: pinned
+            # memory could not be given back in place (a pinned storage cannot be resized).
+            return host_memory_empty(numel, dtype, zeroed=True)
+        return host_empty(numel, dtype).zero_()
+
+    @property
+    def shard(self) -> int:
+        return self.comm.rank
+
+    def chunk_keys(self) -> list[list[tuple[int, int]]]:
+        return [[(fi, 0) for fi in flats] for flats in self.chunk_flats]
+
+    def attach(self, backend: Any) -> None:
+        super().attach(backend)
+        reader = backend.param_reader()
+        if reader is not None:
+            self.read_shards_from(reader)
+
+    def read_shards_from(self, reader: ParamReader) -> None:
+        """offload_param nvme: from now on units read their chunks from the files (the optimizer wrote
+        them there), and the shards' host memory is given back. The optimizer keeps the chunks' tensors as
+        placeholders; their storage is empty, so reading one fails loudly."""
+        for unit in self.units:
+            unit.reader, unit.shards = reader, []
+        for shard in self.param_shards:
+            release_storage(shard)
+        self.param_shards = []
+        self.reader = reader
+
+    def _leave_meta(self, device: torch.device) -> None:
+        """Turns each meta parameter into an empty one on `device`, keeping the Parameter object (the
+        optimizer and tied modules hold it): `.data =` cannot change a tensor's device type, nor the device a
+        DTensor reports (it is fixed when the wrapper is made), so a DTensor becomes a new one of empty parts."""
+        for flat in self.flats:
+            for s in flat.slices:
+                if s.param.is_meta:
+                    empty = wrap_like(s.param, torch.empty(0, dtype=s.param.dtype, device=device))
+                    torch.utils.swap_tensors(s.param, nn.Parameter(empty, s.param.requires_grad))
+
+    @staticmethod
+    def _stage(flat: FlatParamBuffer) -> torch.Tensor:
+        """An fp32 host buffer the unit's parameters view while `init_from` fills them (init and checkpoints
+        are fp32; filling a bf16 buffer directly would lose the masters' precision). In host memory, so that a
+        seeded init draws from the CPU generator: the same values as a build on CPU, and the accelerator's
+        generator left as it was."""
+        buffer = host_memory_empty(flat.padded_numel, zeroed=True)
+        for s in flat.slices:
+            set_data(s.param, flat.view_of(s, buffer))
+        return buffer
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered for the duration (read-only use: inspection, tests, export)."""
+        for unit in self.units:
+            unit.gather()
+            if self.reader is not None:  # read buffers go back at once: the pool stays one unit deep
+                unit.wait()
+        for unit in self.units:
+            unit.wait()
+        try:
+            yield
+        finally:
+            self.free_all()
+
+    def _free_all_but_root(self) -> None:
+        for unit in self.units:
+            if not unit.is_root:
+                unit.free()
+
+    def free_all(self) -> None:
+        for unit in self.units:
+            unit.free()
+
+    def after_step(self) -> None:
+        """Only the persistent parameters are replicated: refreshed from their updated shards. The rest are
+        gathered on use: what is still gathered (the root, after a forward whose backward never came) and
+        hpZ's secondary partitions hold the weights before the update, and go."""
+        self.free_all()
+        for unit in self.units:
+            unit.drop_secondary()
+        for unit in self.units:
+            if unit.persistent:
+                unit.gathered = False
+                unit.gather()
+                unit.wait()
+
+    def begin_backward(self, last_micro_batch: bool) -> None:
+        super().begin_backward(last_micro_batch)
+        self.in_backward = True
+        self.backward.begin()
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        super().end_backward()
+        self.free_all()
+
+    def reset(self) -> None:
+        self.free_all()
+        self.after_step()
+
+    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+        for unit in self.units:
+            was_gathered = unit.gathered
+            unit.gather()
+            unit.wait()
+            yield [s for flat in unit.flats for s in flat.slices]
+            if not was_gathered:
+                unit.free()
+
+    def held_bytes(self) -> int:
+        gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)
+        pool = self.reader.pool_bytes() if self.reader is not None else 0
+        return gathered + pool + sum(s.numel() * s.element_size() for s in self.param_shards)
