@@ -118,8 +118,7 @@ def assert_trains_as_one_process(plan: dict, world: int, tolerance: float = 1e-5
 
 
 BLOCKS = 3
-CONFIGS = {
-    "stage1": {"zero_stage": 1},
+CONFIGS = {  # stage 1 reduces as stage 2 does (reducer.py's one launch order): tests/zero/test_reducer.py has it
     "stage2": {"zero_stage": 2, "reduce_bucket_size": 200},
     "stage3": {"zero_stage": 3},
     "stage3_hpz": {"zero_stage": 3, "ranks_per_node": 2, "hpz_partition_size": 2},
@@ -460,3 +459,13 @@ def test_the_trainer_fine_tunes_switch_transformers_at_stage3_as_stock_ddp_does(
         assert len(zero["losses"]) == 6
         assert zero["losses"] == pytest.approx(stock["losses"], rel=1e-6, abs=1e-6)
         assert zero["grad_norms"] == pytest.approx(stock["grad_norms"], rel=1e-6, abs=1e-6)
+
+
+def test_a_unit_one_rank_skips_at_the_first_step_stops_every_rank_naming_the_units():
+    """Rank 0 runs blocks 0 and 2, rank 1 every block: the units themselves differ (as an expert made a unit of its
+    own would), which no schedule can pair. Every rank stops at the first step's gather of the units, naming them,
+    instead of hanging."""
+    plan = {"blocks": 3, "steps": [[{"order": (0, 2)}, {"order": (0, 1, 2)}]], "config": {"zero_stage": 3}}
+    with pytest.raises(Exception, match=r"the ranks gather different units next for the forward \(rank 0: "
+                                        r"'blocks.2', rank 1: 'blocks.1'\).*--zero_unit_module_classes"):
+        spawn_gloo(train, 2, plan)
