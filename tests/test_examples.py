@@ -22,7 +22,7 @@ def run(command: list[str]) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])  # an example script learning at stage 2: the run_clm test below
 def test_pretrained_minilm_learns_word_order_well_above_chance(tmp_path, stage):
     """Task: is a sentence of the Python reference as written, or word-shuffled? Balanced: chance is 0.5."""
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
