@@ -62,7 +62,6 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             self._leave_meta(device)
         for s in (s for flat in self.flats for s in flat.slices if not isinstance(s.param, DTensor)):
             s.param.hf_zero_numel = s.numel  # its size when gathered, for counts (a DTensor knows its own)
-        self.unit_of_flat = [u for u in self.units for _ in u.flats]
         self.position = model_order(model)
         self.grads = Stage3Gradients(self.units, self.position, comm, config.overlap_comm,
                                      config.torch_reduce_dtype, offloaded=config.offload_optimizer != "none")
@@ -134,8 +133,9 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         flat buffer's chunk goes, and the fp32 buffers by param group."""
         rank, device = self.comm.rank, self.flats[0].data.device
         fp32_empty = fp32_start_empty(config, device)
+        flat_units = [(flat, unit) for unit in self.units for flat in unit.flats]  # in self.flats' order
         sizes = [0] * num_groups
-        for flat, unit in zip(self.flats, self.unit_of_flat):
+        for flat, unit in flat_units:
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
         self.param_shards = [self._new_param_shard(n, dtype, device) for n in sizes]
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
@@ -143,7 +143,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         chunk_of: dict[int, Chunk] = {}
         offsets = [0] * num_groups
-        for fi, (flat, unit) in enumerate(zip(self.flats, self.unit_of_flat)):
+        for fi, (flat, unit) in enumerate(flat_units):
             g = unit.group_of(flat)
             lo, hi = flat.buckets[0].owned_range(rank)
             chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
