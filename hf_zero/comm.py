@@ -9,11 +9,17 @@ Where the bytes travel is counted twice (`link_bytes`): what this rank sends ove
 inter-node, under the algorithms NCCL runs across nodes (a ring in rank order for all-gather, reduce-scatter
 and all-reduce; direct sends for all-to-all), and its node's cross-node volume as the ZeRO++ paper counts it
 (a flat collective's whole buffer once per node, an all-to-all's whole input per rank).
+
+Every rank must issue the same collectives in the same order; `_Sequence` checks that they do, as they go, and
+stops every rank naming the first collective where they part (with what it was for: `issued_for`).
 """
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+import contextlib
+import hashlib
+import os
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.device import HOST, PendingCopyError, compute_device, overlaps, poison, same_bytes, simulation
-from hf_zero.launch import (note_collective, other_ranks_report, processes_per_node,
+from hf_zero.launch import (collective_timeout, note_collective, other_ranks_report, processes_per_node,
                             start_heartbeat)
 
 MODEL_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
@@ -63,13 +69,19 @@ def _named(what: Callable[[], str], call: Callable[[], Any]) -> Any:
         raise CollectiveError(f"{what()} did not complete: {e}{other_ranks_report()}") from e
 
 
-class _Named:
-    """A collective's work handle whose wait() names the collective if it fails."""
+class CollectiveMismatch(CollectiveError):
+    """The ranks issued different collectives at the same place in their sequence on one group."""
 
-    def __init__(self, work: Any, what: Callable[[], str]) -> None:
-        self.work, self.what = work, what
+
+class _Named:
+    """A collective's work handle whose wait() first checks that every rank issued the same collectives up to
+    this one (`_Sequence`), and names the collective if it fails."""
+
+    def __init__(self, work: Any, what: Callable[[], str], confirm: Callable[[], None]) -> None:
+        self.work, self.what, self.confirm = work, what, confirm
 
     def wait(self) -> bool:
+        self.confirm()
         return _named(self.what, self.work.wait)
 
     def is_completed(self) -> bool:
@@ -95,6 +107,103 @@ class _Pieces:
 
     def is_completed(self) -> bool:
         return self.done or all(work.is_completed() for work in self.works)
+
+
+CHECK_ENV = "HF_ZERO_CHECK_COLLECTIVES"
+# What the engine's collectives are for, while it says so (`issued_for`): part of what the ranks compare.
+_purpose: list[str] = []
+
+
+@contextlib.contextmanager
+def issued_for(text: str) -> Iterator[None]:
+    """The collectives issued inside are for `text` ("the forward gather of unit 'h.3'"): the ranks compare it
+    with the operation and size, and a mismatch names it."""
+    _purpose.append(text)
+    try:
+        yield
+    finally:
+        _purpose.pop()
+
+
+def checking_collectives() -> bool:
+    """Whether the ranks compare their collectives (`_Sequence`): on unless HF_ZERO_CHECK_COLLECTIVES is 0."""
+    text = os.environ.get(CHECK_ENV, "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"{CHECK_ENV} must be 1 (compare every collective across the ranks, the default) or 0 "
+                         f"(do not); got {text!r}")
+    return text == "1"
+
+
+class _Sequence:
+    """The collectives the ranks of one group issue, compared as they go. With each collective every rank sends
+    a hash of its description (operation, size, dtype and what it is for; 8 bytes) to the others over a gloo
+    group of their own, in the background, and the hashes up to a collective must agree on every rank before it can pair
+    with a different one: with gloo, which starts a collective as it is issued, before it is issued; with NCCL
+    (and simulation "late"), before the host waits on it or issues one that blocks. A collective that pairs with
+    a different one on another rank (a stage-3 unit that some ranks' forwards skip, at any step) would otherwise
+    wait until the collective timeout, abort the process (gloo, sizes that differ), or mix two tensors without an
+    error (equal sizes). When the hashes differ, every rank sends its description over a second gloo group, and
+    every rank raises naming each rank's. torch's TORCH_DISTRIBUTED_DEBUG=DETAIL compares operation and shapes
+    before every collective too, synchronously, and not what each one is for.
+
+    By induction the wait cannot hang on a mismatch: the hashes before it agreed, so every rank issued the same
+    collectives before it, and each rank's exchange for a collective is issued with it, never waiting on another
+    rank. One sequence per group of ranks, shared by its Communicators: their collectives interleave on the
+    group, and so are numbered together. HF_ZERO_CHECK_COLLECTIVES=0 turns the comparison off (`checking`)."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.world_size, self.issued = len(ranks), 0
+        self.checking = checking_collectives()
+        if self.checking:
+            timeout = collective_timeout()
+            groups = [dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
+                                     **({} if timeout is None else {"timeout": timeout})) for _ in range(2)]
+            self.hashes, self.descriptions = groups
+        # Each collective's exchange not yet compared: (number, work, every rank's hash, its description, what()).
+        self.exchanges: deque[tuple[int, Any, torch.Tensor, str, Callable[[], str]]] = deque()
+
+    def issue(self, description: str, what: Callable[[], str]) -> int:
+        """Numbers the next collective and starts sending the hash of its description to the other ranks."""
+        self.issued += 1
+        if self.checking:
+            digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
+            everyones = torch.empty(self.world_size, dtype=torch.int64)
+            work = dist.all_gather_single(everyones, torch.tensor([digest]), group=self.hashes, async_op=True)
+            self.exchanges.append((self.issued, work, everyones, description, what))
+        return self.issued
+
+    def confirm(self, number: int) -> None:
+        """Every rank issued the same collectives up to the `number`-th, or every rank raises naming the first
+        that differs."""
+        while self.exchanges and self.exchanges[0][0] <= number:
+            issued, work, everyones, description, what = self.exchanges.popleft()
+            _named(what, work.wait)
+            if bool((everyones == everyones[0]).all()):
+                continue
+            said: list[Any] = [None] * self.world_size
+            _named(what, lambda: dist.all_gather_object(said, description, group=self.descriptions))
+            each = "; ".join(f"rank {r}: {text}" for r, text in enumerate(said))
+            raise CollectiveMismatch(
+                f"the ranks issued different collectives as collective #{issued} of their group of "
+                f"{self.world_size} ({each}): each would wait for a partner that never comes, or, with equal "
+                f"sizes, mix two tensors. Every rank must issue the same collectives in the same order. At ZeRO "
+                f"stage 3 the cause is a unit that some ranks' forwards skip (an expert made a unit of its own, "
+                f"a layer some ranks drop): make the units modules every rank runs (name the blocks that hold "
+                f"the experts, not the experts, in unit_module_classes: --zero_unit_module_classes), or train "
+                f"at zero_stage 2 (--zero_stage 2)")
+
+
+# Keyed by the default group too (held, so never mistaken for a later one): a new process group starts anew.
+_sequences: dict[tuple[Any, tuple[int, ...]], _Sequence] = {}
+
+
+def _sequence_of(ranks: Sequence[int]) -> _Sequence:
+    """The sequence of the group of `ranks` (global ranks), made at the group's first collective, which every
+    member issues (making its gloo groups is collective among them)."""
+    key = (dist.group.WORLD, tuple(ranks))
+    if key not in _sequences:
+        _sequences[key] = _Sequence(ranks)
+    return _sequences[key]
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -271,7 +380,6 @@ class Communicator:
         # rank's slice in place and reducing each chunk to its owner in place move the same bytes with none
         # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
         self.per_rank_pieces = backend == "gloo"
-        self.launched = 0  # collectives this rank issued on this group, numbered in its errors
         self.subgroups: dict[tuple[tuple[int, ...], ...], Communicator] = {}
         if self.world_size > 1:
             start_heartbeat()
@@ -289,21 +397,31 @@ class Communicator:
         asynchronous one (`async_op`) that `reads` and `writes` those tensors runs under hf_zero.device's
         simulation as late ("late": at its wait) or as early ("early": finished when this returns) as a GPU
         may run it."""
-        self.launched += 1
-        number, size = self.launched, None if tensor is None else (tensor.numel(), tensor.dtype)
+        elements = "" if tensor is None else \
+            f" ({tensor.numel():,} {str(tensor.dtype).removeprefix('torch.')} elements)"
+        number = 1  # until issued: the group's sequence is made at its first collective
 
         def what() -> str:
-            elements = "" if size is None else f" ({size[0]:,} {str(size[1]).removeprefix('torch.')} elements)"
             return f"rank {rank()}: {op} #{number} of its group of {self.world_size}{elements}"
 
+        sequence = _named(what, lambda: _sequence_of(self.global_ranks))
+        number = sequence.issue(f"{op}{elements}" + (f" for {_purpose[-1]}" if _purpose else ""), what)
         note_collective(what)
+
+        def confirm() -> None:
+            sequence.confirm(number)
+
         mode = simulation() if async_op else None
-        if mode == "late":
-            return _Named(_Late(launch, list(reads), list(writes), what), what)
+        if mode == "late":  # launched at its wait, as late as a GPU may run it: compared there, as on a GPU
+            return _Named(_Late(launch, list(reads), list(writes), what), what, confirm)
+        # gloo starts a collective as it is issued, and one that pairs with another of a different size aborts
+        # the process in gloo's transport thread: compared first. NCCL's is compared before the host waits on it.
+        if not async_op or self.device == HOST:
+            confirm()
         work = _named(what, launch)
         if mode == "early":
             _named(what, work.wait)
-        return None if work is None else _Named(work, what)
+        return None if work is None else _Named(work, what, confirm)
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:

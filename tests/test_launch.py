@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from hf_zero.comm import CollectiveError, Communicator, Ledger
+from hf_zero.comm import CHECK_ENV, CollectiveError, Communicator, Ledger, checking_collectives, issued_for
+from hf_zero.device import SIMULATE_ENV
 from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, HEARTBEAT_SECONDS, collective_timeout, free_port, spawn_gloo
 
 SCRIPT = """
@@ -104,13 +105,9 @@ def test_a_rank_that_finished_its_script_cannot_abort_in_interpreter_teardown(tm
 
 
 def collective_only_rank_0_joins(through: str) -> None:
-    """Rank 0 enters one collective that rank 1 never joins (rank 1 is busy elsewhere, as a hung rank is),
-    or, with "mismatched", both enter a collective but not the same one (rank 1 broadcasts)."""
+    """Rank 0 enters one collective that rank 1 never joins (rank 1 is busy elsewhere, as a hung rank is)."""
     tensor = torch.ones(8)
-    if through == "mismatched":
-        comm = Communicator(Ledger())
-        comm.all_reduce_(tensor) if dist.get_rank() == 0 else comm.broadcast_(tensor)
-    elif dist.get_rank() == 1:
+    if dist.get_rank() == 1:
         time.sleep(120)
     elif through == "engine":
         Communicator(Ledger()).all_reduce_(tensor, async_op=True).wait()
@@ -121,7 +118,6 @@ def collective_only_rank_0_joins(through: str) -> None:
 @pytest.mark.parametrize("through, named", [
     ("engine", r"rank 0: all_reduce #1 of its group of 2 \(8 float32 elements\) did not complete"),
     ("torch", r"rank 0 of 2 failed, waiting in torch.distributed.all_reduce called from .*test_launch.py:\d+"),
-    ("mismatched", r"rank [01]: (all_reduce|broadcast) #1 of its group of 2 .* did not complete"),
 ])
 def test_a_collective_a_rank_never_joins_fails_within_the_timeout_naming_the_rank_and_the_collective(
         monkeypatch, through, named):
@@ -130,8 +126,51 @@ def test_a_collective_a_rank_never_joins_fails_within_the_timeout_naming_the_ran
     start = time.monotonic()
     with pytest.raises(Exception, match=named) as failure:
         spawn_gloo(collective_only_rank_0_joins, 2, through)
-    assert "Timed out" in str(failure.value) or "Connection closed" in str(failure.value)
+    # gloo's collective says "Timed out", its group's creation at the group's first collective "wait timeout"
+    assert re.search("timed out|wait timeout|Connection closed", str(failure.value), re.IGNORECASE)
     assert time.monotonic() - start < 30  # not the 120 s rank 1 sleeps, nor a default timeout
+
+
+def ranks_issue_different_collectives(at: int, asynchronous: bool) -> None:
+    """The ranks issue `at` - 1 all-reduces alike, then rank 0 an all-reduce and rank 1 a broadcast of the same
+    size, or both an all-reduce but for different things (as two equal stage-3 units are)."""
+    comm, tensor = Communicator(Ledger()), torch.ones(8)
+    for _ in range(at - 1):
+        comm.all_reduce_(tensor, async_op=asynchronous).wait()
+    if asynchronous:
+        with issued_for(f"the forward gather of unit 'blocks.{dist.get_rank()}'"):
+            comm.all_reduce_(tensor, async_op=True).wait()
+    else:
+        comm.all_reduce_(tensor) if dist.get_rank() == 0 else comm.broadcast_(tensor)
+
+
+@pytest.mark.parametrize("at, asynchronous, named", [
+    (1, False, r"rank 0: all_reduce \(8 float32 elements\); rank 1: broadcast \(8 float32 elements\)"),
+    (3, True, r"rank 0: all_reduce \(8 float32 elements\) for the forward gather of unit 'blocks.0'; "
+              r"rank 1: all_reduce \(8 float32 elements\) for the forward gather of unit 'blocks.1'"),
+])
+@pytest.mark.parametrize("simulated", ["", "late"])
+def test_collectives_the_ranks_issue_differently_stop_every_rank_at_once_naming_each(monkeypatch, at, asynchronous,
+                                                                                     named, simulated):
+    """Before a collective can pair with a different one (gloo: at its issue; NCCL and simulation "late": before
+    the host waits on it), every rank stops naming each rank's collective: not the timeout's wait (here 30 s),
+    nor gloo's abort of the process, nor a silent mix of two tensors of one size."""
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "30")
+    monkeypatch.setenv(SIMULATE_ENV, simulated)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=rf"the ranks issued different collectives as collective #{at} of their "
+                                        rf"group of 2 \({named}\).*--zero_unit_module_classes"):
+        spawn_gloo(ranks_issue_different_collectives, 2, at, asynchronous)
+    assert time.monotonic() - start < 25
+
+
+def test_hf_zero_check_collectives_0_turns_the_check_off_and_other_values_are_refused(monkeypatch):
+    """Off, two all-reduces of one size issued for different things pair silently: the check is what caught them."""
+    monkeypatch.setenv(CHECK_ENV, "0")
+    spawn_gloo(ranks_issue_different_collectives, 2, 3, True)
+    monkeypatch.setenv(CHECK_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{CHECK_ENV} must be 1 .* or 0 .*; got 'yes'"):
+        checking_collectives()
 
 
 def rank_1_stops(report_to: str) -> None:

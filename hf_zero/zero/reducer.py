@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator
+from hf_zero.comm import Communicator, issued_for
 from hf_zero.device import CommStream, Reduction
 from hf_zero.zero.partition import FlatParamBuffer, Piece
 
@@ -168,6 +168,10 @@ class GradientReducer:
         """Says when bucket `key` is reduced, for errors."""
         return "once every gradient in it had come"
 
+    def bucket_name(self, key: BucketKey) -> str:
+        """What bucket `key` holds, the same on every rank: its reduction's collectives say so (comm.issued_for)."""
+        return f"gradient bucket {key[1]} of flat buffer {key[0]}"
+
     def take_unused(self) -> list[nn.Parameter]:
         """The parameters no gradient reached on this rank since the last call (one optimizer step's window)."""
         unused = [p for p in self.param_pieces if p not in self.got_grad]
@@ -177,8 +181,13 @@ class GradientReducer:
     def launch(self, key: BucketKey) -> None:
         """Reduces bucket `key` now; the pieces no gradient reached on this rank add zeros."""
         self.launched.add(key)
-        bucket = self.reduce_bucket(key)
-        self.in_flight.append((self.comm_stream.submit(bucket.launch, bucket.settle), bucket.release))
+        bucket, name = self.reduce_bucket(key), self.bucket_name(key)
+
+        def launch_named() -> Any:  # the collective may be issued later, at a wait (simulation "late")
+            with issued_for(f"the reduction of {name}"):
+                return bucket.launch()
+
+        self.in_flight.append((self.comm_stream.submit(launch_named, bucket.settle), bucket.release))
         limit = self.max_in_flight if self.overlap_comm else 0
         while self.in_flight and (len(self.in_flight) > limit or self.comm_stream.done(self.in_flight[0][0])):
             self._retire_oldest()

@@ -56,7 +56,11 @@ class Stage3Gradients(PartitionedGradients):
 
     def reduced_when(self, key: BucketKey) -> str:
         unit = self.unit_of_flat[key[0]]
-        return f"at the end of the backward of unit {unit.name!r}"
+        return f"at the end of the backward of {unit.title}"
+
+    def bucket_name(self, key: BucketKey) -> str:
+        unit = self.unit_of_flat[key[0]]
+        return f"the gradients of {unit.title}" + (f" (flat buffer {key[0]})" if len(unit.flats) > 1 else "")
 
     def expect_post_backward(self, unit: Unit, marked: bool) -> None:
         """A forward of the unit marked its post-backward (schedule.py's _PostBackward), or had no input to mark

@@ -130,8 +130,6 @@ class Schedule:
                 and self.root_saves_waiting <= 0:
             self.root.free_early()  # backward has read back all the forward saved of it
             self.grads.open_buckets()  # the tied head's gradient, kept until the root's weights went
-        if not order.expected and self.comm.world_size > 1:
-            self._check_every_rank_gathers(unit, purpose)
         to_come = order.visit(unit)
         unit.gather(purpose)
         budget = self.prefetch_numel
@@ -143,23 +141,6 @@ class Schedule:
                 self.comm.ledger.count("units prefetched")
                 next_unit.gather(purpose)
         unit.wait()
-
-    def _check_every_rank_gathers(self, unit: Unit, purpose: str) -> None:
-        """In the first pass of each kind (the first forward, the first backward), before each gather: every rank
-        says which unit it gathers next. A unit some ranks skip (a unit of one expert, which only the ranks whose
-        tokens were routed to it run) is gathered on those ranks only, and its all-gather would pair with another
-        collective elsewhere: a hang, or wrong weights when the sizes agree. Caught here, every rank stops naming
-        the units. A control message, outside the ledger; later passes have no such check, so a unit skipped
-        only after the first step is not caught (docs/zero.md, Limits)."""
-        names = self.comm.all_gather_object(unit.name)
-        if len(set(names)) > 1:
-            said = ", ".join(f"rank {rank}: {repr(name) if name else 'the root'}" for rank, name in enumerate(names))
-            raise RuntimeError(
-                f"ZeRO stage 3: the ranks gather different units next for the {purpose} ({said}): a unit that some "
-                f"ranks' forwards skip (an expert made a unit of its own, a layer dropped at random) is gathered on "
-                f"the others only, and they would wait for a collective it never joins. Make the units modules every "
-                f"rank runs: name the blocks that hold the experts, not the experts, in unit_module_classes "
-                f"(--zero_unit_module_classes), or train at zero_stage 2 (--zero_stage 2)")
 
 
 class _PostBackward(torch.autograd.Function):

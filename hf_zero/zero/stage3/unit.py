@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator
+from hf_zero.comm import Communicator, issued_for
 from hf_zero.device import Copy, LatestCopy, on_copy_stream, to_device
 from hf_zero.ops.quantize import dequantize_senders, quantize
 from hf_zero.zero.partition import FlatParamBuffer, set_data
@@ -52,6 +52,11 @@ class Unit:
         self.secondary: Communicator | None = None
         self.secondary_parts: list[torch.Tensor] = []
 
+    @property
+    def title(self) -> str:
+        """The unit as messages name it: by its module's name, the root (named '') as the root unit."""
+        return f"unit {self.name!r}" if self.name else "the root unit"
+
     def gather(self, purpose: str = "read") -> None:
         """Starts the all-gather of every flat buffer of the unit (asynchronously), for a "forward", a
         "backward" or a "read" (export, inspection). Under ZeRO++ a forward or backward gather goes
@@ -62,6 +67,14 @@ class Unit:
         self._tally(+1)
         for flat in self.flats:
             flat.allocate_storage()
+        with issued_for(f"the {purpose} gather of {self.title}"):
+            self._start_gather(purpose)
+        for flat in self.flats:
+            for s in flat.slices:
+                set_data(s.param, flat.view_of(s))
+        self.gathered, self.placeholders = True, False
+
+    def _start_gather(self, purpose: str) -> None:
         if purpose != "read" and self.secondary_parts:
             self.works.append(self._gather_exact(self.secondary, self.secondary_parts))
         else:
@@ -75,15 +88,11 @@ class Unit:
                     for copy in self.copies:
                         copy.ready()
                     self.works.append(self._gather_exact(self.comm, shards))
-        for flat in self.flats:
-            for s in flat.slices:
-                set_data(s.param, flat.view_of(s))
-        self.gathered, self.placeholders = True, False
 
     def _shard_on_device(self, i: int) -> torch.Tensor:
         shard = self.shards[i] if self.reader is None else self._read(i)
         if self.shards_lent is not None:
-            shard, copy = to_device(shard, self.flats[i].data.device, f"the host shard of unit {self.name!r}",
+            shard, copy = to_device(shard, self.flats[i].data.device, f"the host shard of {self.title}",
                                     overlap=True)
             self.copies.append(copy)
         return shard

@@ -21,14 +21,6 @@ from tests.helpers import VOCAB, named_copy, sgd_steps, tiny_model
 WIDTH, BATCH = 16, 8
 
 
-@pytest.fixture(autouse=True)
-def collectives_checked_across_ranks(monkeypatch):
-    """Every spawned rank wraps its process group in torch's checks (TORCH_DISTRIBUTED_DEBUG=DETAIL): before each
-    collective the ranks compare its operation and shapes, so one that pairs with a different collective on
-    another rank fails at once, both calls named, instead of hanging until the collective timeout."""
-    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
-
-
 class Block(nn.Module):
     """A block with an expert that a micro-batch may skip (a token routed elsewhere, a branch not taken)."""
 
@@ -447,12 +439,11 @@ def trainers_on_switch_transformers(stage: int) -> dict[str, dict[str, list[floa
     return results
 
 
-def test_the_trainer_fine_tunes_switch_transformers_at_stage3_as_stock_ddp_does(monkeypatch):
+def test_the_trainer_fine_tunes_switch_transformers_at_stage3_as_stock_ddp_does():
     """Stock DDP is the reference here, not one process on the global batch: the router's losses are each rank's
     own (its tokens' load balance), as under any data parallelism. SGD, not Adam: with Adam an expert that first
     gets a gradient at a later step is stepped with the bias correction of its chunk's step count, not its own
-    (docs/zero.md, Limits). Without torch's collective checks: DDP crashes under them (docs/testing.md)."""
-    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG")
+    (docs/zero.md, Limits)."""
     for result in spawn_gloo(trainers_on_switch_transformers, 2, 3):
         stock, zero = result["stock"], result["zero"]
         assert len(zero["losses"]) == 6
@@ -460,11 +451,25 @@ def test_the_trainer_fine_tunes_switch_transformers_at_stage3_as_stock_ddp_does(
         assert zero["grad_norms"] == pytest.approx(stock["grad_norms"], rel=1e-6, abs=1e-6)
 
 
-def test_a_unit_one_rank_skips_at_the_first_step_stops_every_rank_naming_the_units():
-    """Rank 0 runs blocks 0 and 2, rank 1 every block: the units themselves differ (as an expert made a unit of its
-    own would), which no schedule can pair. Every rank stops at the first step's gather of the units, naming them,
-    instead of hanging."""
-    plan = {"blocks": 3, "steps": [[{"order": (0, 2)}, {"order": (0, 1, 2)}]], "config": {"zero_stage": 3}}
-    with pytest.raises(Exception, match=r"the ranks gather different units next for the forward \(rank 0: "
-                                        r"'blocks.2', rank 1: 'blocks.1'\).*--zero_unit_module_classes"):
+# Where the ranks part. At the first step no order is known, and rank 0 gathers block 2 where rank 1 gathers block
+# 1. Later, rank 0's forward still gathers block 1 (prefetched in the order of the step before) and the ranks part
+# at the reduction of block 1's gradients, which rank 0 never reaches.
+PARTING = {
+    0: r"rank 0: all_gather .* for the forward gather of unit 'blocks.2'; "
+       r"rank 1: all_gather .* for the forward gather of unit 'blocks.1'",
+    2: r"rank 0: reduce_scatter .* for the reduction of the gradients of the root unit; "
+       r"rank 1: reduce_scatter .* for the reduction of the gradients of unit 'blocks.1'",
+}
+
+
+@pytest.mark.parametrize("skipping_step", sorted(PARTING))
+def test_a_unit_one_rank_skips_at_any_step_stops_every_rank_naming_the_units(skipping_step):
+    """Rank 0 runs blocks 0 and 2 at `skipping_step`, rank 1 every block: the units themselves differ (as an expert
+    made a unit of its own would), which no schedule can pair. Every rank stops at the first collective where they
+    part (hf_zero.comm's sequence check), naming it on each rank, instead of hanging or mixing the blocks."""
+    every_block = [{"order": (0, 1, 2)}, {"order": (0, 1, 2)}]
+    plan = {"blocks": 3, "steps": [every_block] * skipping_step + [[{"order": (0, 2)}, {"order": (0, 1, 2)}]],
+            "config": {"zero_stage": 3}}
+    with pytest.raises(Exception, match=rf"the ranks issued different collectives as collective #\d+ of their group "
+                                        rf"of 2 \({PARTING[skipping_step]}\).*--zero_unit_module_classes"):
         spawn_gloo(train, 2, plan)
