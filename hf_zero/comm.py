@@ -15,15 +15,11 @@ stops every rank naming the first collective where they part (with what it was f
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import os
-import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
-from queue import SimpleQueue
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -142,19 +138,21 @@ class _Sequence:
     """The collectives the ranks of one group issue, compared as they go. With each collective every rank sends
     a hash of its description (operation, size, dtype and what it is for; 8 bytes) to the others over a gloo
     group of their own, in the background, and the hashes up to a collective must agree on every rank before it
-    can pair with a different one: with gloo, which starts a collective as it is launched, before it is launched
-    (a thread launches the group's collectives in order: `launch`); with NCCL (and simulation "late"), before the
-    host waits on it or issues one that blocks. A collective that pairs with a different one on another rank (a
-    stage-3 unit that some ranks' forwards skip, at any step) would otherwise wait until the collective timeout,
-    abort the process (gloo, sizes that differ), or mix two tensors without an error (equal sizes). When the
-    hashes differ, every rank sends its description over a second gloo group, and every rank raises naming each
-    rank's. torch's TORCH_DISTRIBUTED_DEBUG=DETAIL compares operation and shapes before every collective too,
-    synchronously, and not what each one is for.
+    can pair with a different one: with gloo, which starts a collective as it is issued, before it is issued;
+    with NCCL (and simulation "late"), before the host waits on it or issues one that blocks. A collective that
+    pairs with a different one on another rank (a stage-3 unit that some ranks' forwards skip, at any step)
+    would otherwise wait until the collective timeout, abort the process (gloo, sizes that differ), or mix two
+    tensors without an error (equal sizes). When the hashes differ, every rank sends its description over a
+    second gloo group, and every rank raises naming each rank's. torch's TORCH_DISTRIBUTED_DEBUG=DETAIL compares
+    operation and shapes before every collective too, synchronously, and not what each one is for.
 
     By induction the wait cannot hang on a mismatch: the hashes before it agreed, so every rank issued the same
     collectives before it, and each rank's exchange for a collective is issued with it, never waiting on another
-    rank. One sequence per group of ranks, shared by its Communicators: their collectives interleave on the
-    group, and so are numbered together. HF_ZERO_CHECK_COLLECTIVES=0 turns the comparison off (`checking`)."""
+    rank. Collectives are issued when the program issues them, never later: torch issues its own on the same
+    groups (DTensor's tensor-parallel all-reduces), and a collective held back until its exchange returns would
+    meet them in another order on each rank. One sequence per group of ranks, shared by its Communicators: their
+    collectives interleave on the group, and so are numbered together. HF_ZERO_CHECK_COLLECTIVES=0 turns the
+    comparison off (`checking`)."""
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self.world_size, self.issued = len(ranks), 0
@@ -166,41 +164,6 @@ class _Sequence:
             self.hashes, self.descriptions = groups
         # Each collective's exchange not yet compared: (number, work, every rank's hash, its description, what()).
         self.exchanges: deque[tuple[int, Any, torch.Tensor, str, Callable[[], str]]] = deque()
-        # gloo: a thread launches the group's collectives in order, each once its exchange agreed (`launch`).
-        self.to_launch: SimpleQueue = SimpleQueue()
-        self.failure: BaseException | None = None  # what stopped the launcher: every later launch raises it
-        self.launcher: threading.Thread | None = None
-        if self.checking:
-            self.launcher = threading.Thread(target=self._launch_in_order, name="hf_zero collectives", daemon=True)
-            self.launcher.start()
-            atexit.register(self._stop)
-
-    def launch(self, number: int, launch: Callable[[], Any], what: Callable[[], str]) -> _Launched:
-        """gloo starts a collective as it is issued, and aborts the process in its transport thread when it pairs
-        with one of another size: each is launched only once the hashes up to it agreed, on the launcher thread,
-        in the order issued, so that the host goes on meanwhile (waiting for the exchange's round trip added 2-3%
-        to a stage-3 step on a 2-core CPU). The callers already keep a collective's tensors untouched until its
-        wait, as NCCL requires (hf_zero.device's simulation "late" checks that they do)."""
-        launched: Future = Future()
-        self.to_launch.put((number, launch, what, launched))
-        return _Launched(launched, what)
-
-    def _launch_in_order(self) -> None:
-        while (item := self.to_launch.get()) is not None:
-            number, launch, what, launched = item
-            if self.failure is None:
-                try:
-                    self.confirm(number)
-                    launched.set_result(_named(what, launch))
-                    continue
-                except BaseException as e:  # handed to the waiter; every later launch fails with it too
-                    self.failure = e
-            launched.set_exception(self.failure)
-
-    def _stop(self) -> None:
-        """At exit, before finalization (which would end the thread inside a C++ call, and abort)."""
-        self.to_launch.put(None)
-        self.launcher.join(timeout=5)
 
     def issue(self, description: str, what: Callable[[], str]) -> int:
         """Numbers the next collective and starts sending the hash of its description to the other ranks."""
@@ -231,24 +194,6 @@ class _Sequence:
                 f"a layer some ranks drop): make the units modules every rank runs (name the blocks that hold "
                 f"the experts, not the experts, in unit_module_classes: --zero_unit_module_classes), or train "
                 f"at zero_stage 2 (--zero_stage 2)")
-
-
-class _Launched:
-    """The work handle of a collective `_Sequence.launch` issues on its thread: wait() waits for the launch (and
-    raises what stopped it), then for the collective."""
-
-    def __init__(self, launched: Future, what: Callable[[], str]) -> None:
-        self.launched, self.what = launched, what
-
-    def wait(self) -> bool:
-        work = self.launched.result()
-        return True if work is None else _named(self.what, work.wait)
-
-    def is_completed(self) -> bool:
-        if not self.launched.done():
-            return False
-        work = self.launched.result()
-        return work is None or work.is_completed()
 
 
 # Keyed by the default group too (held, so never mistaken for a later one): a new process group starts anew.
@@ -472,12 +417,9 @@ class Communicator:
         mode = simulation() if async_op else None
         if mode == "late":  # launched at its wait, as late as a GPU may run it: compared there, as on a GPU
             return _Named(_Late(launch, list(reads), list(writes), what), what, confirm)
-        if self.device == HOST and sequence.launcher is not None:  # gloo: compared before it is launched
-            work = sequence.launch(number, launch, what)
-            if not async_op or mode == "early":
-                work.wait()
-            return work
-        if not async_op:  # NCCL: compared before the host waits on it
+        # gloo starts a collective as it is issued, and one that pairs with another of a different size aborts
+        # the process in gloo's transport thread: compared first. NCCL's is compared before the host waits on it.
+        if not async_op or self.device == HOST:
             confirm()
         work = _named(what, launch)
         if mode == "early":

@@ -152,9 +152,9 @@ def ranks_issue_different_collectives(at: int, asynchronous: bool) -> None:
 @pytest.mark.parametrize("simulated", ["", "late"])
 def test_collectives_the_ranks_issue_differently_stop_every_rank_at_once_naming_each(monkeypatch, at, asynchronous,
                                                                                      named, simulated):
-    """Before a collective can pair with a different one (gloo: before it is launched; NCCL and simulation "late":
-    before the host waits on it), every rank stops naming each rank's collective: not the timeout's wait (here
-    30 s), nor gloo's abort of the process, nor a silent mix of two tensors of one size."""
+    """Before a collective can pair with a different one (gloo: at its issue; NCCL and simulation "late": before
+    the host waits on it), every rank stops naming each rank's collective: not the timeout's wait (here 30 s),
+    nor gloo's abort of the process, nor a silent mix of two tensors of one size."""
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "30")
     monkeypatch.setenv(SIMULATE_ENV, simulated)
     start = time.monotonic()
