@@ -116,11 +116,12 @@ def trainable_params_by_group(model: nn.Module, optimizer: torch.optim.Optimizer
         elif p.requires_grad:
             raise ZeroConfigError(f"parameter {name} requires grad but is in no optimizer param group; add it to the "
                              f"optimizer or set requires_grad=False")
+    if not seen:
+        raise ZeroConfigError("the optimizer holds no parameter of the model that requires grad: there is nothing to "
+                              "train")
     if len(seen) != len(group_of):
         raise ZeroConfigError("the optimizer holds tensors that are not parameters of the model; build it on "
                          "model.parameters()")
-    if any(not named for named in groups):
-        raise ZeroConfigError("an optimizer param group has no parameters of the model; drop empty groups")
     return groups
 
 

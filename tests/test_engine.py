@@ -9,6 +9,7 @@ import transformers
 
 import hf_zero
 from hf_zero.config import ZeroConfigError
+from hf_zero.launch import spawn_gloo
 from hf_zero.device import SIMULATION_MODES
 from hf_zero.zero.reducer import MAX_IN_FLIGHT
 from tests.conftest import UNDER_SIMULATION
@@ -125,6 +126,43 @@ def test_global_norm_clipping_matches_torch_clip_grad_norm(world2, single_proces
         r = rank_result[f"s{stage}_clip"]
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-4)
         assert max_diff(r["params"], ref["params"]) < FP32_TOL
+
+
+def with_an_empty_param_group(stage: int | None, empty_first: bool) -> dict[str, torch.Tensor]:
+    """3 AdamW steps of an MLP whose optimizer has an empty param group before or after the one with weight decay
+    (the Trainer's no-decay group under LoRA); `stage` None: one process on the global batch, with torch's AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
+    empty = {"params": [], "weight_decay": 0.0}
+    optimizer = torch.optim.AdamW([empty, *groups] if empty_first else [*groups, empty], lr=1e-2)
+    inputs = [torch.randn(8, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    if stage is None:
+        for x in inputs:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return named_copy(model)
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage})
+    for x in inputs:
+        engine.backward(engine(x.chunk(engine.comm.world_size)[engine.comm.rank]).square().mean())
+        engine.step()
+    with engine.gathered_parameters():
+        return named_copy(model)
+
+
+def empty_group_runs() -> dict[tuple[int, bool], dict[str, torch.Tensor]]:
+    """Stage 1 as the stages that keep flat buffers per param group (0-2), stage 3 as the one that keeps units."""
+    return {(stage, first): with_an_empty_param_group(stage, first) for stage in (1, 3) for first in (True, False)}
+
+
+@pytest.mark.slow
+def test_an_empty_param_group_anywhere_trains_as_torch_does_in_one_process():
+    """torch's optimizers take an empty param group, so the engine does; the others keep their own
+    hyper-parameters (a misplaced weight decay would show)."""
+    runs = spawn_gloo(empty_group_runs, 2)[0]
+    for (stage, first), weights in runs.items():
+        assert max_diff(weights, with_an_empty_param_group(None, first)) < FP32_TOL, (stage, first)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -18,7 +18,9 @@ from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, gp
 STAGES = (0, 1, 2, 3)
 RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s in STAGES]
         + [TrainerRun(f"zero{s}_checkpointing_gpt2", s, args={"gradient_checkpointing": True}) for s in (2, 3)]
-        + [TrainerRun("stock_t5", None, "t5"), TrainerRun("zero3_t5", 3, "t5")])
+        + [TrainerRun("stock_t5", None, "t5"), TrainerRun("zero3_t5", 3, "t5")]
+        + [TrainerRun("stock_lora_gpt2", None, lora=True)] + [TrainerRun(f"zero{s}_lora_gpt2", s, lora=True)
+                                                              for s in (1, 2, 3)])
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,24 @@ def test_gradient_checkpointing_recomputes_with_the_same_losses(trainer_runs, st
     """At stage 3 recomputation in backward runs the blocks' forward hooks again, gathering their units."""
     stock, zero = trainer_runs[0]["stock_gpt2"], trainer_runs[0][f"zero{stage}_checkpointing_gpt2"]
     assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_lora_adapter_fine_tunes_at_every_stage_as_under_stock_ddp(trainer_runs, stage):
+    """peft's LoRA on the attention, through the Trainer's own AdamW: its decay group holds the adapters and its
+    no-decay group nothing, an empty group torch takes and so must the engine (it refused it before). The
+    losses, grad norms and trained adapters are stock DDP's; the frozen base is never written."""
+    stock, zero = trainer_runs[0]["stock_lora_gpt2"], trainer_runs[0][f"zero{stage}_lora_gpt2"]
+    assert zero["engine_stage"] == stage
+    assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
+    assert max(abs(a - b) / b for a, b in zip(zero["grad_norms"], stock["grad_norms"])) < 1e-4
+    assert sorted(zero["trainable"]) == sorted(stock["trainable"]) and all("lora_" in n for n in stock["trainable"])
+    for name, adapter in stock["trainable"].items():
+        torch.testing.assert_close(zero["trainable"][name], adapter, atol=1e-5, rtol=0)
+    # LoRA's B starts at zero: it moved, so the adapters were trained and not compared at their start.
+    assert min(a.abs().max().item() for n, a in stock["trainable"].items() if "lora_B" in n) > 1e-3
+    assert zero["frozen_moved"] == stock["frozen_moved"] == 0.0
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ and returns what the tests compare: logged losses and grad norms, eval loss, pre
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from peft import LoraConfig, get_peft_model
 from transformers import (LogitsProcessor, LogitsProcessorList, Seq2SeqTrainer, Seq2SeqTrainingArguments,
                           T5Config, T5ForConditionalGeneration, Trainer, TrainingArguments)
 
@@ -69,6 +71,7 @@ class TrainerRun:
     zero_stage: int | None  # None: the stock Trainer (DDP)
     model: str = "gpt2"  # "gpt2" or "t5" (Seq2Seq with generation)
     args: dict[str, Any] = field(default_factory=dict)
+    lora: bool = False  # the model wrapped by peft with LoRA adapters on its attention, the base frozen
 
 
 def _arguments(run: TrainerRun, output_dir: str) -> TrainingArguments:
@@ -101,6 +104,10 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
     for run in runs:
         with tempfile.TemporaryDirectory() as output_dir:
             model = t5_model() if run.model == "t5" else gpt2_model()
+            if run.lora:
+                model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                         lora_dropout=0.0))
+            frozen_at_start = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             trainer = _trainer_class(run)(model=model, args=_arguments(run, output_dir),
                                           train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
                                           eval_dataset=lm_examples(EVAL_EXAMPLES, seed=2))
@@ -119,9 +126,16 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
                 record["generated"] = torch.as_tensor(out.predictions)
             else:
                 record["predictions"] = torch.as_tensor(trainer.predict(lm_examples(8, seed=3)).predictions)
-            if isinstance(trainer, (ZeroTrainer, ZeroSeq2SeqTrainer)):
+            zero = isinstance(trainer, (ZeroTrainer, ZeroSeq2SeqTrainer))
+            if zero:
                 record["engine_stage"] = trainer.engine.zero_stage
                 record["engine_global_grad_norm"] = trainer.engine.global_grad_norm
+            if run.lora:
+                with trainer.engine.gathered_parameters() if zero else contextlib.nullcontext():
+                    record["trainable"] = {n: p.detach().clone() for n, p in model.named_parameters()
+                                           if p.requires_grad}
+                    record["frozen_moved"] = max((p - frozen_at_start[n]).abs().max().item()
+                                                 for n, p in model.named_parameters() if not p.requires_grad)
             results[run.name] = record
     return results
 

@@ -38,11 +38,14 @@ class FlatParams(ParamHolder):
         self.comm, self.replicated = comm, stage == 0
         self.reduces_every_backward = stage == 2
         self.allgather_bucket_size = config.allgather_bucket_size
+        # One flat buffer per param group that has parameters (the Trainer's no-decay group is empty under LoRA).
         self.flats = [FlatParamBuffer(list(reversed(named)), 1 if self.replicated else comm.world_size, dtype,
-                                      config.bucket_numel(comm.world_size)) for named in groups]
+                                      config.bucket_numel(comm.world_size)) for named in groups if named]
+        flat_of_group = iter(range(len(self.flats)))
+        self.flat_of_group = [next(flat_of_group) if named else None for named in groups]
         fp32_empty = fp32_start_empty(config, self.flats[0].data.device)
-        self.fp32_init = None if dtype == torch.float32 else [
-            [self._read_fp32(flat, b, fp32_empty) for b in flat.buckets] for flat in self.flats]
+        self.fp32_init = None if dtype == torch.float32 else self._per_group(
+            lambda fi, b: self._read_fp32(self.flats[fi], b, fp32_empty))
         for flat in self.flats:
             flat.pack_and_bind()
         if stage == 2:
@@ -53,7 +56,11 @@ class FlatParams(ParamHolder):
         else:
             self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, position, config.torch_reduce_dtype,
                                              partitioned=stage == 1)
-        self.param_chunks = [[flat.owned_chunk(b, self.shard) for b in flat.buckets] for flat in self.flats]
+        self.param_chunks = self._per_group(lambda fi, b: self.flats[fi].owned_chunk(b, self.shard))
+
+    def _per_group(self, each: Callable[[int, Bucket], Any]) -> list[list[Any]]:
+        """each(flat index, bucket) for the buckets of each param group's flat buffer; none for an empty group."""
+        return [[] if fi is None else [each(fi, b) for b in self.flats[fi].buckets] for fi in self.flat_of_group]
 
     @property
     def shard(self) -> int:
@@ -68,7 +75,7 @@ class FlatParams(ParamHolder):
         return values
 
     def chunk_keys(self) -> list[list[BucketKey]]:
-        return [[(fi, b.index) for b in flat.buckets] for fi, flat in enumerate(self.flats)]
+        return self._per_group(lambda fi, b: (fi, b.index))
 
     def after_step(self) -> None:
         """All-gathers every bucket in place: buckets grouped into launches of up to allgather_bucket_size
