@@ -393,6 +393,13 @@ class ZeroEngine(nn.Module):
             masters[s.name] = values.cpu().view(s.shape)
         return masters
 
+    @torch.no_grad()
+    def trainable_weights(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter whole, in the dtype the model computes with, on every rank, gathered a unit at
+        a time: what a PEFT adapter saves (a few MB), never the whole model at once. All ranks must call it."""
+        self.finish_pending_update()
+        return {s.name: s.param.detach().clone() for slices in self.params.gathered_one_at_a_time() for s in slices}
+
     def save_weights(self, folder: str | os.PathLike, write: bool,
                      max_shard_size: int | str = export.SAVE_PRETRAINED_MAX_SHARD_SIZE) -> None:
         """The model's weights as save_pretrained writes them (model.safetensors, or shards and an index),

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import Seq2SeqTrainer, Trainer
 from transformers import trainer as transformers_trainer
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, logger
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, _is_peft_model, logger
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_zero import pretrained
@@ -264,11 +264,18 @@ class ZeroTrainerMixin:
         if self.engine is None or self.engine.zero_stage < 3:
             return super().save_model(output_dir, _internal_call)  # stages 0-2: every rank holds whole weights
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        if self.args.should_save:
-            # Config, generation config, tokenizer, training arguments; the weights follow. The empty
-            # state dict is what the Trainer passes for DeepSpeed's ZeRO-3 too.
-            self._save(output_dir, state_dict={})
-        self.engine.save_weights(output_dir, write=self.args.should_save)
+        if _is_peft_model(self.model):
+            # A PEFT model saves its adapter, as under stock: peft picks it from the trainable weights (an empty
+            # state dict, as for the whole model below, would write an adapter of no tensors).
+            adapter = self.engine.trainable_weights()
+            if self.args.should_save:
+                self._save(output_dir, state_dict=adapter)
+        else:
+            if self.args.should_save:
+                # Config, generation config, tokenizer, training arguments; the weights follow. The empty
+                # state dict is what the Trainer passes for DeepSpeed's ZeRO-3 too.
+                self._save(output_dir, state_dict={})
+            self.engine.save_weights(output_dir, write=self.args.should_save)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

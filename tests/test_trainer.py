@@ -73,7 +73,8 @@ def test_gradient_checkpointing_recomputes_with_the_same_losses(trainer_runs, st
 def test_a_lora_adapter_fine_tunes_at_every_stage_as_under_stock_ddp(trainer_runs, stage):
     """peft's LoRA on the attention, through the Trainer's own AdamW: its decay group holds the adapters and its
     no-decay group nothing, an empty group torch takes and so must the engine (it refused it before). The
-    losses, grad norms and trained adapters are stock DDP's; the frozen base is never written."""
+    losses, grad norms and trained adapters are stock DDP's; the frozen base is never written; save_model writes
+    the adapter, as stock does."""
     stock, zero = trainer_runs[0]["stock_lora_gpt2"], trainer_runs[0][f"zero{stage}_lora_gpt2"]
     assert zero["engine_stage"] == stage
     assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
@@ -84,6 +85,11 @@ def test_a_lora_adapter_fine_tunes_at_every_stage_as_under_stock_ddp(trainer_run
     # LoRA's B starts at zero: it moved, so the adapters were trained and not compared at their start.
     assert min(a.abs().max().item() for n, a in stock["trainable"].items() if "lora_B" in n) > 1e-3
     assert zero["frozen_moved"] == stock["frozen_moved"] == 0.0
+    # save_model writes the adapter peft's from_pretrained loads, bit for bit the trained one (at stage 3 it
+    # wrote an adapter of no tensors, and peft loaded an untrained one with a warning).
+    assert sorted(zero["saved_adapter"]) == sorted(zero["trainable"])
+    for name, adapter in zero["trainable"].items():
+        assert torch.equal(zero["saved_adapter"][name], adapter), name
 
 
 @pytest.mark.slow

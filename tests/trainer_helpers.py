@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (LogitsProcessor, LogitsProcessorList, Seq2SeqTrainer, Seq2SeqTrainingArguments,
                           T5Config, T5ForConditionalGeneration, Trainer, TrainingArguments)
 
@@ -136,6 +136,11 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
                                            if p.requires_grad}
                     record["frozen_moved"] = max((p - frozen_at_start[n]).abs().max().item()
                                                  for n, p in model.named_parameters() if not p.requires_grad)
+                trainer.save_model(f"{output_dir}/adapter")  # every rank: at stage 3 they gather the units
+                if rank == 0:  # the one that writes (each rank has an output folder of its own here)
+                    loaded = PeftModel.from_pretrained(gpt2_model(), f"{output_dir}/adapter")
+                    record["saved_adapter"] = {n: p.detach().clone() for n, p in loaded.named_parameters()
+                                               if "lora_" in n}
             results[run.name] = record
     return results
 
