@@ -130,6 +130,13 @@ ZeroArgumentsMixin = make_dataclass(
                "__doc__": "The engine's settings as Trainer flags (DeepSpeed config key in brackets)."})
 
 
+def flags_help() -> str:
+    """The flags hf_zero adds to the script's TrainingArguments, as argparse lists them: for `hf-zero run --help`,
+    which parses only the launch flags itself and hands the rest to the script."""
+    listing = HfArgumentParser(ZeroArgumentsMixin).format_help().split("\noptions:\n", 1)[1]
+    return "\n".join(line for line in listing.splitlines() if not line.lstrip().startswith("-h, --help"))
+
+
 # The Trainer's own flags the engine settings depend on, read by check_script_flags with the --zero_* flags.
 _TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object", "use_cpu")
 

@@ -112,9 +112,11 @@ def _train(argv: list[str]) -> int:
 
 def _run(argv: list[str]) -> int:
     from hf_zero import run
+    from hf_zero.arguments import flags_help
 
-    parser = Parser(prog="hf-zero run", description=run.__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="hf-zero run", description=run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    epilog="the flags hf_zero adds to the script's TrainingArguments (give them after the script; "
+                           "--zero_config FILE.json takes them as JSON keys):\n" + flags_help())
     _add_launch_arguments(parser, default_nproc=1)
     parser.add_argument("script", help="a script that builds TrainingArguments and Trainer from transformers")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -289,3 +290,18 @@ def test_each_rendezvous_reaches_torchrun_as_asked(launch, expected):
     cli._check_launch(parser, args)
     handed = cli._rendezvous_args(args)
     assert handed[:len(expected)] == expected and len(handed) == 6
+
+
+def test_hf_zero_run_help_lists_every_flag_hf_zero_adds_to_the_scripts_arguments(capsys):
+    """`hf-zero run` parses only the launch flags and hands the rest to the script, whose parser takes the
+    --zero_* flags: its --help lists them all the same, from the same declarations."""
+    from hf_zero import cli
+    from hf_zero.arguments import ENGINE_FLAGS, EXTRA_FLAGS
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"^  --nproc_per_node ", shown, re.MULTILINE)  # the launch flags stay
+    for flag in [*ENGINE_FLAGS, *EXTRA_FLAGS, "ddp_timeout"]:
+        assert re.search(rf"^  --{flag}[ ,\n]", shown, re.MULTILINE), flag
