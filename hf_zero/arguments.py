@@ -12,6 +12,7 @@ importing the packages built on it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import typing
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 from transformers.utils import logging
 
-from hf_zero import pretrained
+from hf_zero import deepspeed_config, pretrained
 from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
                             read_settings_file, trainer_flag)
 from hf_zero.device import has_accelerator
@@ -41,8 +42,9 @@ ENGINE_FLAGS = {trainer_flag(s.name).removeprefix("--"): s.name for s in describ
                 if s.name not in TRAINER_OWNED}
 # Flags of the Trainer integration that are not engine settings: default, help, metavar, what it replaces.
 EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
-    "zero_config": (None, "JSON file of engine settings (hf_zero.ZeroConfig keys); flags win over it", "FILE.json",
-                    "the rest of `zero_optimization`: a JSON object of `hf_zero.ZeroConfig` keys"),
+    "zero_config": (None, "JSON file of engine settings: hf_zero.ZeroConfig keys, or a DeepSpeed configuration "
+                          "(ds_config.json, also taken by --deepspeed) read as it is; flags win over it", "FILE.json",
+                    "the whole DeepSpeed configuration (docs/deepspeed.md)"),
     "tensor_parallel_size": (1, "ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
                              "is split over them and ZeRO runs over the remaining data-parallel dimension", "N",
                              "Megatron's model parallel size (`mpu`)"),
@@ -74,11 +76,10 @@ def _engine_flag_fields() -> list[tuple[str, Any, Any]]:
 
 
 def _post_init(self: Any) -> None:
-    for other in ("deepspeed", "fsdp"):
-        if getattr(self, other, None):
-            raise ZeroConfigError(
-                f"--{other} and hf_zero's ZeRO engine cannot both run the training: drop --{other} and use "
-                f"--zero_stage (see the README's flag table for the DeepSpeed key each --zero_* flag replaces)")
+    if self.fsdp:
+        raise ZeroConfigError("--fsdp and hf_zero's ZeRO engine cannot both run the training: drop --fsdp and use "
+                              "--zero_stage (see the README's flag table)")
+    _take_deepspeed_config(self)
     # The launcher's layout, read before transformers sets up its own (accelerate may fill in LOCAL_WORLD_SIZE);
     # self.world_size is 1 when transformers does not start distributed training.
     processes = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
@@ -91,6 +92,9 @@ def _post_init(self: Any) -> None:
                               "compile the engine's wrapper, not the model, and nothing would be compiled. Drop "
                               "--torch_compile (and --torch_compile_mode, --torch_compile_backend)")
     _check_engine_flags(self, processes, per_node)
+    if self.zero_deepspeed is not None and (warning := self.zero_deepspeed.warning(self.zero_config_name)) \
+            and int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(warning)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"
@@ -98,10 +102,53 @@ def _post_init(self: Any) -> None:
         pretrained.enable(self, self.seed)
 
 
+def _take_deepspeed_config(args: Any) -> None:
+    """--deepspeed, or `accelerate launch --use_deepspeed`, names the configuration hf_zero's engine reads (as
+    --zero_config does); neither transformers nor accelerate may start DeepSpeed itself."""
+    given = [(flag, config) for flag, config in (("--deepspeed", args.deepspeed), ("--zero_config", args.zero_config),
+                                                 ("accelerate launch --use_deepspeed", _accelerate_deepspeed(args)))
+             if config]
+    if len(given) > 1:
+        named = [f"{flag} {config}" if isinstance(config, str) else flag for flag, config in given]
+        raise ZeroConfigError(f"{' and '.join(named)} each name the engine's configuration; give one")
+    if given:
+        args.zero_config_flag, args.zero_config = given[0]
+    args.deepspeed = None
+
+
+def _accelerate_deepspeed(args: Any) -> str | dict[str, Any] | None:
+    """What `accelerate launch --use_deepspeed` hands the processes (accelerate's prepare_deepspeed_cmd_env):
+    its --deepspeed_config_file, or its DeepSpeed flags as a configuration. Turned off in this process, so that
+    accelerate builds no DeepSpeed plugin."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    env["ACCELERATE_USE_DEEPSPEED"] = "false"
+    if env.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"):
+        raise ZeroConfigError("accelerate launch --deepspeed_moe_layer_cls_names is DeepSpeed's; hf_zero gathers "
+                              "whole units: drop it (and see --zero_unit_module_classes)")
+    if env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "").lower() == "false":
+        args.zero_init_partitioned = False
+    if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        return env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
+    zero: dict[str, Any] = {"stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))}  # accelerate's default
+    for key, name in (("offload_optimizer", "OFFLOAD_OPTIMIZER_DEVICE"), ("offload_param", "OFFLOAD_PARAM_DEVICE")):
+        if env.get(f"ACCELERATE_DEEPSPEED_{name}"):
+            zero[key] = {"device": env[f"ACCELERATE_DEEPSPEED_{name}"]}
+    if env.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"):
+        zero["stage3_gather_16bit_weights_on_model_save"] = env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"]
+    config: dict[str, Any] = {"zero_optimization": zero}
+    if env.get("ACCELERATE_GRADIENT_CLIPPING") not in (None, "none"):
+        config["gradient_clipping"] = float(env["ACCELERATE_GRADIENT_CLIPPING"])
+    if env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
+        config["gradient_accumulation_steps"] = int(env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])
+    return config
+
+
 def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:
     """The validation of the engine flags, for the arguments dataclass and for a launcher's parse alike;
     `processes` in all and `per_node` on each node."""
-    args.zero_engine_config = zero_config_from_flags(args)
+    args.zero_engine_config = zero_config_from_flags(args, processes)
     check_tensor_parallel_flags(args)
     check_tp_within_a_node(args.tensor_parallel_size, per_node, args.tensor_parallel_across_nodes)
     if not args.use_cpu and has_accelerator() and per_node > torch.cuda.device_count():
@@ -137,8 +184,11 @@ def flags_help() -> str:
     return "\n".join(line for line in listing.splitlines() if not line.lstrip().startswith("-h, --help"))
 
 
-# The Trainer's own flags the engine settings depend on, read by check_script_flags with the --zero_* flags.
-_TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object", "use_cpu")
+# The Trainer's own flags the engine settings depend on, read by check_script_flags with the --zero_* flags
+# (a DeepSpeed configuration is checked against the batch sizes and optimizer hyperparameters).
+_TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object", "use_cpu", "deepspeed",
+                       "bf16_full_eval", "fp16_full_eval", "per_device_train_batch_size", "gradient_accumulation_steps",
+                       "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
 
 
 class _FlagParser(HfArgumentParser):
@@ -166,17 +216,23 @@ def check_script_flags(script_args: list[str], world_size: int, per_node: int | 
     # No --help of its own: the script's parser answers that.
     args, _ = _FlagParser([ZeroArgumentsMixin, trainer_fields], add_help=False).parse_known_args(script_args)
     args.world_size = world_size
+    _take_deepspeed_config(args)
     _check_engine_flags(args, world_size, per_node or world_size)
 
 
-def zero_config_from_flags(args: Any) -> ZeroConfig:
-    """Flags given > keys in --zero_config > engine defaults; raises ZeroConfigError naming the flag."""
+def zero_config_from_flags(args: Any, processes: int = 1) -> ZeroConfig:
+    """Flags given > keys in --zero_config (hf_zero's, or a DeepSpeed configuration filled and checked against the
+    Trainer's flags, kept as `args.zero_deepspeed`) > engine defaults; raises ZeroConfigError naming the flag."""
     settings: dict[str, Any] = {}
+    args.zero_deepspeed = None
     if args.zero_config:
-        settings = _read_config_file(args.zero_config)
+        settings, args.zero_deepspeed = _read_config_file(args, processes)
     for flag, key in ENGINE_FLAGS.items():
         if getattr(args, flag) is not None:
             settings[key] = getattr(args, flag)
+            if args.zero_deepspeed is not None and key in args.zero_deepspeed.sized_by_model:
+                args.zero_deepspeed = dataclasses.replace(args.zero_deepspeed, sized_by_model=tuple(
+                    name for name in args.zero_deepspeed.sized_by_model if name != key))
     # The Trainer scales each micro-batch's loss for accumulation and decides where each window
     # ends (the last one of an epoch may be short), so the engine reduces when told and does not
     # divide the loss again.
@@ -223,16 +279,25 @@ def check_tensor_parallel_flags(args: Any) -> None:
                               f"({args.world_size}); got {tp!r}")
 
 
-def _read_config_file(path: str) -> dict[str, Any]:
-    settings = read_settings_file(path, "--zero_config")
+def _read_config_file(args: Any, processes: int) -> tuple[dict[str, Any], deepspeed_config.DeepSpeedConfig | None]:
+    """The settings of --zero_config (a file, or the dict a script passed as `deepspeed=`), and what a DeepSpeed
+    configuration asks beyond them."""
+    config = args.zero_config
+    flag = getattr(args, "zero_config_flag", "--zero_config")
+    source = args.zero_config_name = f"{flag} " + (config if isinstance(config, str) else "(a dict)")
+    settings = dict(config) if isinstance(config, dict) else read_settings_file(config, flag)
+    if deepspeed_config.is_deepspeed(settings):
+        tp = args.tensor_parallel_size if isinstance(args.tensor_parallel_size, int) else 1
+        deepspeed = deepspeed_config.read(settings, source, args, max(1, processes // max(1, tp)))
+        return dict(deepspeed.settings), deepspeed
     known = {f.name for f in fields(ZeroConfig)} - set(TRAINER_OWNED)
     for key in settings:
         if key in TRAINER_OWNED:
-            raise ZeroConfigError(f"--zero_config {path} sets {key!r}, which the Trainer's {TRAINER_OWNED[key]} "
+            raise ZeroConfigError(f"{source} sets {key!r}, which the Trainer's {TRAINER_OWNED[key]} "
                                   f"sets; remove it from the file")
         if key not in known:
-            raise ZeroConfigError(f"--zero_config {path}: unknown setting {key!r}; known: {sorted(known)}")
-    return settings
+            raise ZeroConfigError(f"{source}: unknown setting {key!r}; known: {sorted(known)}")
+    return settings, None
 
 
 @dataclass

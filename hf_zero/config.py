@@ -103,7 +103,7 @@ class ZeroConfig:
     nvme_path: str | None = setting(None, "folder for nvme offload", "offload_*.nvme_path")
     nvme_tile_numel: int = setting(2_000_000, "nvme: elements per tile streamed through the pool of 3 host "
                                    "buffer sets (3 x 16 bytes per element at stages 2-3, +4 for parameters on "
-                                   "nvme)", "aio.block_size (in bytes there)")
+                                   "nvme)")
     delayed_param_update: bool = setting(False, "ZeRO-Offload's one-step delayed update: overlap the CPU "
                                          "optimizer step with the next step (needs offload_optimizer)")
     # The paper: the first steps move the most, so they run undelayed.

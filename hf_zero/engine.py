@@ -37,6 +37,7 @@ from hf_zero.comm import rank as global_rank
 from hf_zero.construct import place_rest
 from hf_zero.device import compute_device
 from hf_zero.config import ZeroConfig, ZeroConfigError
+from hf_zero.deepspeed_config import engine_config
 from hf_zero.launch import destroy_process_group_at_exit, processes_per_node
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.precision import LossScaler
@@ -236,7 +237,7 @@ class ZeroEngine(nn.Module):
                  group: torch.distributed.ProcessGroup | None = None, init_from: Any = None,
                  mesh: DeviceMesh | None = None) -> None:
         super().__init__()
-        self.config = cfg = ZeroConfig.from_any(config)
+        self.config = cfg = engine_config(config)
         groups, dp_group, tp_group = check_inputs(model, optimizer, cfg, group, init_from, mesh)
         self.module, self.optimizer = model, optimizer
         self.zero_stage, self.dtype = cfg.zero_stage, cfg.torch_dtype

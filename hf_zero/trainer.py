@@ -182,6 +182,11 @@ class ZeroTrainerMixin:
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.engine is None or self.optimizer is None:
+            deepspeed = self.args.zero_deepspeed
+            if deepspeed is not None:
+                self.args.zero_engine_config = deepspeed.sized_for(self.args.zero_engine_config, self.model)
+                if deepspeed.optimizer is not None and self.optimizer is None:
+                    self.optimizer = deepspeed.optimizer.build(self.model)
             optimizer = super().create_optimizer(model)
             source = pretrained.init_source(self.model)
             self.engine = initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh,
@@ -195,6 +200,15 @@ class ZeroTrainerMixin:
             # parameters out of the engine's buffers when the device is spelled differently (cpu:0).
             self.model._is_accelerate_prepared = True
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> torch.optim.lr_scheduler.LRScheduler:
+        deepspeed = self.args.zero_deepspeed
+        if self.lr_scheduler is None and deepspeed is not None and deepspeed.scheduler is not None:
+            self.lr_scheduler = deepspeed.scheduler.build(optimizer or self.optimizer, num_training_steps,
+                                                          self.args.get_warmup_steps(num_training_steps))
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """With --log_level info, every logging step also says what this rank holds and sent in the last step

@@ -10,17 +10,24 @@ from hf_zero import ZeroTrainer
 from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
+from tests.test_deepspeed_config import TRANSFORMERS_ZERO3
 from tests.hub_stand_in import HubStandIn, hub_env
 from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, gpt2_model, lm_examples, pushing_run,
                                     resume_runs, run_trainers, saving_run, tensor_parallel_arguments,
                                     tensor_parallel_resume_runs, tensor_parallel_runs)
 
 STAGES = (0, 1, 2, 3)
+# transformers' documented ds_config_zero3.json, offloading to CPU, without its scheduler block (DeepSpeed's
+# WarmupDecayLR runs transformers' linear schedule one step later, tests/test_deepspeed_config.py): the
+# stock run's schedule. Its "auto" optimizer is the Trainer's AdamW over every parameter in one group, which
+# with --weight_decay 0 steps as the Trainer's two groups do.
+TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER = {k: v for k, v in TRANSFORMERS_ZERO3.items() if k != "scheduler"}
 RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s in STAGES]
         + [TrainerRun(f"zero{s}_checkpointing_gpt2", s, args={"gradient_checkpointing": True}) for s in (2, 3)]
         + [TrainerRun("stock_t5", None, "t5"), TrainerRun("zero3_t5", 3, "t5")]
         + [TrainerRun("stock_lora_gpt2", None, lora=True)] + [TrainerRun(f"zero{s}_lora_gpt2", s, lora=True)
-                                                              for s in (1, 2, 3)])
+                                                              for s in (1, 2, 3)]
+        + [TrainerRun("zero3_deepspeed_config_gpt2", 3, args={"deepspeed": TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER})])
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +97,20 @@ def test_a_lora_adapter_fine_tunes_at_every_stage_as_under_stock_ddp(trainer_run
     assert sorted(zero["saved_adapter"]) == sorted(zero["trainable"])
     for name, adapter in zero["trainable"].items():
         assert torch.equal(zero["saved_adapter"][name], adapter), name
+
+
+@pytest.mark.slow
+def test_transformers_documented_deepspeed_config_trains_as_stock_ddp(trainer_runs):
+    """`--deepspeed ds_config_zero3.json` as transformers documents it: stage 3 with parameters and optimizer states
+    offloaded to CPU, every "auto" filled from the TrainingArguments and the model (buckets sized by its hidden
+    size, as transformers sizes them), and the Trainer's losses, grad norms, rates and evaluation those of stock."""
+    stock, zero = trainer_runs[0]["stock_gpt2"], trainer_runs[0]["zero3_deepspeed_config_gpt2"]
+    config, hidden = zero["engine_config"], gpt2_model().config.hidden_size
+    assert (config.zero_stage, config.offload_optimizer, config.offload_param) == (3, "cpu", "cpu")
+    assert (config.reduce_bucket_size, config.param_persistence_threshold) == (hidden * hidden, 10 * hidden)
+    assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
+    assert max(abs(a - b) / b for a, b in zip(zero["grad_norms"], stock["grad_norms"])) < 1e-4
+    assert zero["lrs"] == stock["lrs"] and abs(zero["eval_loss"] - stock["eval_loss"]) < 1e-4
 
 
 @pytest.mark.slow

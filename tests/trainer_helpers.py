@@ -88,6 +88,8 @@ def _arguments(run: TrainerRun, output_dir: str) -> TrainingArguments:
     if run.zero_stage is None:
         return (Seq2SeqTrainingArguments if seq2seq else TrainingArguments)(**common)
     cls = ZeroSeq2SeqTrainingArguments if seq2seq else ZeroTrainingArguments
+    if "deepspeed" in run.args:  # the configuration sets the engine, as it would under DeepSpeed
+        return cls(**common)
     return cls(zero_stage=run.zero_stage, zero_reduce_bucket_size=3000, zero_allgather_bucket_size=6000, **common)
 
 
@@ -129,6 +131,7 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
             zero = isinstance(trainer, (ZeroTrainer, ZeroSeq2SeqTrainer))
             if zero:
                 record["engine_stage"] = trainer.engine.zero_stage
+                record["engine_config"] = trainer.engine.config
                 record["engine_global_grad_norm"] = trainer.engine.global_grad_norm
             if run.lora:
                 with trainer.engine.gathered_parameters() if zero else contextlib.nullcontext():
