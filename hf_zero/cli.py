@@ -175,7 +175,8 @@ def _estimate(argv: list[str]) -> int:
     parser = Parser(prog="hf-zero estimate", description=estimate.__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", help="a model_zoo name (python -c 'import model_zoo; print(model_zoo.list())')")
+    what.add_argument("--model", help="a model_zoo name (python -c 'import model_zoo; print(model_zoo.list())'), or "
+                                      "a folder or cached Hub model with a config.json")
     what.add_argument("--params", type=_typed(estimate.parse_count), help="a parameter count: 7.5e9, 7.5B, 350M")
     parser.add_argument("--num_gpus", type=_nproc, required=True, help="data-parallel devices (Nd)")
     parser.add_argument("--zero_stage", type=int, choices=estimate.STAGES, default=3)
@@ -204,14 +205,15 @@ def _estimate(argv: list[str]) -> int:
         parser.error("--batch_size and --seq_len go together (activation memory needs both)")
     if args.batch_size and not args.model:
         parser.error("--batch_size needs --model: activation memory depends on the layers and hidden size")
-    if args.model:
-        import model_zoo
-
-        try:
-            model_zoo.entry(args.model)
-        except KeyError as e:
-            parser.error(f"--model: {e.args[0]}")
-    psi = args.params if args.params else model_zoo.parameter_count(args.model)
+    if "nvme" == args.offload_param != args.offload_optimizer:
+        parser.error(f"--offload_param nvme needs --offload_optimizer nvme (the parameters are written in the "
+                     f"optimizer's NVMe stream); got --offload_optimizer {args.offload_optimizer}")
+    try:
+        psi = args.params if args.params else estimate.parameter_count(args.model)
+        if args.batch_size:
+            estimate.activation_bytes(args.model, 1, 1, False)
+    except ValueError as error:
+        parser.error(f"--model: {error}")
     setting = estimate.Setting(args.zero_stage, args.num_gpus, args.offload_optimizer, args.offload_param,
                                None if args.reduce_dtype == args.dtype else args.reduce_dtype,
                                args.hpz_partition_size)

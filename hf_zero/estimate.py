@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from functools import lru_cache
+from typing import Any, Iterator
+
+import torch
 
 import model_zoo
-from hf_zero.config import offload_conflict
+from hf_zero.config import ZeroConfig, offload_conflict
 from hf_zero.memory import BYTES_PER_ELEMENT, model_state_bytes
 
 GB = 1e9
 STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu")
+OFFLOADS = ("none", "cpu", "nvme")
 
 
 def parse_count(text: str) -> int:
@@ -53,12 +56,16 @@ class Setting:
     hpz_partition_size: int = 1  # ZeRO++ hpZ at stage 3 (1: off)
 
     def __str__(self) -> str:
-        offload = [f"{what} offload" for what, where in (("optimizer", self.offload_optimizer),
-                                                          ("parameter", self.offload_param)) if where != "none"]
+        offloaded = [(what, {"cpu": "CPU", "nvme": "NVMe"}[where]) for what, where in (
+            ("optimizer", self.offload_optimizer), ("parameter", self.offload_param)) if where != "none"]
+        if len({to for _, to in offloaded}) == 1:  # "optimizer offload and parameter offload to CPU"
+            offload = " and ".join(f"{what} offload" for what, _ in offloaded) + f" to {offloaded[0][1]}"
+        else:
+            offload = " and ".join(f"{what} offload to {to}" for what, to in offloaded)
         reduce = f", gradients reduced in {self.reduce_dtype}" if self.reduce_dtype else ""
         hpz = f", hpZ secondary partition over {self.hpz_partition_size}" if self.secondary else ""
         return f"stage {self.stage} on {self.num_gpus} GPU{'s' * (self.num_gpus > 1)}" + (
-            f" with {' and '.join(offload)} to CPU" if offload else "") + reduce + hpz
+            f" with {offload}" if offloaded else "") + reduce + hpz
 
     @property
     def secondary(self) -> bool:
@@ -71,24 +78,86 @@ def secondary_bytes(psi: int, setting: Setting, dtype: str) -> float:
 
 
 def model_states(psi: int, setting: Setting, dtype: str = "bf16") -> tuple[dict[str, float], float]:
-    """(bytes per device by category, bytes of host memory per process) for model states."""
+    """(bytes per device by category, bytes of host memory per process) for model states; what lies on
+    NVMe is `nvme_bytes`."""
     device = model_state_bytes(setting.stage, psi, setting.num_gpus, dtype, setting.reduce_dtype)
     host = 0.0
     # In device memory whatever the offload: the backward gathers from it.
     device["parameters"] += secondary_bytes(psi, setting, dtype)
     if setting.offload_optimizer == "cpu":
         host += device["optimizer_states"] + 4 * psi / setting.num_gpus  # + the fp32 gradient shard
-        device["optimizer_states"] = 0.0
     if setting.offload_param == "cpu":
         host += device["parameters"]
+    if "nvme" in (setting.offload_optimizer, setting.offload_param):
+        # The pool of 3 host buffer sets the NVMe tiles stream through (ZeroConfig.nvme_tile_numel).
+        per_element = 16 + 4 * (setting.offload_param == "nvme")
+        host += 3 * per_element * ZeroConfig.nvme_tile_numel
+    if setting.offload_optimizer != "none":
+        device["optimizer_states"] = 0.0
+    if setting.offload_param != "none":
         device["parameters"] = 0.0
     return device, host
 
 
-def activation_bytes(name: str, batch: int, seq: int, checkpointing: bool, dtype: str = "bf16") -> float:
-    cfg = model_zoo.config(name)
-    hidden = getattr(cfg, "n_embd", None) or cfg.hidden_size
-    layers = getattr(cfg, "n_layer", None) or cfg.num_hidden_layers
+def nvme_bytes(psi: int, setting: Setting, dtype: str = "bf16") -> float:
+    """Bytes on NVMe per process: the optimizer states and the fp32 gradient shard, the parameter shard."""
+    states = model_state_bytes(setting.stage, psi, setting.num_gpus, dtype, setting.reduce_dtype)
+    on_nvme = 0.0
+    if setting.offload_optimizer == "nvme":
+        on_nvme += states["optimizer_states"] + 4 * psi / setting.num_gpus
+    if setting.offload_param == "nvme":
+        on_nvme += states["parameters"]
+    return on_nvme
+
+
+def is_zoo_model(model: str) -> bool:
+    return model in model_zoo.list()
+
+
+@lru_cache(maxsize=8)
+def model_config(model: str) -> Any:
+    """The config of a model_zoo name, a local folder, or a model id in the Hugging Face cache (never
+    downloaded: the estimate runs before any machine is rented, possibly offline)."""
+    if is_zoo_model(model):
+        return model_zoo.config(model)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{model!r} is neither a model_zoo name ({', '.join(sorted(model_zoo.list()))}) nor a folder "
+                         f"or cached Hub model with a config.json: {str(error).splitlines()[0]}") from None
+
+
+@lru_cache(maxsize=8)
+def parameter_count(model: str) -> int:
+    """Ψ of a model_zoo name (its closed form), or of any transformers model: its architecture (the config's
+    `architectures`, else AutoModel) built on the meta device, each tied weight counted once."""
+    if is_zoo_model(model):
+        return model_zoo.parameter_count(model)
+    import transformers
+
+    config = model_config(model)
+    names = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, names[0], None) if names else None
+    with torch.device("meta"):
+        built = (model_class or transformers.AutoModel)._from_config(config)
+    return sum(p.numel() for p in built.parameters())
+
+
+def _shape(config: Any) -> tuple[int, int]:
+    """(hidden size, layers), under GPT-2's names or the others', of the config or its text_config."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        hidden = getattr(cfg, "n_embd", None) or getattr(cfg, "hidden_size", None)
+        layers = getattr(cfg, "n_layer", None) or getattr(cfg, "num_hidden_layers", None)
+        if hidden and layers:
+            return hidden, layers
+    raise ValueError(f"{type(config).__name__} names no hidden size and layer count: activation memory cannot be "
+                     f"estimated; leave out --batch_size and --seq_len")
+
+
+def activation_bytes(model: str, batch: int, seq: int, checkpointing: bool, dtype: str = "bf16") -> float:
+    hidden, layers = _shape(model_config(model))
     element, block = BYTES_PER_ELEMENT[dtype], 12 * hidden * batch * seq
     if checkpointing:
         return element * (hidden * batch * seq * layers + block)
@@ -101,7 +170,7 @@ def valid_settings(num_gpus: Iterator[int], reduce_dtype: str | None = None) -> 
         for stage in STAGES:
             for opt in OFFLOADS:
                 for param in OFFLOADS:
-                    if offload_conflict(stage, opt, param) is None:
+                    if offload_conflict(stage, opt, param) is None and (param != "nvme" or opt == "nvme"):
                         yield Setting(stage, nd, opt, param, reduce_dtype)
 
 
@@ -164,7 +233,10 @@ def report(psi: int, setting: Setting, gpu_bytes: int, dtype: str = "bf16", mode
     total = device_total(psi, setting, activations, dtype)
     lines.append(f"largest model whose model states fit {setting}: {largest_params(setting, gpu_bytes, dtype) / 1e9:.1f}B "
                  f"parameters")
-    if model:
+    if nvme_bytes(psi, setting, dtype):
+        lines.append(f"on NVMe: {nvme_bytes(psi, setting, dtype) / GB:.2f} GB per process for {setting} (the host "
+                     f"column holds the pool of tiles they stream through)")
+    if model and is_zoo_model(model):
         family = model_zoo.entry(model).family
         best = largest_zoo_model(setting, gpu_bytes, batch, seq, checkpointing, family, dtype)
         lines.append(f"largest {family} model of the zoo that fits {setting}: "

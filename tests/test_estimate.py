@@ -96,7 +96,9 @@ def test_the_command_prints_every_stage_and_marks_the_chosen_one():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "gpt3", "--num_gpus", "2"], "--model: unknown model 'gpt3'; the zoo has: all-minilm-l6-v2"),
+    (["--model", "gpt3", "--num_gpus", "2"], "--model: 'gpt3' is neither a model_zoo name (all-minilm-l6-v2"),
+    (["--params", "7.5B", "--num_gpus", "2", "--zero_stage", "3", "--offload_param", "nvme"],
+     "--offload_param nvme needs --offload_optimizer nvme"),
     (["--params", "7.5Q", "--num_gpus", "2"], "expected a count such as 7.5e9, 7.5B"),
     (["--params", "7.5B", "--num_gpus", "2", "--zero_stage", "2", "--offload_param", "cpu"],
      "--offload_param needs --zero_stage 3"),
@@ -114,3 +116,41 @@ def test_bad_input_is_named(capsys, args, message):
     except SystemExit as exit:  # argparse's own errors
         code = exit.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_a_transformers_model_folder_is_estimated_from_the_parameters_transformers_builds(tmp_path, capsys, kind):
+    """Any model transformers has, from its config alone (built on meta): Ψ is what transformers' own model holds,
+    tied weights once (T5's embeddings), and each stage's row is the paper's formula for that Ψ."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, LlamaConfig, T5Config
+
+    if kind == "llama":
+        config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000, architectures=["LlamaForCausalLM"])
+        built = AutoModelForCausalLM.from_config(config)
+    else:
+        config = T5Config(d_model=128, d_ff=256, num_layers=2, num_heads=4, vocab_size=500,
+                          architectures=["T5ForConditionalGeneration"])
+        built = AutoModelForSeq2SeqLM.from_config(config)
+    config.save_pretrained(tmp_path)
+    psi = sum(p.numel() for p in built.parameters())
+    assert estimate.parameter_count(str(tmp_path)) == psi
+    assert main(["estimate", "--model", str(tmp_path), "--num_gpus", "4", "--zero_stage", "3", "--batch_size", "2",
+                 "--seq_len", "64"]) == 0
+    printed = capsys.readouterr().out
+    for stage, per_rank in ((0, 16 * psi), (1, 4 * psi + 12 * psi / 4), (2, 2 * psi + 14 * psi / 4),
+                            (3, 16 * psi / 4)):
+        assert f"| {stage}{' (chosen)' * (stage == 3)} | " in printed
+        row = next(line for line in printed.splitlines() if line.startswith(f"| {stage}"))
+        assert row.split(" | ")[4] == f"{per_rank / GB:.2f}", row  # model states per rank, in GB
+    assert "activations: " in printed
+
+
+def test_nvme_offload_moves_the_states_the_paper_counts_to_nvme_and_keeps_a_pool_of_tiles_in_host_memory():
+    psi, nd = int(7.5e9), 8
+    device, host = estimate.model_states(psi, Setting(3, nd, "nvme", "nvme"))
+    assert device == {"parameters": 0.0, "gradients": 2 * psi / nd, "optimizer_states": 0.0}
+    # K=12 of optimizer states, the fp32 gradient shard (4) and the bf16 parameter shard (2), per rank.
+    assert estimate.nvme_bytes(psi, Setting(3, nd, "nvme", "nvme")) == (12 + 4 + 2) * psi / nd
+    assert host == 3 * (16 + 4) * 2_000_000  # three buffer sets of nvme_tile_numel elements
+    assert estimate.nvme_bytes(psi, Setting(3, nd, "cpu", "cpu")) == 0.0
