@@ -27,6 +27,7 @@ tensors) and takes every weight from the engine checkpoint.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 from pathlib import Path
@@ -93,6 +94,22 @@ class ZeroOptimizer(AcceleratedOptimizer):
         return self.engine.last_step_skipped
 
 
+def _loss_reads_num_items(model: nn.Module) -> bool:
+    """Whether the model's loss reads the num_items_in_batch the Trainer passes through **kwargs: a model that
+    says so (accepts_loss_kwargs), or whose forward hands its kwargs to transformers' loss_function or names
+    num_items_in_batch. BERT's and T5's heads (transformers 5.24) compute their own mean and drop it."""
+    from transformers.trainer import unwrap_peft_model
+
+    inner = unwrap_peft_model(model)
+    if hasattr(inner, "accepts_loss_kwargs"):
+        return bool(inner.accepts_loss_kwargs)
+    try:
+        source = inspect.getsource(type(inner).forward)
+    except (OSError, TypeError):  # no source to read: trust the Trainer's own judgement
+        return True
+    return "loss_function" in source or "num_items_in_batch" in source
+
+
 def last_complete_checkpoint(output_dir: str, save_only_model: bool = False) -> str:
     """The newest checkpoint-N the Trainer finished writing. transformers takes the highest N, which after a
     crash in the middle of a save is a folder that cannot be resumed while the one before it can. The
@@ -137,6 +154,13 @@ class ZeroTrainerMixin:
             gather_for_metrics = self.accelerator.gather_for_metrics
             self.accelerator.gather_for_metrics = self._once_per_tp_group(gather_for_metrics)
             self.gather_function = self.accelerator.gather_for_metrics  # the Trainer took the original
+        self.loss_ignores_num_items = self.model_accepts_loss_kwargs and not _loss_reads_num_items(self.model)
+        if self.loss_ignores_num_items and self.args.should_log:
+            logger.warning(f"{type(self.model).__name__}'s forward takes **kwargs but its loss does not read "
+                           f"num_items_in_batch: hf_zero weighs each rank's mean loss by its share of the global "
+                           f"batch's items, so that loss and gradients are one process's on the global batch. The "
+                           f"stock Trainer multiplies that mean loss by the number of processes instead (transformers "
+                           f"5.24), and with gradient accumulation sums the micro-batches' losses")
         if pretrained.init_source(self.model) is not None:
             # Built partitioned (hf_zero.pretrained): the model has no values until the engine reads this rank's
             # shards, so the engine starts now, and evaluation or generation before training work too.
@@ -225,8 +249,17 @@ class ZeroTrainerMixin:
         # The engine's forward is the model's; handing the model itself to the Trainer lets it
         # recognise the model class (label smoothing treats causal LMs differently).
         model = self.model if model is self.engine else model
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if (num_items_in_batch is None or not self.loss_ignores_num_items or self.label_smoother is not None
+                or self.compute_loss_func is not None or "labels" not in inputs):
+            return result
+        # The model's loss is the mean over this micro-batch's items, where the Trainer expects their sum over
+        # the items of the whole batch (all ranks, the accumulation window): weigh it by this micro-batch's share,
+        # counted as the Trainer counts num_items_in_batch.
+        labels = inputs.get("shift_labels", inputs["labels"][..., 1:] if self._loss_shifts_labels else inputs["labels"])
+        share = labels.ne(-100).sum() / num_items_in_batch
+        return (result[0] * share, result[1]) if return_outputs else result * share
 
     def _clip_grad_norm(self, model: nn.Module) -> float:
         return self.engine.compute_grad_norm()

@@ -22,9 +22,16 @@ STAGES = (0, 1, 2, 3)
 # stock run's schedule. Its "auto" optimizer is the Trainer's AdamW over every parameter in one group, which
 # with --weight_decay 0 steps as the Trainer's two groups do.
 TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER = {k: v for k, v in TRANSFORMERS_ZERO3.items() if k != "scheduler"}
+# T5's loss ignores num_items_in_batch (transformers 5.24): the stock Trainer multiplies its mean loss by the
+# number of processes and, with accumulation, sums the micro-batches' losses, where hf_zero trains as one process
+# on the global batch (tests/test_run.py checks that against one process). Stock DDP without accumulation and
+# with average_tokens_across_devices off averages the ranks' means: one process's loss on these equal-length
+# examples, so it stays the reference for the ranks' own generations.
+T5_WINDOW = {"gradient_accumulation_steps": 1}
 RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s in STAGES]
         + [TrainerRun(f"zero{s}_checkpointing_gpt2", s, args={"gradient_checkpointing": True}) for s in (2, 3)]
-        + [TrainerRun("stock_t5", None, "t5"), TrainerRun("zero3_t5", 3, "t5")]
+        + [TrainerRun("stock_t5", None, "t5", args={**T5_WINDOW, "average_tokens_across_devices": False}),
+           TrainerRun("zero3_t5", 3, "t5", args=T5_WINDOW)]
         + [TrainerRun("stock_lora_gpt2", None, lora=True)] + [TrainerRun(f"zero{s}_lora_gpt2", s, lora=True)
                                                               for s in (1, 2, 3)]
         + [TrainerRun("zero3_deepspeed_config_gpt2", 3, args={"deepspeed": TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER})])
