@@ -66,7 +66,15 @@ def _named(what: Callable[[], str], call: Callable[[], Any]) -> Any:
     except CollectiveError:
         raise
     except RuntimeError as e:
-        raise CollectiveError(f"{what()} did not complete: {e}{other_ranks_report()}") from e
+        described = what()
+        raise CollectiveError(f"{described} did not complete: {e}{other_ranks_report()}"
+                              f"{FORWARD_ON_SOME_RANKS if 'forward gather of' in described else ''}") from e
+
+
+# A stage-3 forward gathers from every rank: one that some ranks run alone waits for partners that never come.
+FORWARD_ON_SOME_RANKS = (". At ZeRO stage 3 every rank must run each forward: generate() on some ranks only "
+                         "(rank 0, say) needs synced_gpus=True and a call on every rank (ZeroSeq2SeqTrainer passes "
+                         "it), and evaluation or prediction must run on every rank")
 
 
 class CollectiveMismatch(CollectiveError):
@@ -193,7 +201,8 @@ class _Sequence:
                 f"stage 3 the cause is a unit that some ranks' forwards skip (an expert made a unit of its own, "
                 f"a layer some ranks drop): make the units modules every rank runs (name the blocks that hold "
                 f"the experts, not the experts, in unit_module_classes: --zero_unit_module_classes), or train "
-                f"at zero_stage 2 (--zero_stage 2)")
+                f"at zero_stage 2 (--zero_stage 2)"
+                f"{FORWARD_ON_SOME_RANKS if 'forward gather of' in each else ''}")
 
 
 # Keyed by the default group too (held, so never mistaken for a later one): a new process group starts anew.
@@ -402,13 +411,14 @@ class Communicator:
         may run it."""
         elements = "" if tensor is None else \
             f" ({tensor.numel():,} {str(tensor.dtype).removeprefix('torch.')} elements)"
+        purpose = f" for {_purpose[-1]}" if _purpose else ""
         number = 1  # until issued: the group's sequence is made at its first collective
 
         def what() -> str:
-            return f"rank {rank()}: {op} #{number} of its group of {self.world_size}{elements}"
+            return f"rank {rank()}: {op} #{number} of its group of {self.world_size}{elements}{purpose}"
 
         sequence = _named(what, lambda: _sequence_of(self.global_ranks))
-        number = sequence.issue(f"{op}{elements}" + (f" for {_purpose[-1]}" if _purpose else ""), what)
+        number = sequence.issue(f"{op}{elements}{purpose}", what)
         note_collective(what)
 
         def confirm() -> None:

@@ -22,7 +22,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -241,8 +241,7 @@ def read(config: dict[str, Any], source: str, trainer: Any = None, data_parallel
         raise ZeroConfigError(f"{source}: zero_optimization must be a block ({{\"stage\": 2, ...}}), not "
                               f"{flat['zero_optimization']}")
     trainer_values = _trainer_values(trainer, data_parallel_ranks) if trainer is not None else {}
-    reader = _Reader(flat, source, trainer_values)
-    return reader.result()
+    return _Reader(flat, source, trainer_values).result()
 
 
 def _trainer_values(args: Any, data_parallel_ranks: int) -> dict[str, tuple[Any, str]]:
@@ -431,9 +430,10 @@ class _Reader:
         steps = {name: _integer(self.flat.get(f"scheduler.params.{name}", default), f"scheduler.params.{name}",
                                 self.fail)
                  for name, default in (("warmup_num_steps", 1000), ("total_num_steps", AUTO))}
+        max_lr = self.value("scheduler.params.warmup_max_lr", default_max)
         return SchedulerSpec(kind, float(self.value("scheduler.params.warmup_min_lr", 0.0)),
-                             _number_or_none(self.value("scheduler.params.warmup_max_lr", default_max)),
-                             steps["warmup_num_steps"], steps["total_num_steps"], warmup_type)
+                             None if max_lr is None else float(max_lr), steps["warmup_num_steps"],
+                             steps["total_num_steps"], warmup_type)
 
     def known_keys(self) -> Iterable[str]:
         return [*SETTING_OF_KEY, *WITHOUT_EFFECT, *ONLY_VALUE, *TRAINER_KEYS, "fp16.hysteresis",
@@ -449,7 +449,7 @@ def _same(value: Any, wanted: Any) -> bool:
     return isinstance(value, (int, float)) and math.isclose(value, wanted, rel_tol=1e-12, abs_tol=0.0)
 
 
-def _integer(value: Any, key: str, fail: Any) -> int | str:
+def _integer(value: Any, key: str, fail: Callable[[str], None]) -> int | str:
     if value == AUTO:
         return AUTO
     if type(value) is float and value.is_integer():
@@ -457,10 +457,6 @@ def _integer(value: Any, key: str, fail: Any) -> int | str:
     if type(value) is not int or value < 0:
         fail(f"{key} must be an integer >= 0 or \"auto\"; got {value!r}")
     return value
-
-
-def _number_or_none(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def engine_config(config: ZeroConfig | dict[str, Any] | str | Path | None) -> ZeroConfig:

@@ -378,15 +378,31 @@ class ZeroEngine(nn.Module):
         """Every trainable parameter's fp32 master weights, whole, on every rank (with tensor parallelism:
         this rank's local parts). For inspection and tests: it holds the model in fp32. All ranks must call it."""
         self.finish_pending_update()
-        masters = {s.name: torch.zeros(s.numel) for s in self.params.slices()}
+        return self._masters_of(list(self.params.slices()))
+
+    def masters_one_part_at_a_time(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The fp32 master weights, whole, a part at a time (stage 3: a unit), on every rank. All ranks must
+        call it."""
+        self.finish_pending_update()
+        for slices in self.params.parts():
+            yield self._masters_of(slices)
+
+    @torch.no_grad()
+    def _masters_of(self, slices: list[Any]) -> dict[str, torch.Tensor]:
+        """Each rank fills the elements of `slices` it owns (the others hold zeros), and one all-reduce per
+        parameter makes them whole everywhere."""
+        masters = {s.name: torch.zeros(s.numel) for s in slices}
         for g, chunks in enumerate(self.params.owned_ranges()):
             for k, (flat, lo, hi) in enumerate(chunks):
+                pieces = [piece for piece in flat.pieces_between(lo, hi) if piece.slice.name in masters]
+                if not pieces:
+                    continue
                 master, _ = self.sharded_optimizer.backend.chunk_state(g, k)
-                for piece in flat.pieces_between(lo, hi):
+                for piece in pieces:
                     n = piece.param_hi - piece.param_lo
                     masters[piece.slice.name][piece.param_lo:piece.param_hi] = \
                         master.detach()[piece.range_lo:piece.range_lo + n].float().cpu()
-        for s in self.params.slices():
+        for s in slices:
             values = masters[s.name]
             if not self.params.replicated:  # each element is owned by one rank; the others hold zeros
                 values = values.to(self.comm.device)
@@ -396,27 +412,43 @@ class ZeroEngine(nn.Module):
 
     @torch.no_grad()
     def trainable_weights(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter whole, in the dtype the model computes with, on every rank, gathered a unit at
-        a time: what a PEFT adapter saves (a few MB), never the whole model at once. All ranks must call it."""
+        """Every trainable parameter whole on every rank, a unit at a time: what a PEFT adapter saves (a few MB),
+        never the whole model at once. In mixed precision these are the fp32 masters, as the stock Trainer saves
+        its fp32 weights under --bf16; else the parameters themselves. All ranks must call it."""
         self.finish_pending_update()
+        if self.dtype != torch.float32:
+            return {name: w for part in self.masters_one_part_at_a_time() for name, w in part.items()}
         return {s.name: s.param.detach().clone() for slices in self.params.gathered_one_at_a_time() for s in slices}
 
     def save_weights(self, folder: str | os.PathLike, write: bool,
                      max_shard_size: int | str = export.SAVE_PRETRAINED_MAX_SHARD_SIZE) -> None:
         """The model's weights as save_pretrained writes them (model.safetensors, or shards and an index),
         gathered a part at a time (stage 3: a unit) and written as they arrive, so that no rank holds more
-        than its shard and one unit. Every rank calls it; the one with `write` writes."""
+        than its shard and one unit. Every rank calls it; the one with `write` writes.
+        In mixed precision the file holds fp32, as the stock Trainer's under --bf16 or --fp16 (its model stays
+        fp32 under autocast): the trained parameters are their masters; frozen weights and floating buffers,
+        which have none, are written from their compute-dtype values."""
         self.finish_pending_update()
         weights = export.weights_to_save(self.module)
         managed = self.params.managed
         save_name = {id(t): name for name, t in weights.items()}
-        planned = {name: export.meta_like(managed[id(t)].shape if id(t) in managed else t.shape, t.dtype)
+        mixed = self.dtype != torch.float32
+
+        def saved_dtype(t: torch.Tensor) -> torch.dtype:
+            return torch.float32 if mixed and t.is_floating_point() else t.dtype
+
+        planned = {name: export.meta_like(managed[id(t)].shape if id(t) in managed else t.shape, saved_dtype(t))
                    for name, t in weights.items()}
+        name_of_slice = {s.name: save_name[id(s.param)] for s in self.params.slices() if id(s.param) in save_name}
 
         def arrivals() -> Iterator[dict[str, torch.Tensor]]:
-            for slices in self.params.gathered_one_at_a_time():
-                yield {save_name[id(s.param)]: s.param.data for s in slices if id(s.param) in save_name}
-            yield {name: t for name, t in weights.items() if id(t) not in managed}  # buffers, frozen weights
+            if mixed:
+                for part in self.masters_one_part_at_a_time():
+                    yield {name_of_slice[name]: w for name, w in part.items() if name in name_of_slice}
+            else:
+                for slices in self.params.gathered_one_at_a_time():
+                    yield {save_name[id(s.param)]: s.param.data for s in slices if id(s.param) in save_name}
+            yield {name: t.to(saved_dtype(t)) for name, t in weights.items() if id(t) not in managed}  # buffers, frozen
 
         error = export.write_as_they_arrive(folder, planned, arrivals(), write, max_shard_size)
 

@@ -308,8 +308,9 @@ class ZeroTrainerMixin:
             self.engine.finish_pending_update()  # delayed_param_update: the model gets the last update first
         if self.mesh is not None:
             return self._save_tensor_parallel_model(output_dir, _internal_call)
-        if self.engine is None or self.engine.zero_stage < 3:
-            return super().save_model(output_dir, _internal_call)  # stages 0-2: every rank holds whole weights
+        if self.engine is None or (self.engine.zero_stage < 3 and self.engine.dtype == torch.float32):
+            return super().save_model(output_dir, _internal_call)  # every rank holds the whole weights as trained
+        # Stage 3 gathers a unit at a time; mixed precision writes the fp32 masters, as stock writes its fp32 model.
         output_dir = self.args.output_dir if output_dir is None else output_dir
         if _is_peft_model(self.model):
             # A PEFT model saves its adapter, as under stock: peft picks it from the trainable weights (an empty

@@ -10,11 +10,11 @@ from hf_zero import ZeroTrainer
 from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
-from tests.test_deepspeed_config import TRANSFORMERS_ZERO3
 from tests.hub_stand_in import HubStandIn, hub_env
-from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, gpt2_model, lm_examples, pushing_run,
-                                    resume_runs, run_trainers, saving_run, tensor_parallel_arguments,
-                                    tensor_parallel_resume_runs, tensor_parallel_runs)
+from tests.test_deepspeed_config import TRANSFORMERS_ZERO3
+from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf16_saving_runs, gpt2_model,
+                                    lm_examples, pushing_run, resume_runs, run_trainers, saving_run,
+                                    tensor_parallel_arguments, tensor_parallel_resume_runs, tensor_parallel_runs)
 
 STAGES = (0, 1, 2, 3)
 # transformers' documented ds_config_zero3.json, offloading to CPU, without its scheduler block (DeepSpeed's
@@ -188,6 +188,28 @@ def test_a_trainer_checkpoint_consolidates_to_its_saved_weights_with_tokenizer(s
         assert set(ours.keys()) == set(saved.keys())
         for key in saved.keys():
             assert torch.equal(ours.get_tensor(key), saved.get_tensor(key)), key
+
+
+@pytest.mark.slow
+def test_under_bf16_save_model_writes_the_fp32_masters_as_stock_writes_its_fp32_weights(tmp_path):
+    """The stock Trainer under --bf16 keeps an fp32 model (autocast computes in bf16) and saves fp32. The engine
+    computes with bf16 parameters over fp32 masters: save_model writes the masters, bitwise, at stages 1 and 3
+    (it wrote the bf16 parameters before, each weight rounded to 8 bits of mantissa)."""
+    from safetensors.torch import load_file
+
+    stock = Trainer(model=gpt2_model(), args=TrainingArguments(
+        output_dir=str(tmp_path / "stock"), bf16=True, max_steps=1, use_cpu=True, report_to=[], save_strategy="no",
+        per_device_train_batch_size=4), train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1))
+    stock.train()
+    stock.save_model(str(tmp_path / "stock"))
+    stock_dtypes = {t.dtype for t in load_file(str(tmp_path / "stock" / "model.safetensors")).values()}
+    assert stock_dtypes == {torch.float32}
+    for stage, run in spawn_gloo(bf16_saving_runs, 2, str(tmp_path))[0].items():
+        assert {t.dtype for t in run["saved"].values()} == stock_dtypes, stage
+        assert run["masters"].keys() <= run["saved"].keys()
+        for name, master in run["masters"].items():
+            assert torch.equal(run["saved"][name], master), (stage, name)
+        assert any(not torch.equal(m, m.bfloat16().float()) for m in run["masters"].values())  # not bf16 values
 
 
 @pytest.mark.slow

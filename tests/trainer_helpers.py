@@ -214,6 +214,23 @@ def saving_run(root: str) -> dict[str, Any]:
     return record
 
 
+def bf16_saving_runs(root: str) -> dict[int, dict[str, Any]]:
+    """Stages 1 and 3 in bf16, 3 steps, then save_model: the weights written and the fp32 masters."""
+    from safetensors.torch import load_file
+
+    results = {}
+    for stage in (1, 3):
+        run = TrainerRun(f"bf16_save{stage}", stage, args={"bf16": True, "max_steps": 3, "eval_on_start": False})
+        trainer = ZeroTrainer(model=gpt2_model(), args=_arguments(run, f"{root}/run{stage}"),
+                              train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1))
+        trainer.train()
+        trainer.save_model(f"{root}/saved{stage}")
+        masters = trainer.engine.gathered_masters()
+        dist.barrier()
+        results[stage] = {"saved": load_file(f"{root}/saved{stage}/model.safetensors"), "masters": masters}
+    return results
+
+
 def pushing_run(root: str) -> dict[str, Any]:
     """Stage 3 with push_to_hub (HF_ENDPOINT points at a stand-in): checkpoints every 2 of 4 steps, pushed
     as the Trainer pushes them, then trainer.push_to_hub() at the end."""

@@ -114,8 +114,11 @@ class FlatParams(ParamHolder):
     def gathered(self) -> Iterator[None]:
         yield  # every rank holds every parameter whole
 
-    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+    def parts(self) -> Iterator[list[ParamSlice]]:
         yield list(self.slices())
+
+    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+        yield from self.parts()
 
     def held_bytes(self) -> int:
         return sum(flat.data.numel() * flat.data.element_size() for flat in self.flats)

@@ -100,6 +100,10 @@ class ParamHolder(ABC):
         """Every parameter whole for the duration (read-only use: inspection, tests, export)."""
 
     @abstractmethod
+    def parts(self) -> Iterator[list[ParamSlice]]:
+        """The groups of slices gathered_one_at_a_time yields (stage 3: a unit's), without gathering them."""
+
+    @abstractmethod
     def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
         """The parameters, whole, a group of slices at a time (stage 3: a unit), freed after each."""
 

@@ -298,12 +298,16 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         self.free_all()
         self.after_step()
 
-    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+    def parts(self) -> Iterator[list[ParamSlice]]:
         for unit in self.units:
+            yield [s for flat in unit.flats for s in flat.slices]
+
+    def gathered_one_at_a_time(self) -> Iterator[list[ParamSlice]]:
+        for unit, slices in zip(self.units, self.parts()):
             was_gathered = unit.gathered
             unit.gather()
             unit.wait()
-            yield [s for flat in unit.flats for s in flat.slices]
+            yield slices
             if not was_gathered:
                 unit.free()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -427,7 +428,12 @@ def trainers_on_switch_transformers(stage: int) -> dict[str, dict[str, list[floa
                           optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", use_cpu=True,
                           report_to=[], seed=0, disable_tqdm=True)
             if name == "stock":
-                args = Seq2SeqTrainingArguments(ddp_find_unused_parameters=True, **common)
+                # SwitchTransformers' loss ignores num_items_in_batch: with token averaging on, stock would multiply
+                # each rank's mean loss by the number of ranks, where hf_zero trains as one process would
+                # (docs/trainer.md). Off, stock DDP averages the ranks' means: on these equal-length examples,
+                # one process's loss.
+                args = Seq2SeqTrainingArguments(ddp_find_unused_parameters=True, average_tokens_across_devices=False,
+                                                **common)
                 trainer_class = Seq2SeqTrainer
             else:
                 args, trainer_class = ZeroSeq2SeqTrainingArguments(zero_stage=stage, **common), ZeroSeq2SeqTrainer
@@ -473,3 +479,25 @@ def test_a_unit_one_rank_skips_at_any_step_stops_every_rank_naming_the_units(ski
     with pytest.raises(Exception, match=rf"the ranks issued different collectives as collective #\d+ of their group "
                                         rf"of 2 \({PARTING[skipping_step]}\).*--zero_unit_module_classes"):
         spawn_gloo(train, 2, plan)
+
+
+def rank_0_generates_alone() -> None:
+    """What a script that generates samples on the main process only does: rank 0 calls generate() without
+    synced_gpus while rank 1 goes on with other work (longer than the timeout, so that rank 0 is the one that
+    fails first and says why)."""
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_stage": 3})
+    if torch.distributed.get_rank() == 0:
+        engine.module.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    else:
+        time.sleep(60)
+
+
+def test_generate_on_one_rank_at_stage3_fails_within_seconds_naming_synced_gpus(monkeypatch):
+    """Every forward at stage 3 gathers from every rank, so rank 0 alone waits for partners that never come: a
+    failure within the collective timeout (5 s here) that says what to do, instead of a silent hang."""
+    monkeypatch.setenv("HF_ZERO_COLLECTIVE_TIMEOUT", "5")
+    with pytest.raises(Exception, match=r"rank 0: .* for the forward gather of .* did not complete: .*At ZeRO stage 3 "
+                                        r"every rank must run each forward: generate\(\) on some ranks only \(rank 0, "
+                                        r"say\) needs synced_gpus=True"):
+        spawn_gloo(rank_0_generates_alone, 2)
