@@ -51,6 +51,15 @@ def enable(arguments: Any, seed: int) -> None:
     _asked_by, _seed = weakref.ref(arguments), seed
 
 
+def end(arguments: Any) -> None:
+    """The Trainer given `arguments` has taken its model: later from_pretrained and from_config calls build whole
+    models (a model loaded after training to evaluate or compare would otherwise stay on meta, as no engine
+    fills it). Other arguments that turned partitioned construction on keep it on."""
+    global _asked_by
+    if _asked_by is not None and _asked_by() is arguments:
+        _asked_by = None
+
+
 def enabled() -> bool:
     return _asked_by is not None and _asked_by() is not None
 

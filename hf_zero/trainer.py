@@ -216,6 +216,7 @@ class ZeroTrainerMixin:
             self.engine = initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh,
                                      init_from=source)
             self.built_partitioned = pretrained.forget(self.model)
+            pretrained.end(self.args)
             if self.built_partitioned:
                 logger.info(f"rank {self.engine.comm.rank} built the model partitioned: {pretrained.describe(source)}")
             self.optimizer = ZeroOptimizer(self.engine)

@@ -55,23 +55,36 @@ def gathered(trainer) -> dict[str, torch.Tensor]:
 def build_three_ways(folders: dict[str, Path], output_dir: Path, tensor_parallel_size: int) -> dict:
     """On each rank, under stage-3 arguments: GPT-2 from_pretrained, BERT for sequence classification from a
     masked-LM checkpoint (a new head) and GPT-2 from_config, each handed to ZeroTrainer; the values the
-    engine then holds, gathered, and what the models held before the Trainer."""
+    engine then holds, gathered, and what the models held before the Trainer. Each Trainer gets arguments of its
+    own: once a Trainer has taken its model, its arguments build whole models again (`later`, a model loaded to
+    evaluate after training, which no engine would fill)."""
     from hf_zero import ZeroTrainer
 
-    args = arguments(output_dir, tensor_parallel_size=tensor_parallel_size)
+    def stage3_arguments():
+        return arguments(output_dir, tensor_parallel_size=tensor_parallel_size)
+
     results = {}
     set_seed(SEED)
+    args = stage3_arguments()
     gpt2 = AutoModelForCausalLM.from_pretrained(folders["gpt2"])
     results["gpt2_on_meta"] = all(p.is_meta for p in gpt2.parameters())
     results["gpt2"] = gathered(ZeroTrainer(model=gpt2, args=args))
+    later = AutoModelForCausalLM.from_pretrained(folders["gpt2"])
+    results["later_on_meta"] = any(p.is_meta for p in later.parameters())
+    results["later"] = named_copy(later)
     set_seed(SEED)
+    args = stage3_arguments()
     bert, info = BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3,
                                                                output_loading_info=True)
+    results["bert_on_meta"] = bert.bert.embeddings.word_embeddings.weight.is_meta  # read later, by the engine
     results["bert_missing"] = sorted(info["missing_keys"])
     results["bert"] = gathered(ZeroTrainer(model=bert, args=args))
     set_seed(SEED)
+    args = stage3_arguments()
     config = AutoConfig.from_pretrained(folders["gpt2"])
-    results["from_config"] = gathered(ZeroTrainer(model=AutoModelForCausalLM.from_config(config), args=args))
+    from_config = AutoModelForCausalLM.from_config(config)
+    results["from_config_on_meta"] = all(p.is_meta for p in from_config.parameters())
+    results["from_config"] = gathered(ZeroTrainer(model=from_config, args=args))
     return results
 
 
@@ -91,8 +104,9 @@ def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with
     config = AutoConfig.from_pretrained(folders["gpt2"])
     expected_from_config = named_copy(build_seeded(lambda: AutoModelForCausalLM.from_config(config), SEED))
     for result in spawn_gloo(build_three_ways, ranks, folders, tmp_path / "out", tensor_parallel_size):
-        assert result["gpt2_on_meta"]
+        assert result["gpt2_on_meta"] and result["bert_on_meta"] and result["from_config_on_meta"]
         assert max_diff(result["gpt2"], expected_gpt2) == 0
+        assert not result["later_on_meta"] and max_diff(result["later"], expected_gpt2) == 0
         # The new head (and the pooler, which a masked-LM model lacks) is initialised by transformers from the
         # seeded global generator, the rest read.
         assert result["bert_missing"] == ["bert.pooler.dense.bias", "bert.pooler.dense.weight", "classifier.bias",
