@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -367,10 +367,11 @@ class ZeroEngine(nn.Module):
 
     # ---- whole parameters --------------------------------------------------------------------
     @contextlib.contextmanager
-    def gathered_parameters(self) -> Iterator[nn.Module]:
-        """Yields the module with every parameter whole (stage 3 gathers them and frees them after)."""
+    def gathered_parameters(self, only: Iterable[nn.Parameter] | None = None) -> Iterator[nn.Module]:
+        """Yields the module with every parameter whole, or at least those in `only` (stage 3 gathers the units
+        holding them and frees them after)."""
         self.finish_pending_update()
-        with self.params.gathered():
+        with self.params.gathered(None if only is None else {id(p) for p in only}):
             yield self.module
 
     @torch.no_grad()

@@ -26,6 +26,7 @@ tensors) and takes every weight from the engine checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -317,8 +318,12 @@ class ZeroTrainerMixin:
             # A PEFT model saves its adapter, as under stock: peft picks it from the trainable weights (an empty
             # state dict, as for the whole model below, would write an adapter of no tensors).
             adapter = self.engine.trainable_weights()
-            if self.args.should_save:
-                self._save(output_dir, state_dict=adapter)
+            # A prompt-learning adapter (prompt tuning, p-tuning) is what peft's prompt encoder computes, so the
+            # encoder is gathered while peft saves.
+            prompt_encoder = list(getattr(self.model, "prompt_encoder", nn.ModuleDict()).parameters())
+            with self.engine.gathered_parameters(only=prompt_encoder) if prompt_encoder else contextlib.nullcontext():
+                if self.args.should_save:
+                    self._save(output_dir, state_dict=adapter)
         else:
             if self.args.should_save:
                 # Config, generation config, tokenizer, training arguments; the weights follow. The empty

@@ -17,6 +17,7 @@ from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf
                                     tensor_parallel_arguments, tensor_parallel_resume_runs, tensor_parallel_runs)
 
 STAGES = (0, 1, 2, 3)
+PEFT = ("lora", "prompt_tuning")
 # transformers' documented ds_config_zero3.json, offloading to CPU, without its scheduler block (DeepSpeed's
 # WarmupDecayLR runs transformers' linear schedule one step later, tests/test_deepspeed_config.py): the
 # stock run's schedule. Its "auto" optimizer is the Trainer's AdamW over every parameter in one group, which
@@ -32,8 +33,8 @@ RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s
         + [TrainerRun(f"zero{s}_checkpointing_gpt2", s, args={"gradient_checkpointing": True}) for s in (2, 3)]
         + [TrainerRun("stock_t5", None, "t5", args={**T5_WINDOW, "average_tokens_across_devices": False}),
            TrainerRun("zero3_t5", 3, "t5", args=T5_WINDOW)]
-        + [TrainerRun("stock_lora_gpt2", None, lora=True)] + [TrainerRun(f"zero{s}_lora_gpt2", s, lora=True)
-                                                              for s in (1, 2, 3)]
+        + [TrainerRun(f"stock_{method}_gpt2", None, peft=method) for method in PEFT]
+        + [TrainerRun(f"zero{s}_{method}_gpt2", s, peft=method) for method in PEFT for s in (1, 2, 3)]
         + [TrainerRun("zero3_deepspeed_config_gpt2", 3, args={"deepspeed": TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER})])
 
 
@@ -83,24 +84,27 @@ def test_gradient_checkpointing_recomputes_with_the_same_losses(trainer_runs, st
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", PEFT)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_lora_adapter_fine_tunes_at_every_stage_as_under_stock_ddp(trainer_runs, stage):
-    """peft's LoRA on the attention, through the Trainer's own AdamW: its decay group holds the adapters and its
-    no-decay group nothing, an empty group torch takes and so must the engine (it refused it before). The
-    losses, grad norms and trained adapters are stock DDP's; the frozen base is never written; save_model writes
-    the adapter, as stock does."""
-    stock, zero = trainer_runs[0]["stock_lora_gpt2"], trainer_runs[0][f"zero{stage}_lora_gpt2"]
+def test_a_peft_adapter_fine_tunes_at_every_stage_as_under_stock_ddp(trainer_runs, stage, method):
+    """peft's LoRA on the attention, and prompt tuning (virtual tokens' embeddings, in peft's prompt encoder),
+    through the Trainer's own AdamW: its decay group holds the adapters and its no-decay group nothing, an empty
+    group torch takes and so must the engine (it refused it before). The losses, grad norms and trained adapters
+    are stock DDP's; the frozen base is never written; save_model writes the adapter, as stock does."""
+    stock, zero = trainer_runs[0][f"stock_{method}_gpt2"], trainer_runs[0][f"zero{stage}_{method}_gpt2"]
     assert zero["engine_stage"] == stage
     assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
     assert max(abs(a - b) / b for a, b in zip(zero["grad_norms"], stock["grad_norms"])) < 1e-4
-    assert sorted(zero["trainable"]) == sorted(stock["trainable"]) and all("lora_" in n for n in stock["trainable"])
+    assert sorted(zero["trainable"]) == sorted(stock["trainable"])
+    assert all(("lora_" if method == "lora" else "prompt_encoder") in n for n in stock["trainable"])
     for name, adapter in stock["trainable"].items():
         torch.testing.assert_close(zero["trainable"][name], adapter, atol=1e-5, rtol=0)
-    # LoRA's B starts at zero: it moved, so the adapters were trained and not compared at their start.
-    assert min(a.abs().max().item() for n, a in stock["trainable"].items() if "lora_B" in n) > 1e-3
+    if method == "lora":  # LoRA's B starts at zero: it moved, so the adapters were trained, not compared at start
+        assert min(a.abs().max().item() for n, a in stock["trainable"].items() if "lora_B" in n) > 1e-3
     assert zero["frozen_moved"] == stock["frozen_moved"] == 0.0
     # save_model writes the adapter peft's from_pretrained loads, bit for bit the trained one (at stage 3 it
-    # wrote an adapter of no tensors, and peft loaded an untrained one with a warning).
+    # wrote a LoRA adapter of no tensors, and peft loaded an untrained one with a warning; prompt tuning's save
+    # ran peft's prompt encoder on its partitioned weight and failed).
     assert sorted(zero["saved_adapter"]) == sorted(zero["trainable"])
     for name, adapter in zero["trainable"].items():
         assert torch.equal(zero["saved_adapter"][name], adapter), name

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model
 from transformers import (LogitsProcessor, LogitsProcessorList, Seq2SeqTrainer, Seq2SeqTrainingArguments,
                           T5Config, T5ForConditionalGeneration, Trainer, TrainingArguments)
 
@@ -71,7 +71,13 @@ class TrainerRun:
     zero_stage: int | None  # None: the stock Trainer (DDP)
     model: str = "gpt2"  # "gpt2" or "t5" (Seq2Seq with generation)
     args: dict[str, Any] = field(default_factory=dict)
-    lora: bool = False  # the model wrapped by peft with LoRA adapters on its attention, the base frozen
+    # The model wrapped by peft, its base frozen: "lora" (adapters on the attention) or "prompt_tuning" (virtual
+    # tokens' embeddings before the input, in a module of peft's own).
+    peft: str | None = None
+
+
+PEFT_METHODS = {"lora": lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0),
+                "prompt_tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}
 
 
 def _arguments(run: TrainerRun, output_dir: str) -> TrainingArguments:
@@ -106,9 +112,8 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
     for run in runs:
         with tempfile.TemporaryDirectory() as output_dir:
             model = t5_model() if run.model == "t5" else gpt2_model()
-            if run.lora:
-                model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
-                                                         lora_dropout=0.0))
+            if run.peft:
+                model = get_peft_model(model, PEFT_METHODS[run.peft]())
             frozen_at_start = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             trainer = _trainer_class(run)(model=model, args=_arguments(run, output_dir),
                                           train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
@@ -133,7 +138,7 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
                 record["engine_stage"] = trainer.engine.zero_stage
                 record["engine_config"] = trainer.engine.config
                 record["engine_global_grad_norm"] = trainer.engine.global_grad_norm
-            if run.lora:
+            if run.peft:
                 with trainer.engine.gathered_parameters() if zero else contextlib.nullcontext():
                     record["trainable"] = {n: p.detach().clone() for n, p in model.named_parameters()
                                            if p.requires_grad}
@@ -143,7 +148,7 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
                 if rank == 0:  # the one that writes (each rank has an output folder of its own here)
                     loaded = PeftModel.from_pretrained(gpt2_model(), f"{output_dir}/adapter")
                     record["saved_adapter"] = {n: p.detach().clone() for n, p in loaded.named_parameters()
-                                               if "lora_" in n}
+                                               if n in record["trainable"]}
             results[run.name] = record
     return results
 

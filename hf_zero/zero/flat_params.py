@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -111,7 +111,7 @@ class FlatParams(ParamHolder):
         return groups
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
+    def gathered(self, only: Collection[int] | None = None) -> Iterator[None]:
         yield  # every rank holds every parameter whole
 
     def parts(self) -> Iterator[list[ParamSlice]]:

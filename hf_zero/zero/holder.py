@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -96,8 +96,9 @@ class ParamHolder(ABC):
         """Shares the updated chunks with the other ranks (the all-gather that follows the update)."""
 
     @abstractmethod
-    def gathered(self) -> contextlib.AbstractContextManager:
-        """Every parameter whole for the duration (read-only use: inspection, tests, export)."""
+    def gathered(self, only: Collection[int] | None = None) -> contextlib.AbstractContextManager:
+        """Every parameter whole for the duration (read-only use: inspection, tests, export); with `only` (ids of
+        parameters), at least those (stage 3: the units holding them)."""
 
     @abstractmethod
     def parts(self) -> Iterator[list[ParamSlice]]:

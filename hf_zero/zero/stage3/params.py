@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Collection, Iterator
 
 import torch
 from torch import nn
@@ -249,18 +249,22 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         return buffer
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every unit gathered for the duration (read-only use: inspection, tests, export)."""
-        for unit in self.units:
+    def gathered(self, only: Collection[int] | None = None) -> Iterator[None]:
+        """Every unit, or those holding the parameters `only` names, gathered for the duration (read-only use:
+        inspection, tests, export)."""
+        units = [unit for unit in self.units
+                 if only is None or any(id(s.param) in only for flat in unit.flats for s in flat.slices)]
+        for unit in units:
             unit.gather()
             if self.reader is not None:  # read buffers go back at once: the pool stays one unit deep
                 unit.wait()
-        for unit in self.units:
+        for unit in units:
             unit.wait()
         try:
             yield
         finally:
-            self.free_all()
+            for unit in units:
+                unit.free()
 
     def _free_all_but_root(self) -> None:
         for unit in self.units:
