@@ -134,14 +134,19 @@ def whole_shape(manifest: dict[str, Any], name: str) -> list[int]:
 
 def write_model_files(module: torch.nn.Module, folder: Path) -> None:
     """config.json (and generation_config.json) of a transformers model, so the checkpoint consolidates
-    into a folder from_pretrained can load without the training script."""
-    config = getattr(module, "config", None)
+    into a folder from_pretrained can load without the training script. For a peft model, its base model's
+    and the active adapter's adapter_config.json."""
+    peft_config = getattr(module, "peft_config", None)
+    base = module.get_base_model() if peft_config is not None else module
+    config = getattr(base, "config", None)
     if not hasattr(config, "save_pretrained"):
         return
-    config.architectures = [type(module).__name__]  # as save_pretrained records it
+    config.architectures = [type(base).__name__]  # as save_pretrained records it
     config.save_pretrained(folder)
-    if getattr(module, "can_generate", lambda: False)() and getattr(module, "generation_config", None) is not None:
-        module.generation_config.save_pretrained(folder)
+    if getattr(base, "can_generate", lambda: False)() and getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    if peft_config is not None:
+        peft_config[module.active_adapter].save_pretrained(folder)
 
 
 def _umask() -> int:

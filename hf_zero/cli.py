@@ -158,11 +158,14 @@ def _consolidate(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace whatever output_dir holds (by default it must be empty, absent or an earlier "
                              "consolidation of the same checkpoint)")
+    parser.add_argument("--merge", action="store_true",
+                        help="for a checkpoint of a peft model: write the base model with the adapter merged in (by "
+                             "default, the adapter folder PeftModel.from_pretrained loads)")
     parser.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="create the Hub repository as private")
     args = parser.parse_args(argv)
     report = consolidate.consolidate(args.checkpoint_dir, args.output_dir, args.dtype, args.max_shard_size,
-                                     overwrite=args.overwrite)
+                                     overwrite=args.overwrite, merge=args.merge)
     print(f"{args.output_dir}: {report.summary()}")
     if args.push_to_hub:
         print(f"pushed: {consolidate.push_to_hub(args.output_dir, args.push_to_hub, private=args.private or None)}")

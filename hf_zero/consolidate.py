@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
@@ -56,17 +57,24 @@ class ConsolidationReport:
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike, dtype: str = "fp32",
-                max_shard_size: int | str = "5GB", progress: bool = True, overwrite: bool = False
-                ) -> ConsolidationReport:
+                max_shard_size: int | str = "5GB", progress: bool = True, overwrite: bool = False,
+                merge: bool = False) -> ConsolidationReport:
     """Writes the checkpoint's weights (fp32 masters, cast to `dtype`), config, generation config and
     tokenizer as a transformers folder. `output_dir` must be empty, absent or an earlier consolidation of
     the same checkpoint; with `overwrite`, whatever it holds is replaced. Nothing in it changes until
-    every file is written."""
+    every file is written.
+    A checkpoint of a peft model (its adapter_config.json beside the manifest) gives its adapter folder, which
+    PeftModel.from_pretrained loads onto the base model; with `merge`, the base model with the adapter merged in
+    (peft's merge_and_unload), which from_pretrained loads alone."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     source = find_engine_checkpoint(checkpoint_dir)
     manifest, index = checkpoint.read_manifest(source)
     output = Path(output_dir)
+    adapter = (source / ADAPTER_CONFIG).is_file()
+    if merge and not adapter:
+        raise checkpoint.CheckpointError(f"--merge merges a peft adapter into its base model, and {source} holds no "
+                                         f"{ADAPTER_CONFIG}: it is a whole model's checkpoint; drop --merge")
     # The checkpoint by its folder's name, not its path: the record is uploaded with the weights, and a local
     # path says who ran it where.
     named = source.name if source.parent == Path(checkpoint_dir).parent else f"{source.parent.name}/{source.name}"
@@ -75,6 +83,8 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
                   "step": manifest.get("global_steps"), "dtype": dtype}
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
+    if adapter:
+        return _consolidate_adapter(source, manifest, index, output, dtype, merge, {**provenance, "merged": merge})
     out_dtype = DTYPES[dtype]
     with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
         stored = set(rank0.keys())
@@ -94,8 +104,8 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
             planned[name] = meta_like(shape, out_dtype if stored.is_floating_point else stored)
     rss_before = psutil.Process().memory_info().rss
     reset_peak_rss()
-    staging = _staging_folder(output)
-    try:
+
+    def write(staging: Path) -> list[str]:
         writer = ShardedWeightsWriter(staging, planned, max_shard_size)
         try:
             for name, key in tqdm(manifest["weights"], desc="Consolidating", unit="tensor", disable=not progress):
@@ -104,13 +114,67 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
         except BaseException:
             writer.abort()
             raise
-        written += _copy_model_files(source, staging, dtype)
+        return written + _copy_model_files(source, staging, dtype)
+
+    written = _write_staged(output, provenance, write)
+    weight_bytes = sum(t.numel() * t.element_size() for t in planned.values())
+    return ConsolidationReport(written, weight_bytes, rss_before, peak_rss())
+
+
+def _write_staged(output: Path, provenance: dict, write: Callable[[Path], list[str]]) -> list[str]:
+    """`write(staging)` fills a staging folder inside `output` and names its files; the provenance record
+    follows, and all of them replace what `output` held only once every one is written."""
+    staging = _staging_folder(output)
+    try:
+        written = write(staging)
         (staging / PROVENANCE).write_text(json.dumps({**provenance, "files": written}, indent=1) + "\n")
         _move_into_place(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    weight_bytes = sum(t.numel() * t.element_size() for t in planned.values())
-    return ConsolidationReport([*written, PROVENANCE], weight_bytes, rss_before, peak_rss())
+    return [*written, PROVENANCE]
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's, written into the checkpoint of a peft model
+
+
+def _consolidate_adapter(source: Path, manifest: dict, index: dict, output: Path, dtype: str, merge: bool,
+                         provenance: dict) -> ConsolidationReport:
+    """The peft model is built on meta from the checkpoint's config and adapter config, given the checkpoint's
+    tensors (the adapter's alone, or with `merge` every tensor: the whole model in memory, as peft merges), and
+    written by peft (the adapter) or by transformers (the merged model): the files each library loads."""
+    import transformers
+    from peft import PeftConfig, get_peft_model
+
+    config = transformers.AutoConfig.from_pretrained(source)
+    adapter_config = PeftConfig.from_pretrained(source)
+    if merge and adapter_config.is_prompt_learning:
+        raise checkpoint.CheckpointError(f"--merge: a {adapter_config.peft_type} adapter adds virtual tokens rather "
+                                         f"than changing weights, so it has nothing to merge; drop --merge to write "
+                                         f"the adapter folder")
+    with torch.device("meta"):  # the base model: no memory until the checkpoint's tensors are assigned
+        base = getattr(transformers, config.architectures[0])._from_config(config)
+    model = get_peft_model(base, adapter_config)  # the adapter's modules and tensors (prompt tokens) where peft puts them
+    trained = {key for _, key in manifest["weights"] if key.startswith("master/")}
+    wanted = [(name, key) for name, key in manifest["weights"] if merge or key in trained]
+    rss_before = psutil.Process().memory_info().rss
+    reset_peak_rss()
+    out_dtype = DTYPES[dtype]
+    state = {name: _cast(_read_tensor(source, manifest, index, key), out_dtype) for name, key in wanted}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.get_base_model().tie_weights()  # a tied weight is stored once: its other names take the loaded tensor
+
+    def write(staging: Path) -> list[str]:
+        (model.merge_and_unload() if merge else model).save_pretrained(staging)
+        _copy_tokenizer(_model_file_folders(source), staging)
+        return sorted(p.name for p in staging.iterdir())
+
+    written = _write_staged(output, provenance, write)
+    weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    return ConsolidationReport(written, weight_bytes, rss_before, peak_rss())
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 # Written last into a consolidated folder: which checkpoint it came from and the files it wrote, so that
@@ -201,14 +265,30 @@ def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str
         return whole.view(shape)
 
 
-def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
-    """config.json (with the output dtype), generation_config.json and the tokenizer, found in the
-    checkpoint folder or, for a Trainer checkpoint, the checkpoint-N folder around it."""
-    # (as `zero_checkpoint.partial` too, where an interrupted save left the newest complete one)
+def _model_file_folders(source: Path) -> list[Path]:
+    """Where a checkpoint's model files lie: its folder or, for a Trainer checkpoint, also the checkpoint-N folder
+    around it (as `zero_checkpoint.partial` too, where an interrupted save left the newest complete one)."""
     folders = [source, source.parent] if source.name.split(".")[0] == checkpoint.TRAINER_SUBFOLDER else [source]
     for folder in folders:  # what is copied, and may then be uploaded, comes from the checkpoint and nowhere else
         for entry in folder.iterdir():
             checkpoint.inside(folder, entry.name)
+    return folders
+
+
+def _copy_tokenizer(folders: list[Path], output: Path) -> list[str]:
+    """The tokenizer saved beside the checkpoint, if any, written into `output`; the names of its files."""
+    tokenizer_from = next((f for f in folders if (f / "tokenizer_config.json").is_file()), None)
+    if tokenizer_from is None:
+        return []
+    from transformers import AutoTokenizer
+
+    return [Path(p).name for p in AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(output)]
+
+
+def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
+    """config.json (with the output dtype), generation_config.json and the tokenizer, found in the
+    checkpoint folder or, for a Trainer checkpoint, the checkpoint-N folder around it."""
+    folders = _model_file_folders(source)
     config_from = next((f for f in folders if (f / "config.json").is_file()), None)
     if config_from is None:
         raise checkpoint.CheckpointError(
@@ -221,12 +301,7 @@ def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
     if (config_from / "generation_config.json").is_file():
         shutil.copyfile(config_from / "generation_config.json", output / "generation_config.json")
         written.append("generation_config.json")
-    tokenizer_from = next((f for f in folders if (f / "tokenizer_config.json").is_file()), None)
-    if tokenizer_from is not None:
-        from transformers import AutoTokenizer
-
-        written += [Path(p).name for p in AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(output)]
-    return written
+    return written + _copy_tokenizer(folders, output)
 
 
 def push_to_hub(folder: str | os.PathLike, repo_id: str, commit_message: str = "Upload consolidated weights",

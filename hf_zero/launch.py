@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import sys
@@ -216,7 +217,24 @@ def say_once(message: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, below the kernel's ephemeral range. A port the kernel hands out (bind to 0) is
+    free only until it hands it out again, to any outgoing connection (gloo opens many), which can happen before
+    the rendezvous binds it: EADDRINUSE, seen once in a suite run. Below that range only another listener can
+    take it. Drawn from the system's randomness: tests reseed Python's generator."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randint(10000, max(10001, ephemeral_low - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every port drawn was taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -111,6 +111,24 @@ def test_a_peft_adapter_fine_tunes_at_every_stage_as_under_stock_ddp(trainer_run
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", PEFT)
+def test_a_peft_checkpoint_consolidates_into_its_adapter_and_merges_as_peft_merges_it(trainer_runs, method):
+    """`hf-zero consolidate` of a stage-3 peft checkpoint writes the adapter folder peft loads onto the base (it
+    wrote the PeftModel's prefixed keys under the architecture PeftModelForCausalLM, which from_pretrained loaded
+    as an untrained model); `--merge` writes the base model with the LoRA merged in, as peft's merge_and_unload of
+    the adapter save_model wrote gives it."""
+    zero = trainer_runs[0][f"zero3_{method}_gpt2"]
+    assert sorted(zero["consolidated_adapter"]) == sorted(zero["trainable"])
+    for name, adapter in zero["trainable"].items():
+        assert torch.equal(zero["consolidated_adapter"][name], adapter), name
+    if method == "lora":
+        assert zero["merged"].keys() == zero["peft_merged"].keys()
+        assert not any("lora" in name for name in zero["merged"])
+        for name, tensor in zero["peft_merged"].items():
+            assert torch.equal(zero["merged"][name], tensor), name
+
+
+@pytest.mark.slow
 def test_transformers_documented_deepspeed_config_trains_as_stock_ddp(trainer_runs):
     """`--deepspeed ds_config_zero3.json` as transformers documents it: stage 3 with parameters and optimizer states
     offloaded to CPU, every "auto" filled from the TrainingArguments and the model (buckets sized by its hidden

@@ -145,12 +145,36 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
                     record["frozen_moved"] = max((p - frozen_at_start[n]).abs().max().item()
                                                  for n, p in model.named_parameters() if not p.requires_grad)
                 trainer.save_model(f"{output_dir}/adapter")  # every rank: at stage 3 they gather the units
+                if zero and run.zero_stage == 3:  # an engine checkpoint, for hf-zero consolidate, in rank 0's folder
+                    shared = [output_dir]
+                    dist.broadcast_object_list(shared, src=0)
+                    trainer.engine.save_checkpoint(f"{shared[0]}/checkpoint")
                 if rank == 0:  # the one that writes (each rank has an output folder of its own here)
                     loaded = PeftModel.from_pretrained(gpt2_model(), f"{output_dir}/adapter")
                     record["saved_adapter"] = {n: p.detach().clone() for n, p in loaded.named_parameters()
                                                if n in record["trainable"]}
+                    if zero and run.zero_stage == 3:
+                        record.update(_consolidated_adapter(output_dir, merge=run.peft == "lora"))
             results[run.name] = record
     return results
+
+
+def _consolidated_adapter(output_dir: str, merge: bool) -> dict[str, Any]:
+    """`hf-zero consolidate` of the run's engine checkpoint: the adapter folder, loaded by peft onto the base, and
+    with `merge` the merged model from_pretrained loads, beside peft's own merge of the adapter save_model wrote."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.consolidate import consolidate
+
+    consolidate(f"{output_dir}/checkpoint", f"{output_dir}/consolidated", progress=False)
+    loaded = PeftModel.from_pretrained(gpt2_model(), f"{output_dir}/consolidated")
+    record = {"consolidated_adapter": {n: p.detach().clone() for n, p in loaded.named_parameters() if "default" in n}}
+    if merge:
+        consolidate(f"{output_dir}/checkpoint", f"{output_dir}/merged", progress=False, merge=True)
+        record["merged"] = AutoModelForCausalLM.from_pretrained(f"{output_dir}/merged").state_dict()
+        record["peft_merged"] = PeftModel.from_pretrained(gpt2_model(), f"{output_dir}/adapter").merge_and_unload() \
+            .state_dict()
+    return record
 
 
 def resume_runs(root: str) -> dict[str, dict[str, Any]]:
