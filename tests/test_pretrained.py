@@ -302,3 +302,23 @@ def test_a_model_built_partitioned_checkpoints_resumes_and_consolidates_as_any_s
         saved = AutoModelForCausalLM.from_pretrained(tmp_path / "a")(ids).logits
         consolidated = AutoModelForCausalLM.from_pretrained(tmp_path / "consolidated")(ids).logits
     torch.testing.assert_close(consolidated, saved, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("partitioned", [True, False])
+def test_a_peft_model_around_a_base_built_partitioned_is_refused_naming_the_flag(tmp_path, partitioned):
+    """get_peft_model around a base that stage-3 arguments built on meta: refused before the Trainer moves a meta
+    tensor ("Cannot copy out of meta tensor" before), naming --zero_init_partitioned false, which builds the
+    base whole and trains (as tests/test_trainer.py's LoRA runs do at stage 3)."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_zero import ZeroConfigError, ZeroTrainer
+
+    save_gpt2(tmp_path / "base")
+    args = arguments(tmp_path / "out", partitioned=partitioned)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                           LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0))
+    if partitioned:
+        with pytest.raises(ZeroConfigError, match=r"around a base built partitioned .* --zero_init_partitioned false"):
+            ZeroTrainer(model=model, args=args)
+    else:
+        assert ZeroTrainer(model=model, args=args).engine is None  # built whole: the engine starts with training
