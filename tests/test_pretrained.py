@@ -123,9 +123,12 @@ def peak_growth(folder: Path, output_dir: Path, partitioned: bool = True, nvme_p
     training steps ("growth"), with the parameters, optimizer states and gradients on NVMe when `nvme_path` is
     given."""
     from hf_zero import ZeroTrainer
+    from hf_zero.host_memory import _glibc
     from hf_zero.memory import current_rss, peak_rss, reset_peak_rss
 
     import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (its import is not the model's memory)
+
+    _glibc().mallopt(-3, 2**20)  # M_MMAP_THRESHOLD fixed at 1 MiB, as MALLOC_MMAP_THRESHOLD_ sets it at a start
 
     nvme = {} if nvme_path is None else {"zero_offload_param": "nvme", "zero_offload_optimizer": "nvme",
                                          "zero_nvme_path": nvme_path, "zero_nvme_tile_numel": 65_536}
@@ -159,22 +162,24 @@ def memory_runs(tmp_path_factory) -> tuple[int, dict[str, list[dict]]]:
     model_bytes = save_gpt2(folder / "ckpt", n_layer=32, n_embd=384, vocab_size=4096)
     (folder / "nvme").mkdir()
     runs = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))  # read by the spawned ranks' glibc at start
-        for name, partitioned, nvme, steps in [("partitioned", True, None, 2), ("whole", False, None, 0),
-                                               ("nvme", True, str(folder / "nvme"), 2)]:
-            runs[name] = spawn_gloo(peak_growth, 4, folder / "ckpt", folder / name, partitioned, nvme, steps,
-                                    start_method="spawn")
+    for name, partitioned, nvme, steps in [("partitioned", True, None, 2), ("whole", False, None, 0),
+                                           ("nvme", True, str(folder / "nvme"), 2)]:
+        # NVMe's growth is the smallest figure, so its ranks start from a fresh interpreter's heap rather than
+        # the forkserver's (0.49-0.51x the model against 0.55-0.58x); the others are far from their bounds.
+        runs[name] = spawn_gloo(peak_growth, 4, folder / "ckpt", folder / name, partitioned, nvme, steps,
+                                start_method="spawn" if nvme else "forkserver")
     return model_bytes, runs
 
 
 @pytest.mark.slow
 def test_no_rank_holds_the_whole_model_while_it_loads_and_the_whole_model_path_does(memory_runs):
-    """Measured: 0.40x the whole model per rank (its shard 0.25x, one unit being filled, the allocator's free
-    memory), and 1.34x on the whole-model path."""
+    """Measured: 0.37-0.38x the whole model per rank (its shard 0.25x, one unit being filled, the allocator's
+    free memory), and 1.38x on the whole-model path."""
     model_bytes, runs = memory_runs
     partitioned, whole = runs["partitioned"], runs["whole"]
     for rank in range(4):
+        print(f"rank {rank}: loaded {partitioned[rank]['loaded'] / model_bytes:.2f}x the model partitioned, "
+              f"{whole[rank]['loaded'] / model_bytes:.2f}x whole")
         assert partitioned[rank]["holds"] == whole[rank]["holds"] < 0.26 * model_bytes
         assert partitioned[rank]["loaded"] < 0.6 * model_bytes, (rank, partitioned[rank]["loaded"] / model_bytes)
         assert whole[rank]["loaded"] >= model_bytes, (rank, whole[rank]["loaded"] / model_bytes)
