@@ -93,7 +93,7 @@ def _post_init(self: Any) -> None:
                               "compile the engine's wrapper, not the model, and nothing would be compiled. Drop "
                               "--torch_compile (and --torch_compile_mode, --torch_compile_backend)")
     _check_engine_flags(self, processes, per_node)
-    if self.zero_deepspeed is not None and (warning := self.zero_deepspeed.warning(self.zero_config_name)) \
+    if self.zero_deepspeed is not None and (warning := self.zero_deepspeed.warning()) \
             and int(os.environ.get("RANK", "0")) == 0:
         logger.warning(warning)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
@@ -285,7 +285,7 @@ def _read_config_file(args: Any, processes: int) -> tuple[dict[str, Any], deepsp
     configuration asks beyond them."""
     config = args.zero_config
     flag = getattr(args, "zero_config_flag", "--zero_config")
-    source = args.zero_config_name = f"{flag} " + (config if isinstance(config, str) else "(a dict)")
+    source = f"{flag} " + (config if isinstance(config, str) else "(a dict)")
     settings = dict(config) if isinstance(config, dict) else read_settings_file(config, flag)
     if deepspeed_config.is_deepspeed(settings):
         tp = args.tensor_parallel_size if isinstance(args.tensor_parallel_size, int) else 1

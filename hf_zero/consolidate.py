@@ -84,7 +84,8 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
     if adapter:
-        return _consolidate_adapter(source, manifest, index, output, dtype, merge, {**provenance, "merged": merge})
+        return _consolidate_adapter(source, manifest, index, output, dtype, merge, {**provenance, "merged": merge},
+                                    progress)
     out_dtype = DTYPES[dtype]
     with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
         stored = set(rank0.keys())
@@ -138,7 +139,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # peft's, written into the checkpoint of
 
 
 def _consolidate_adapter(source: Path, manifest: dict, index: dict, output: Path, dtype: str, merge: bool,
-                         provenance: dict) -> ConsolidationReport:
+                         provenance: dict, progress: bool) -> ConsolidationReport:
     """The peft model is built on meta from the checkpoint's config and adapter config, given the checkpoint's
     tensors (the adapter's alone, or with `merge` every tensor: the whole model in memory, as peft merges), and
     written by peft (the adapter) or by transformers (the merged model): the files each library loads."""
@@ -159,7 +160,8 @@ def _consolidate_adapter(source: Path, manifest: dict, index: dict, output: Path
     rss_before = psutil.Process().memory_info().rss
     reset_peak_rss()
     out_dtype = DTYPES[dtype]
-    state = {name: _cast(_read_tensor(source, manifest, index, key), out_dtype) for name, key in wanted}
+    state = {name: _cast(_read_tensor(source, manifest, index, key), out_dtype)
+             for name, key in tqdm(wanted, desc="Reading", unit="tensor", disable=not progress)}
     model.load_state_dict(state, strict=False, assign=True)
     model.get_base_model().tie_weights()  # a tied weight is stored once: its other names take the loaded tensor
 

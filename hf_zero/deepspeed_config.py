@@ -172,20 +172,21 @@ class SchedulerSpec:
 @dataclass(frozen=True)
 class DeepSpeedConfig:
     """What a DeepSpeed configuration asks of hf_zero."""
+    source: str  # how messages name the configuration ("--deepspeed ds_config.json")
     settings: dict[str, Any]  # ZeroConfig keys
     sized_by_model: tuple[str, ...]  # settings left "auto" that transformers fills from the model's hidden size
     optimizer: OptimizerSpec | None
     scheduler: SchedulerSpec | None
     without_effect: tuple[tuple[str, str], ...]  # (key or block, why) for each that means nothing for hf_zero
 
-    def warning(self, source: str) -> str | None:
+    def warning(self) -> str | None:
         """One line naming the keys that mean nothing for hf_zero, grouped by why."""
         keys_of: dict[str, list[str]] = {}
         for key, why in self.without_effect:
             keys_of.setdefault(why, []).append(key)
         if not keys_of:
             return None
-        return (f"{source}: DeepSpeed keys not used, as they mean nothing for hf_zero: "
+        return (f"{self.source}: DeepSpeed keys not used, as they mean nothing for hf_zero: "
                 + "; ".join(f"{', '.join(keys)} ({why})" for why, keys in keys_of.items()))
 
     def sized_for(self, config: ZeroConfig, model: nn.Module) -> ZeroConfig:
@@ -303,7 +304,7 @@ class _Reader:
         if self.mismatches:
             self.fail("these DeepSpeed values disagree with the TrainingArguments: " + "; ".join(self.mismatches)
                       + ". Set them to \"auto\" (as transformers' DeepSpeed integration asks), or change the flags")
-        return DeepSpeedConfig(self.settings, tuple(self.sized_by_model), optimizer, scheduler,
+        return DeepSpeedConfig(self.source, self.settings, tuple(self.sized_by_model), optimizer, scheduler,
                                tuple(self.without_effect.items()))
 
     def _precision(self) -> str:
@@ -467,7 +468,7 @@ def engine_config(config: ZeroConfig | dict[str, Any] | str | Path | None) -> Ze
         source, config = str(config), read_settings_file(config, "config file")
     if isinstance(config, dict) and is_deepspeed(config):
         deepspeed = read(config, source)
-        if warning := deepspeed.warning(source):
+        if warning := deepspeed.warning():
             logging.getLogger("hf_zero").warning(warning)
         config = deepspeed.settings
     return ZeroConfig.from_any(config)

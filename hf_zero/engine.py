@@ -381,12 +381,16 @@ class ZeroEngine(nn.Module):
         self.finish_pending_update()
         return self._masters_of(list(self.params.slices()))
 
-    def masters_one_part_at_a_time(self) -> Iterator[dict[str, torch.Tensor]]:
-        """The fp32 master weights, whole, a part at a time (stage 3: a unit), on every rank. All ranks must
-        call it."""
-        self.finish_pending_update()
-        for slices in self.params.parts():
-            yield self._masters_of(slices)
+    def _trained_weights_one_part_at_a_time(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The trained parameters, whole, by slice name, a part at a time (stage 3: a unit), on every rank: in mixed
+        precision their fp32 masters, as the stock Trainer's fp32 model under --bf16 holds them; else the parameters
+        themselves (valid until the next part is gathered). All ranks must call it."""
+        if self.dtype != torch.float32:
+            for slices in self.params.parts():
+                yield self._masters_of(slices)
+            return
+        for slices in self.params.gathered_one_at_a_time():
+            yield {s.name: s.param.data for s in slices}
 
     @torch.no_grad()
     def _masters_of(self, slices: list[Any]) -> dict[str, torch.Tensor]:
@@ -417,9 +421,7 @@ class ZeroEngine(nn.Module):
         never the whole model at once. In mixed precision these are the fp32 masters, as the stock Trainer saves
         its fp32 weights under --bf16; else the parameters themselves. All ranks must call it."""
         self.finish_pending_update()
-        if self.dtype != torch.float32:
-            return {name: w for part in self.masters_one_part_at_a_time() for name, w in part.items()}
-        return {s.name: s.param.detach().clone() for slices in self.params.gathered_one_at_a_time() for s in slices}
+        return {name: w.clone() for part in self._trained_weights_one_part_at_a_time() for name, w in part.items()}
 
     def save_weights(self, folder: str | os.PathLike, write: bool,
                      max_shard_size: int | str = export.SAVE_PRETRAINED_MAX_SHARD_SIZE) -> None:
@@ -443,12 +445,8 @@ class ZeroEngine(nn.Module):
         name_of_slice = {s.name: save_name[id(s.param)] for s in self.params.slices() if id(s.param) in save_name}
 
         def arrivals() -> Iterator[dict[str, torch.Tensor]]:
-            if mixed:
-                for part in self.masters_one_part_at_a_time():
-                    yield {name_of_slice[name]: w for name, w in part.items() if name in name_of_slice}
-            else:
-                for slices in self.params.gathered_one_at_a_time():
-                    yield {save_name[id(s.param)]: s.param.data for s in slices if id(s.param) in save_name}
+            for part in self._trained_weights_one_part_at_a_time():
+                yield {name_of_slice[name]: w for name, w in part.items() if name in name_of_slice}
             yield {name: t.to(saved_dtype(t)) for name, t in weights.items() if id(t) not in managed}  # buffers, frozen
 
         error = export.write_as_they_arrive(folder, planned, arrivals(), write, max_shard_size)

@@ -252,8 +252,8 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
     def gathered(self, only: Collection[int] | None = None) -> Iterator[None]:
         """Every unit, or those holding the parameters `only` names, gathered for the duration (read-only use:
         inspection, tests, export)."""
-        units = [unit for unit in self.units
-                 if only is None or any(id(s.param) in only for flat in unit.flats for s in flat.slices)]
+        units = [unit for unit, slices in zip(self.units, self.parts())
+                 if only is None or any(id(s.param) in only for s in slices)]
         for unit in units:
             unit.gather()
             if self.reader is not None:  # read buffers go back at once: the pool stays one unit deep
