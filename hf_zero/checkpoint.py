@@ -18,6 +18,10 @@ across the tp group is stored as one tensor per tp rank (`<name>@tp<r>`, the loc
 offset like any other, so the checkpoint loads at any dp size and stage with the same tp size; the
 manifest's "tensor_parallel" entry says how the parts make the whole, for `hf-zero consolidate`.
 Parameters every tp rank holds whole are written by tp rank 0 alone.
+
+Frozen weights (a LoRA base) are stored the same way, by name and offset (`frozen/<name>/<lo>`), in the dtype the
+model holds them: at stage 3 each rank writes the elements it holds of them, at stages 0-2 rank 0 writes them
+whole, and any stage reads its own. Buffers and frozen tp parts are the module state, written whole by rank 0.
 """
 from __future__ import annotations
 
@@ -41,9 +45,10 @@ from torch import nn
 from hf_zero.comm import Communicator
 from hf_zero.config import DTYPES
 from hf_zero.device import in_host_memory
-from hf_zero.export import weights_to_save
+from hf_zero.export import SAFETENSORS_DTYPES, TORCH_DTYPES, weights_to_save
 from hf_zero.tensor_parallel import split_of
-from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, copy_cut_into, is_tp_replicated, local
+from hf_zero.zero.partition import (FlatParamBuffer, ParamSlice, copy_cut_into, is_tp_replicated, local,
+                                    partitioned_frozen)
 from hf_zero.zero.update import is_elementwise
 
 if TYPE_CHECKING:
@@ -72,6 +77,18 @@ class StoredPiece:
 
 
 @dataclass(frozen=True)
+class FrozenPiece:
+    """Elements [lo, hi) of a frozen weight as this rank holds them (stage 3: inside its chunk of a unit's frozen
+    weights; stages 0-2: the whole weight), viewed where the engine keeps them."""
+
+    name: str
+    lo: int
+    hi: int
+    values: torch.Tensor
+    written: bool   # whether this rank stores it (at stages 0-2, where every rank holds it whole, rank 0 alone)
+
+
+@dataclass(frozen=True)
 class ShardLayout:
     """What a checkpoint needs to know of how an engine partitions its model, and nothing of the engine:
     the engine describes itself with `describe_layout`, and saving and loading work from this."""
@@ -84,7 +101,9 @@ class ShardLayout:
     parameters: dict[str, dict[str, Any]]      # stored name -> shape and param group, every tp rank's
     tensor_parallel: dict[str, Any]            # tp size, and how each split parameter's parts make it whole
     weights: list[list[str]]                   # [name save_pretrained writes, key of the stored tensor]
-    module_state: dict[str, torch.Tensor]      # frozen parameters and buffers, replicated on every rank
+    module_state: dict[str, torch.Tensor]      # buffers and frozen tp parts, replicated on every rank
+    frozen: dict[str, dict[str, Any]]          # frozen weight -> shape and dtype
+    frozen_pieces: list[FrozenPiece]           # what this rank holds of them
 
 
 def tp_part_name(name: str, tp_rank: int) -> str:
@@ -92,10 +111,13 @@ def tp_part_name(name: str, tp_rank: int) -> str:
 
 
 def describe_layout(module: nn.Module, flats_by_group: list[list[FlatParamBuffer]],
-                    owned_ranges: list[list[tuple[FlatParamBuffer, int, int]]], zero_stage: int, dtype: str,
+                    owned_ranges: list[list[tuple[FlatParamBuffer, int, int]]],
+                    frozen_chunks: list[tuple[FlatParamBuffer, int, int, torch.Tensor]], zero_stage: int, dtype: str,
                     rank: int, tp_comm: Communicator | None) -> ShardLayout:
-    """The layout of an engine's partition. With tensor parallelism every rank must call it (the parameter
-    table holds every tp rank's parts, gathered over the tp group)."""
+    """The layout of an engine's partition. `frozen_chunks`: the flat buffers of frozen weights the engine
+    partitions (stage 3), each with the element range [lo, hi) this rank holds and the chunk holding it. With
+    tensor parallelism every rank must call it (the parameter table holds every tp rank's parts, gathered over
+    the tp group)."""
     def stored_name(s: ParamSlice) -> str:
         return s.name if tp_comm is None or is_tp_replicated(s.param) else tp_part_name(s.name, tp_comm.rank)
 
@@ -109,12 +131,24 @@ def describe_layout(module: nn.Module, flats_by_group: list[list[FlatParamBuffer
         parameters = {name: entry for part in tp_comm.all_gather_object(parameters) for name, entry in part.items()}
         tensor_parallel = {"size": tp_comm.world_size,
                            "split": {s.name: split_of(s.param) for _, s in slices if not is_tp_replicated(s.param)}}
-    managed = {id(s.param): s for _, s in slices}
-    weights = [[name, f"master/{managed[id(t)].name}" if id(t) in managed else f"module/{name}"]
-               for name, t in weights_to_save(module).items()]
-    module_state = {name: t for name, t in module.state_dict(keep_vars=True).items() if id(t) not in managed}
+    frozen_pieces = [FrozenPiece(p.slice.name, p.param_lo, p.param_hi,
+                                 chunk[p.range_lo:p.range_lo + p.param_hi - p.param_lo], True)
+                     for flat, lo, hi, chunk in frozen_chunks for p in flat.pieces_between(lo, hi)]
+    frozen_slices = {id(s.param): s for flat, *_ in frozen_chunks for s in flat.slices}
+    frozen = {s.name: {"shape": list(s.shape), "dtype": SAFETENSORS_DTYPES[s.param.dtype]}
+              for s in frozen_slices.values()}
+    stored_as = {id(s.param): f"master/{s.name}" for _, s in slices} | {i: f"frozen/{s.name}"
+                                                                         for i, s in frozen_slices.items()}
+    for name, p in module.named_parameters():
+        if partitioned_frozen(p) and id(p) not in frozen_slices:  # held whole on every rank (stages 0-2)
+            frozen[name] = {"shape": list(p.shape), "dtype": SAFETENSORS_DTYPES[p.dtype]}
+            frozen_pieces.append(FrozenPiece(name, 0, p.numel(), p.data.view(-1), rank == 0))
+            stored_as[id(p)] = f"frozen/{name}"
+    weights = [[name, stored_as.get(id(t), f"module/{name}")] for name, t in weights_to_save(module).items()]
+    module_state = {name: t for name, t in module.state_dict(keep_vars=True).items() if id(t) not in stored_as}
     return ShardLayout(zero_stage, dtype, [[hi - lo for _, lo, hi in chunks] for chunks in owned_ranges], pieces,
-                       zero_stage >= 1 or rank == 0, parameters, tensor_parallel, weights, module_state)
+                       zero_stage >= 1 or rank == 0, parameters, tensor_parallel, weights, module_state, frozen,
+                       frozen_pieces)
 
 
 def tp_size(manifest: dict[str, Any]) -> int:
@@ -360,6 +394,10 @@ def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicat
                 for key, value in state.items():
                     if is_elementwise(value, master):
                         on_host(f"{key}/{name}/{lo}", value[at:at + hi - lo])
+    frozen_listed = []
+    for piece in (p for p in layout.frozen_pieces if p.written):
+        frozen_listed.append([piece.name, piece.lo, piece.hi])
+        on_host(f"frozen/{piece.name}/{piece.lo}", piece.values.detach())
     if comm.rank == 0:
         for name, tensor in layout.module_state.items():
             on_host(f"module/{name}", local(tensor.detach()).contiguous())
@@ -367,7 +405,7 @@ def _write_shard(layout: ShardLayout, backend: "UpdateBackend", comm: Communicat
     save_file(tensors, str(file))
     file.chmod(0o666 & ~_umask())  # safetensors creates it 0600; other accounts read it like the manifest
     return {"file": file.name, "bytes": file.stat().st_size, "sha256": sha256(file), "pieces": listed,
-            "optimizer_state": {"scalars": scalars, "elementwise": sorted(elementwise)}}
+            "frozen_pieces": frozen_listed, "optimizer_state": {"scalars": scalars, "elementwise": sorted(elementwise)}}
 
 
 def _manifest(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator, training_state: dict[str, Any],
@@ -383,7 +421,8 @@ def _manifest(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
         "optimizer": {"class": type(optimizer).__name__, **optimizer_state,
                       "param_groups": [{k: v for k, v in group.items() if k != "params"}
                                        for group in optimizer.param_groups]},
-        "module_state": sorted(layout.module_state), "weights": layout.weights, "shards": written,
+        "module_state": sorted(layout.module_state), "frozen": layout.frozen, "weights": layout.weights,
+        "shards": written,
         "client_state": client_state,
     }
 
@@ -409,14 +448,17 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
         files: dict[str, Any] = {}
 
         def open_and_check() -> None:
-            needed = {file for chunks in layout.pieces for pieces in chunks for piece in pieces
-                      for lo, hi, file in index[piece.name] if lo < piece.param_hi and piece.param_lo < hi}
+            ranges = [(piece.name, piece.param_lo, piece.param_hi) for chunks in layout.pieces for pieces in chunks
+                      for piece in pieces] + [(p.name, p.lo, p.hi) for p in layout.frozen_pieces if p.name in index]
+            needed = {file for name, first, end in ranges for lo, hi, file in index[name] if lo < end and first < hi}
             for file in sorted(needed | {module_state_file(manifest)}):
                 files[file] = stack.enter_context(open_shard(folder, file))
             for chunks in layout.pieces:
                 for pieces in chunks:
                     for piece, kind in ((piece, kind) for piece in pieces for kind in kinds):
                         read_range(files, index, kind, piece.name, piece.param_lo, piece.param_hi, None)
+            for piece in layout.frozen_pieces:
+                _read_frozen(files, index, manifest, piece, check_only=True)
             _check_module_state(files[module_state_file(manifest)], manifest, layout)
 
         comm.agree(open_and_check, f"reading the shard headers under {folder}", CheckpointError)
@@ -441,7 +483,9 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
                     position += 1
             # States on NVMe went to their files in load_chunk; the optimizer still takes the hyper-parameters.
             _load_optimizer(backend.optimizer, manifest, new_state if backend.states_in_optimizer else {})
-            loaded.update(_read_module_state(files, manifest))
+            for piece in layout.frozen_pieces:
+                _read_frozen(files, index, manifest, piece, check_only=False)
+            loaded.update(_read_module_state(files, manifest, layout))
 
         comm.agree(read_and_set, f"reading {folder}", CheckpointError)
     return manifest, loaded
@@ -538,12 +582,18 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
     module_state = manifest["module_state"]
     expect(isinstance(module_state, list) and all(isinstance(n, str) for n in module_state),
            "module_state must be a list of names")
+    frozen = manifest.get("frozen", {})  # absent before frozen weights were stored apart
+    expect(isinstance(frozen, dict) and all(
+        isinstance(entry["shape"], list) and all(map(count, entry["shape"]))
+        and entry["dtype"] in ("F64", "F32", "F16", "BF16") and name not in parameters
+        for name, entry in frozen.items()), "frozen must give each frozen weight's shape and dtype")
     for entry in manifest["weights"]:
         expect(isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry),
                f"weights entries must be [name, stored key]; got {entry!r}")
         kind, _, stored = entry[1].partition("/")
         expect((kind == "master" and (stored in parameters or stored in tp["split"]))
-               or (kind == "module" and stored in module_state), f"weight {entry[0]!r} is stored as unknown {entry[1]!r}")
+               or (kind == "module" and stored in module_state) or (kind == "frozen" and stored in frozen),
+               f"weight {entry[0]!r} is stored as unknown {entry[1]!r}")
     shards = manifest["shards"]
     expect(isinstance(shards, list) and shards, "shards must list the checkpoint's files")
     for shard in shards:
@@ -552,9 +602,10 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
         expect(count(shard["bytes"]), f"{shard['file']}: bytes must be a count")
         expect(isinstance(shard["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", shard["sha256"]) is not None,
                f"{shard['file']}: sha256 must be 64 hex digits")
-        for piece in shard["pieces"]:
-            expect(isinstance(piece, list) and len(piece) == 3 and piece[0] in parameters and count(piece[1])
-                   and count(piece[2]), f"{shard['file']}: piece {piece!r} is not [parameter, first, end]")
+        for pieces, table in ((shard["pieces"], parameters), (shard.get("frozen_pieces", []), frozen)):
+            for piece in pieces:
+                expect(isinstance(piece, list) and len(piece) == 3 and piece[0] in table and count(piece[1])
+                       and count(piece[2]), f"{shard['file']}: piece {piece!r} is not [parameter, first, end]")
     expect(any(s["file"].startswith("rank00000-") for s in shards), "no shard of rank 0, which holds the module state")
     return index_pieces(manifest)
 
@@ -603,11 +654,25 @@ def _check_model(layout: ShardLayout, backend: "UpdateBackend", manifest: dict[s
     if len(manifest["optimizer"]["param_groups"]) != len(backend.optimizer.param_groups):
         raise CheckpointError(f"{folder / MANIFEST} holds {len(manifest['optimizer']['param_groups'])} param groups; "
                               f"this engine's optimizer has {len(backend.optimizer.param_groups)}")
-    differ = sorted(set(manifest["module_state"]) ^ set(layout.module_state))
+    saved_frozen = {name: entry["shape"] for name, entry in manifest.get("frozen", {}).items()}
+    # Saved before frozen weights were stored apart: they are in the module state.
+    saved_frozen |= {name: layout.frozen[name]["shape"] for name in manifest["module_state"] if name in layout.frozen}
+    for name in sorted(set(saved_frozen) | set(layout.frozen)):
+        if saved_frozen.get(name) != (layout.frozen[name]["shape"] if name in layout.frozen else None):
+            raise CheckpointError(
+                f"{folder / MANIFEST} is from another model or another choice of trained parameters: frozen weight "
+                f"{name!r} is {_describe_frozen(saved_frozen.get(name))} in the checkpoint and "
+                f"{_describe_frozen(layout.frozen[name]['shape'] if name in layout.frozen else None)} in this engine "
+                f"(a parameter frozen on one side and trained on the other is both)")
+    differ = sorted((set(manifest["module_state"]) - set(layout.frozen)) ^ set(layout.module_state))
     if differ:
         where = "the checkpoint" if differ[0] in manifest["module_state"] else "this model"
         raise CheckpointError(f"{folder / MANIFEST} is from another model: only {where} has the frozen parameter or "
                               f"buffer {differ[0]!r}")
+
+
+def _describe_frozen(shape: list[int] | None) -> str:
+    return "absent" if shape is None else f"frozen, of shape {shape}"
 
 
 def _describe(entry: tuple[list[int], int] | None) -> str:
@@ -621,9 +686,25 @@ def _check_module_state(writer: Any, manifest: dict[str, Any], layout: ShardLayo
         if key not in stored:
             raise CheckpointError(f"{module_state_file(manifest)} has no tensor {key!r}, which the manifest lists")
         shape = writer.get_slice(key).get_shape()
-        if shape != list(layout.module_state[name].shape):
-            raise CheckpointError(f"{module_state_file(manifest)}: {key!r} has shape {shape}; the model's is "
-                                  f"{list(layout.module_state[name].shape)}")
+        want = layout.frozen[name]["shape"] if name in layout.frozen else list(layout.module_state[name].shape)
+        if shape != want:
+            raise CheckpointError(f"{module_state_file(manifest)}: {key!r} has shape {shape}; the model's is {want}")
+
+
+def _read_frozen(files: dict[str, Any], index: dict, manifest: dict[str, Any], piece: FrozenPiece,
+                 check_only: bool) -> None:
+    """Fills the elements a frozen piece views from the checkpoint (with `check_only`, checks they are there). A
+    checkpoint saved before frozen weights were stored apart holds them whole in its module state."""
+    entry = manifest.get("frozen", {}).get(piece.name)
+    if entry is None:
+        if not check_only:
+            whole = files[module_state_file(manifest)].get_tensor(f"module/{piece.name}")
+            piece.values.copy_(whole.reshape(-1)[piece.lo:piece.hi])
+        return
+    stored = None if check_only else torch.empty(piece.hi - piece.lo, dtype=TORCH_DTYPES[entry["dtype"]])
+    read_range(files, index, "frozen", piece.name, piece.lo, piece.hi, stored, entry["dtype"])
+    if stored is not None:
+        piece.values.copy_(stored)
 
 
 def check_files(shards: list[dict[str, Any]], folder: Path) -> None:
@@ -638,14 +719,21 @@ def check_files(shards: list[dict[str, Any]], folder: Path) -> None:
             raise CheckpointError(f"{path} does not match its SHA-256 in the manifest: the file is corrupted")
 
 
+def stored_entry(manifest: dict[str, Any], name: str) -> dict[str, Any]:
+    """The shape (and group, or dtype) of a parameter or frozen weight stored in pieces."""
+    return manifest["parameters"].get(name) or manifest.get("frozen", {})[name]
+
+
 def index_pieces(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
-    """name -> the saved pieces (lo, hi, file) covering it, which must tile it: every element exactly once."""
-    index: dict[str, list[tuple[int, int, str]]] = {name: [] for name in manifest["parameters"]}
+    """name -> the saved pieces (lo, hi, file) covering it, which must tile it: every element exactly once. The
+    names are the parameters' and the frozen weights'."""
+    index: dict[str, list[tuple[int, int, str]]] = {name: [] for name in [*manifest["parameters"],
+                                                                          *manifest.get("frozen", {})]}
     for shard in manifest["shards"]:
-        for name, lo, hi in shard["pieces"]:
+        for name, lo, hi in shard["pieces"] + shard.get("frozen_pieces", []):
             index[name].append((lo, hi, shard["file"]))
     for name, pieces in index.items():
-        numel = math.prod(manifest["parameters"][name]["shape"])
+        numel = math.prod(stored_entry(manifest, name)["shape"])
         pieces.sort()
         ends = [0] + [hi for _, hi, _ in pieces]
         if any(lo != end or hi <= lo for (lo, hi, _), end in zip(pieces, ends)) or ends[-1] != numel:
@@ -656,9 +744,10 @@ def index_pieces(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str
 
 
 def read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int, hi: int,
-               out: torch.Tensor | None) -> None:
+               out: torch.Tensor | None, dtype: str = "F32") -> None:
     """Fills `out` with elements [lo, hi) of `kind` for parameter `name`, reading only overlapping slices;
-    each stored tensor must be fp32 of its piece's size. With `out` None, only checks that."""
+    each stored tensor must be `dtype` (fp32 but for frozen weights) of its piece's size. With `out` None, only
+    checks that."""
     for a, b, file in index[name]:
         s, e = max(a, lo), min(b, hi)
         if s < e:
@@ -667,9 +756,9 @@ def read_range(files: dict[str, Any], index: dict, kind: str, name: str, lo: int
                 stored = files[file].get_slice(key)
             except SafetensorError:
                 raise CheckpointError(f"{file} has no tensor {key!r}, which the manifest places there") from None
-            if stored.get_dtype() != "F32" or stored.get_shape() != [b - a]:
+            if stored.get_dtype() != dtype or stored.get_shape() != [b - a]:
                 raise CheckpointError(f"{file}: {key!r} is {stored.get_dtype()} of shape {stored.get_shape()}; the "
-                                      f"manifest's piece is F32 of shape [{b - a}]")
+                                      f"manifest's piece is {dtype} of shape [{b - a}]")
             if out is not None:
                 out[s - lo:e - lo].copy_(stored[s - a:e - a])
 
@@ -706,8 +795,10 @@ def module_state_file(manifest: dict[str, Any]) -> str:
     return next(s["file"] for s in manifest["shards"] if s["file"].startswith("rank00000-"))
 
 
-def _read_module_state(files: dict[str, Any], manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    if not manifest["module_state"]:
+def _read_module_state(files: dict[str, Any], manifest: dict[str, Any],
+                       layout: ShardLayout) -> dict[str, torch.Tensor]:
+    names = [name for name in manifest["module_state"] if name in layout.module_state]  # not frozen weights
+    if not names:
         return {}
     writer = files[module_state_file(manifest)]
-    return {name: writer.get_tensor(f"module/{name}") for name in manifest["module_state"]}
+    return {name: writer.get_tensor(f"module/{name}") for name in names}

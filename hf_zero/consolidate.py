@@ -99,6 +99,8 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     for name, key in manifest["weights"]:
         if key.startswith("master/"):
             planned[name] = meta_like(checkpoint.whole_shape(manifest, key[len("master/"):]), out_dtype)
+        elif key.startswith("frozen/"):
+            planned[name] = meta_like(manifest["frozen"][key[len("frozen/"):]]["shape"], out_dtype)
         else:
             shape, stored_dtype = module_meta[key]
             stored = TORCH_DTYPES[stored_dtype]
@@ -242,7 +244,7 @@ def _move_into_place(staging: Path, output: Path) -> None:
 
 def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.Tensor:
     """One whole tensor: a parameter's fp32 master (joined from its tp parts when it is split across a
-    tensor-parallel group), or a module tensor."""
+    tensor-parallel group), a frozen weight, or a module tensor."""
     kind, name = key.split("/", 1)
     if kind == "module":
         with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
@@ -261,10 +263,11 @@ def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str
     with contextlib.ExitStack() as stack:
         files = {file: stack.enter_context(checkpoint.open_shard(source, file))
                  for file in sorted({file for _, _, file in index[name]})}
-        shape = manifest["parameters"][name]["shape"]
-        whole = torch.empty(math.prod(shape), dtype=torch.float32)
-        checkpoint.read_range(files, index, kind, name, 0, whole.numel(), whole)
-        return whole.view(shape)
+        entry = checkpoint.stored_entry(manifest, name)
+        dtype = entry.get("dtype", "F32")  # a frozen weight's, as the model held it; masters and states are fp32
+        whole = torch.empty(math.prod(entry["shape"]), dtype=TORCH_DTYPES[dtype])
+        checkpoint.read_range(files, index, kind, name, 0, whole.numel(), whole, dtype)
+        return whole.view(entry["shape"])
 
 
 def _model_file_folders(source: Path) -> list[Path]:

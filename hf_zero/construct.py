@@ -16,7 +16,7 @@ this rank's shard plus one unit, never the model.
   whole model in one process gives the same.
 - `PretrainedWeights` reads from a folder `save_pretrained` wrote: for each unit only the slices of the
   safetensors files this rank owns (`get_slice` reads without loading the file), whole tensors only for
-  the small persistent parameters and what the engine does not partition (buffers, frozen weights).
+  the small persistent parameters and what the engine does not partition (buffers, frozen tp parts).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from hf_zero.device import HOST, compute_device, in_host_memory, to_device
 from hf_zero.export import TORCH_DTYPES
 from hf_zero.tensor_parallel import local_ranges
-from hf_zero.zero.partition import copy_cut_into, is_tp_replicated, local, wrap_like
+from hf_zero.zero.partition import copy_cut_into, is_tp_replicated, local, partitioned_frozen, wrap_like
 
 if TYPE_CHECKING:
     from hf_zero.zero.stage3 import Unit
@@ -122,7 +122,8 @@ class SeededInit:
         self.seed = seed
 
     def fill_rest(self, model: nn.Module) -> None:
-        """Buffers and frozen parameters get host memory now; their modules' init fills them in `fill`."""
+        """Buffers and the frozen parameters left whole get host memory now; their modules' init fills them in
+        `fill`."""
         _materialize_rest(model)
 
     def fill(self, model: nn.Module, units: list["Unit"], open_unit: Callable, close_unit: Callable,
@@ -220,8 +221,8 @@ class PretrainedWeights:
         out.copy_(rows.reshape(-1)[lo - first * row:hi - first * row])
 
     def fill_rest(self, model: nn.Module) -> None:
-        """Buffers and frozen parameters still on meta are read whole; those the folder does not hold (position
-        ids) are set by their modules' init."""
+        """Buffers and the frozen parameters left whole, still on meta, are read whole; those the folder does not
+        hold (position ids) are set by their modules' init."""
         on_meta = {name for name, tensor in _rest(model) if tensor.is_meta}
         _materialize_rest(model)
         missing_owners = set()
@@ -270,8 +271,8 @@ def _rows_of_part(tensor: Any, dim: int, ranges: list[tuple[int, int]], first: i
 
 
 def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Buffers and frozen parameters: what the engine leaves whole on every rank."""
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    """Buffers and the frozen parameters stage 3 does not partition: what the engine leaves whole on every rank."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and not partitioned_frozen(p)]
     return frozen + list(model.named_buffers())
 
 

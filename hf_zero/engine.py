@@ -184,7 +184,7 @@ def apply_precision(model: nn.Module, params: ParamHolder, dtype: torch.dtype) -
     inv_freq) keep theirs: the module casts them where it uses them, and rounding inv_freq to bf16 would
     move every rotary angle."""
     for p in model.parameters():
-        if id(p) not in params.managed and p.is_floating_point():
+        if id(p) not in params.managed and id(p) not in params.frozen and p.is_floating_point():
             p.data = p.data.to(dtype)
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
@@ -381,16 +381,19 @@ class ZeroEngine(nn.Module):
         self.finish_pending_update()
         return self._masters_of(list(self.params.slices()))
 
-    def _trained_weights_one_part_at_a_time(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _weights_one_part_at_a_time(self, frozen: bool) -> Iterator[dict[str, torch.Tensor]]:
         """The trained parameters, whole, by slice name, a part at a time (stage 3: a unit), on every rank: in mixed
         precision their fp32 masters, as the stock Trainer's fp32 model under --bf16 holds them; else the parameters
-        themselves (valid until the next part is gathered). All ranks must call it."""
-        if self.dtype != torch.float32:
-            for slices in self.params.parts():
-                yield self._masters_of(slices)
-            return
-        for slices in self.params.gathered_one_at_a_time():
-            yield {s.name: s.param.data for s in slices}
+        themselves (valid until the next part is gathered). With `frozen`, also the frozen weights the holder
+        partitions (stage 3), as the model holds them. All ranks must call it."""
+        managed, mixed = self.params.managed, self.dtype != torch.float32
+        frozen = frozen and bool(self.params.frozen)
+        for slices in self.params.parts() if mixed and not frozen else self.params.gathered_one_at_a_time():
+            trained = [s for s in slices if id(s.param) in managed]
+            weights = self._masters_of(trained) if mixed else {s.name: s.param.data for s in trained}
+            if frozen:
+                weights |= {s.name: s.param.data for s in slices if id(s.param) not in managed}
+            yield weights
 
     @torch.no_grad()
     def _masters_of(self, slices: list[Any]) -> dict[str, torch.Tensor]:
@@ -421,7 +424,7 @@ class ZeroEngine(nn.Module):
         never the whole model at once. In mixed precision these are the fp32 masters, as the stock Trainer saves
         its fp32 weights under --bf16; else the parameters themselves. All ranks must call it."""
         self.finish_pending_update()
-        return {name: w.clone() for part in self._trained_weights_one_part_at_a_time() for name, w in part.items()}
+        return {name: w.clone() for part in self._weights_one_part_at_a_time(frozen=False) for name, w in part.items()}
 
     def save_weights(self, folder: str | os.PathLike, write: bool,
                      max_shard_size: int | str = export.SAVE_PRETRAINED_MAX_SHARD_SIZE) -> None:
@@ -433,21 +436,21 @@ class ZeroEngine(nn.Module):
         which have none, are written from their compute-dtype values."""
         self.finish_pending_update()
         weights = export.weights_to_save(self.module)
-        managed = self.params.managed
+        held = self.params.managed | self.params.frozen
         save_name = {id(t): name for name, t in weights.items()}
         mixed = self.dtype != torch.float32
 
         def saved_dtype(t: torch.Tensor) -> torch.dtype:
             return torch.float32 if mixed and t.is_floating_point() else t.dtype
 
-        planned = {name: export.meta_like(managed[id(t)].shape if id(t) in managed else t.shape, saved_dtype(t))
+        planned = {name: export.meta_like(held[id(t)].shape if id(t) in held else t.shape, saved_dtype(t))
                    for name, t in weights.items()}
-        name_of_slice = {s.name: save_name[id(s.param)] for s in self.params.slices() if id(s.param) in save_name}
+        name_of_slice = {s.name: save_name[id(s.param)] for s in held.values() if id(s.param) in save_name}
 
         def arrivals() -> Iterator[dict[str, torch.Tensor]]:
-            for part in self._trained_weights_one_part_at_a_time():
-                yield {name_of_slice[name]: w for name, w in part.items() if name in name_of_slice}
-            yield {name: t.to(saved_dtype(t)) for name, t in weights.items() if id(t) not in managed}  # buffers, frozen
+            for part in self._weights_one_part_at_a_time(frozen=True):
+                yield {name_of_slice[name]: w.to(saved_dtype(w)) for name, w in part.items() if name in name_of_slice}
+            yield {name: t.to(saved_dtype(t)) for name, t in weights.items() if id(t) not in held}  # buffers, frozen
 
         error = export.write_as_they_arrive(folder, planned, arrivals(), write, max_shard_size)
 
@@ -461,7 +464,8 @@ class ZeroEngine(nn.Module):
     def checkpoint_layout(self) -> checkpoint.ShardLayout:
         """How this engine partitions its model, for checkpoints (with tensor parallelism all ranks call it)."""
         return checkpoint.describe_layout(self.module, self.params.flats_by_group(), self.params.owned_ranges(),
-                                          self.zero_stage, self.config.dtype, self.world_comm.rank, self.tp_comm)
+                                          self.params.frozen_chunks(), self.zero_stage, self.config.dtype,
+                                          self.world_comm.rank, self.tp_comm)
 
     def save_checkpoint(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own partition (safetensors) and rank 0 a manifest; all ranks must call it.
@@ -490,7 +494,7 @@ class ZeroEngine(nn.Module):
     # ---- accounting --------------------------------------------------------------------------
     def _update_state_bytes(self) -> None:
         unmanaged = sum(p.numel() * p.element_size() for p in self.module.parameters()
-                        if id(p) not in self.params.managed)
+                        if id(p) not in self.params.managed and id(p) not in self.params.frozen)
         self.ledger.state_bytes = {
             "parameters": self.params.held_bytes() + unmanaged,
             "gradients": self.params.grads.held_bytes(),

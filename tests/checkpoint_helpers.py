@@ -169,19 +169,28 @@ def consolidation_runs(root: str) -> dict[str, Any]:
     parameters; the stage-3 one also writes its weights the way ZeroTrainer.save_model does."""
     from hf_zero.zero import stage3
 
+    def frozen_positions_engine(stage: int, zeroed: bool = False) -> hf_zero.ZeroEngine:
+        model = tiny_model("gpt2")
+        model.transformer.wpe.weight.requires_grad_(False)
+        if zeroed:  # then the positions can only come back from the checkpoint
+            model.transformer.wpe.weight.data.zero_()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return hf_zero.initialize(model, torch.optim.AdamW(trainable, lr=1e-3), {"zero_stage": stage})
+
     results = {}
     for name, config in [("s3", {"zero_stage": 3}), ("s2_bf16", {"zero_stage": 2, "dtype": "bf16"}),
-                         ("s3_frozen_positions", {"zero_stage": 3})]:
-        if name == "s3_frozen_positions":  # a frozen parameter is saved whole, outside the shards
-            model = tiny_model("gpt2")
-            model.transformer.wpe.weight.requires_grad_(False)
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            engine = hf_zero.initialize(model, torch.optim.AdamW(trainable, lr=1e-3), {"zero_stage": 3})
-        else:
-            engine = new_engine(config)
+                         ("s3_frozen_positions", {"zero_stage": 3}), ("s1_frozen_positions", {"zero_stage": 1})]:
+        # A frozen parameter: partitioned at stage 3 and stored by each rank in part; whole at stage 1, stored by
+        # rank 0. Each checkpoint is loaded at the other stage into an engine whose positions were zeroed.
+        frozen = name.endswith("_frozen_positions")
+        engine = frozen_positions_engine(config["zero_stage"]) if frozen else new_engine(config)
         train(engine, 0, SAVE_AT)
         engine.save_checkpoint(f"{root}/{name}")
         results[name] = {"logits": logits_of(engine), "params": whole_params(engine)}
+        if frozen:
+            loading = frozen_positions_engine(4 - config["zero_stage"], zeroed=True)
+            loading.load_checkpoint(f"{root}/{name}")
+            results[name] |= {"loaded_logits": logits_of(loading), "loaded_params": whole_params(loading)}
     # How many non-persistent units are gathered at once while the weights are written.
     engine_s3 = new_engine({"zero_stage": 3})
     train(engine_s3, 0, SAVE_AT)

@@ -48,12 +48,30 @@ def test_consolidated_stage3_checkpoint_gives_the_trained_engines_logits(trained
 
 
 @pytest.mark.slow
-def test_a_frozen_parameter_kept_outside_the_shards_is_consolidated_too(trained, tmp_path):
+def test_a_frozen_parameter_stored_in_each_ranks_part_is_consolidated_too(trained, tmp_path):
+    """At stage 3 a frozen weight is partitioned like the trained ones, and each rank stores the part it holds."""
     root, results = trained
-    weights = json.loads((root / "s3_frozen_positions" / "manifest.json").read_text())["weights"]
-    assert ["transformer.wpe.weight", "module/transformer.wpe.weight"] in weights
+    manifest = json.loads((root / "s3_frozen_positions" / "manifest.json").read_text())
+    assert ["transformer.wpe.weight", "frozen/transformer.wpe.weight"] in manifest["weights"]
+    parts = [[piece for piece in shard["frozen_pieces"] if piece[0] == "transformer.wpe.weight"]
+             for shard in manifest["shards"]]
+    assert len(parts) == 2 and all(len(part) == 1 for part in parts)
+    assert sorted(part[0][2] - part[0][1] for part in parts) == [512, 512]  # of its 32 x 32 elements
     consolidate(root / "s3_frozen_positions", tmp_path, max_shard_size="20KB", progress=False)
     assert_same_logits(logits_from(tmp_path), results["s3_frozen_positions"]["logits"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved", ["s3_frozen_positions", "s1_frozen_positions"])
+def test_a_frozen_parameter_resumes_bitwise_across_stages(trained, saved):
+    """Saved at stage 3 (each rank its part) and loaded at stage 1 (whole), and the other way round, into an engine
+    whose frozen positions were zeroed: every weight, frozen or trained, and the logits come back bit for bit."""
+    _, results = trained
+    run = results[saved]
+    assert run["loaded_params"].keys() == run["params"].keys()
+    for name, tensor in run["params"].items():
+        assert torch.equal(run["loaded_params"][name], tensor), name
+    assert torch.equal(run["loaded_logits"], run["logits"])
 
 
 @pytest.mark.slow

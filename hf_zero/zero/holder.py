@@ -81,9 +81,20 @@ class ParamHolder(ABC):
 
     @functools.cached_property
     def managed(self) -> dict[int, ParamSlice]:
-        """The slice of every parameter the holder owns, by the parameter's id (the rest of the model, frozen
-        parameters and buffers, stays as it is on every rank)."""
+        """The slice of every trained parameter the holder owns, by the parameter's id (the rest of the model,
+        frozen parameters but those in `frozen`, and buffers, stays as it is on every rank)."""
         return {id(s.param): s for s in self.slices()}
+
+    @functools.cached_property
+    def frozen(self) -> dict[int, ParamSlice]:
+        """The slice of every frozen parameter the holder partitions too, by the parameter's id (stage 3: a LoRA
+        base); gathered with the trained ones, never stepped nor reduced."""
+        return {}
+
+    def frozen_chunks(self) -> list[tuple[FlatParamBuffer, int, int, torch.Tensor]]:
+        """Each flat buffer of `frozen` weights, the element range [lo, hi) of it this rank holds, and the chunk
+        holding them (for checkpoints)."""
+        return []
 
     def begin_backward(self, last_micro_batch: bool) -> None:
         self.grads.begin(reduce=self.reduces_every_backward or last_micro_batch)

@@ -31,6 +31,13 @@ def is_tp_replicated(param: torch.Tensor) -> bool:
     return not isinstance(param, DTensor) or all(isinstance(p, Replicate) for p in param.placements)
 
 
+def partitioned_frozen(param: torch.Tensor) -> bool:
+    """Whether stage 3 partitions a parameter that does not require grad (a LoRA or prompt-tuning base) beside the
+    trained ones: a floating weight, not a tensor-parallel DTensor (a frozen tp part stays whole on its tp rank and
+    is saved whole with the module state, checkpoint.py)."""
+    return not param.requires_grad and param.is_floating_point() and not isinstance(param, DTensor)
+
+
 def set_data(param: torch.Tensor, tensor: torch.Tensor) -> None:
     """`param.data = tensor`; for a DTensor, `tensor` becomes its local part (`.data =` on a DTensor
     replaces the wrapper's own storage, which no computation reads)."""

@@ -35,11 +35,11 @@ class Stage3Gradients(PartitionedGradients):
     def __init__(self, units: list[Unit], position: dict[nn.Parameter, int], comm: Communicator, overlap_comm: bool,
                  reduce_dtype: torch.dtype, offloaded: bool) -> None:
         """`units` as Stage3Params holds them, their flat buffers in that order; `position`: see GradientReducer."""
-        super().__init__([f for u in units for f in u.flats], comm, overlap_comm, position, reduce_dtype,
+        super().__init__([f for u in units for f in u.trained_flats], comm, overlap_comm, position, reduce_dtype,
                          reuse_buffers=False, offloaded=offloaded, max_in_flight=1)
         self.units = units
-        self.unit_of_flat = [u for u in units for _ in u.flats]
-        self.unit_of_param = {s.param: unit for unit in units for flat in unit.flats for s in flat.slices}
+        self.unit_of_flat = [u for u in units for _ in u.trained_flats]
+        self.unit_of_param = {s.param: unit for unit in units for flat in unit.trained_flats for s in flat.slices}
         self.params_waiting: dict[int, int] = {}  # per unit: its parameters whose gradient has not come yet
         self.unit_keys = {id(u): [key for key in self.launch_order if self.unit_of_flat[key[0]] is u] for u in units}
         # Per unit: its forwards since the last backward whose post-backward has not run yet (_PostBackward), and
@@ -49,7 +49,10 @@ class Stage3Gradients(PartitionedGradients):
 
     def begin(self, reduce: bool) -> None:
         super().begin(reduce)
-        self.params_waiting = {id(u): sum(len(f.slices) for f in u.flats) for u in self.units}
+        # A unit with frozen weights reads them after its trained parameters took their gradients (the input's
+        # gradient through a LoRA base layer): it is freed at its post-backward instead.
+        self.params_waiting = {id(u): sum(len(f.slices) for f in u.flats) for u in self.units
+                               if len(u.trained_flats) == len(u.flats)}
 
     def bucket_ready(self) -> None:
         """A complete bucket waits for its unit's post-backward."""
@@ -60,7 +63,7 @@ class Stage3Gradients(PartitionedGradients):
 
     def bucket_name(self, key: BucketKey) -> str:
         unit = self.unit_of_flat[key[0]]
-        return f"the gradients of {unit.title}" + (f" (flat buffer {key[0]})" if len(unit.flats) > 1 else "")
+        return f"the gradients of {unit.title}" + (f" (flat buffer {key[0]})" if len(unit.trained_flats) > 1 else "")
 
     def expect_post_backward(self, unit: Unit, marked: bool) -> None:
         """A forward of the unit marked its post-backward (schedule.py's _PostBackward), or had no input to mark
@@ -100,6 +103,8 @@ class Stage3Gradients(PartitionedGradients):
 
     def accumulate(self, param: nn.Parameter) -> None:
         unit = self.unit_of_param[param]
+        if id(unit) not in self.params_waiting:
+            return
         self.params_waiting[id(unit)] -= 1
         if self.params_waiting[id(unit)] == 0:
             unit.free()

@@ -5,6 +5,7 @@ shared_weights.py."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Collection, Iterator
 
@@ -16,7 +17,8 @@ from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import LatestCopy, host_empty, host_memory_empty
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
-from hf_zero.zero.partition import FlatParamBuffer, ParamSlice, model_order, release_storage, set_data, wrap_like
+from hf_zero.zero.partition import (FlatParamBuffer, ParamSlice, model_order, partitioned_frozen, release_storage,
+                                    set_data, wrap_like)
 from hf_zero.zero.stage3.discovery import find_unit_modules, refuse_layer_drop, units_using_each_param
 from hf_zero.zero.stage3.gradients import Stage3Gradients
 from hf_zero.zero.stage3.schedule import ExecutionOrder, Schedule
@@ -49,7 +51,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         self.reshard_root_after_forward = config.reshard_root_after_forward
         self.trim_host_heap = config.trim_host_heap
         self.units = self._cut_into_units(model, groups, dtype, config, device)
-        self.flats = [f for u in self.units for f in u.flats]
+        self.flats = [f for u in self.units for f in u.trained_flats]
         self.chunks_lent = LatestCopy() if self.offload_param != "none" else None
         secondary = consecutive_ranks(comm, config.hpz_partition_size) if config.hpz_partition_size > 1 else None
         for unit in self.units:
@@ -60,7 +62,8 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
                 unit.secondary = secondary
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
             self._leave_meta(device)
-        for s in (s for flat in self.flats for s in flat.slices if not isinstance(s.param, DTensor)):
+        for s in (s for unit in self.units for flat in unit.flats for s in flat.slices
+                  if not isinstance(s.param, DTensor)):
             s.param.hf_zero_numel = s.numel  # its size when gathered, for counts (a DTensor knows its own)
         self.position = model_order(model)
         self.grads = Stage3Gradients(self.units, self.position, comm, config.overlap_comm,
@@ -89,7 +92,9 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
     def _cut_into_units(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
                         config: ZeroConfig, device: torch.device | None) -> list[Unit]:
         """One unit per block module, one for the root (the rest), one for the persistent small parameters;
-        each holds one flat buffer per param group it has parameters of."""
+        each holds one flat buffer per param group it has parameters of, and one of its frozen weights (a LoRA
+        base: partitioned too, as DeepSpeed's stage 3 does, and gathered with the unit, since its forward and its
+        backward read them; no optimizer state and no gradient)."""
         group_of = {id(p): g for g, named in enumerate(groups) for _, p in named}
         refuse_layer_drop(model)
         unit_modules = find_unit_modules(model, config.unit_module_classes)
@@ -97,7 +102,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], PERSISTENT: []}
         shared: dict[str, str] = {}
         for name, p in model.named_parameters():
-            if id(p) in group_of:
+            if id(p) in group_of or partitioned_frozen(p):
                 used_by = users[id(p)]
                 if p.numel() < config.param_persistence_threshold:
                     key = PERSISTENT
@@ -119,8 +124,8 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         for uname, named in members.items():
             by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
             for n, p in named:
-                by_group.setdefault(group_of[id(p)], []).append((n, p))
-            gs = sorted(by_group)
+                by_group.setdefault(group_of.get(id(p)), []).append((n, p))  # None: frozen
+            gs = sorted(g for g in by_group if g is not None) + [None] * (None in by_group)
             flats = [FlatParamBuffer(by_group[g], self.comm.world_size, dtype, device=device) for g in gs]
             if flats:
                 units.append(Unit(uname, modules[uname], flats, gs, self.comm, persistent=uname == PERSISTENT))
@@ -129,21 +134,31 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
     def _allocate_shards(self, num_groups: int, dtype: torch.dtype, config: ZeroConfig
                          ) -> tuple[dict[int, Chunk], list[list[torch.Tensor]]]:
         """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D), and in
-        lower precision a buffer per chunk for its fp32 start values (the masters' start). Returns where each
-        flat buffer's chunk goes, and the fp32 buffers by param group."""
-        rank, device = self.comm.rank, self.flats[0].data.device
+        lower precision a buffer per chunk for its fp32 start values (the masters' start); the frozen weights'
+        chunks in one more shard, in the compute dtype. Returns where each flat buffer's chunk goes, and the fp32
+        buffers by param group."""
+        rank, device = self.comm.rank, self.units[0].flats[0].data.device
         fp32_empty = fp32_start_empty(config, device)
-        flat_units = [(flat, unit) for unit in self.units for flat in unit.flats]  # in self.flats' order
+        trained = [(flat, unit) for unit in self.units for flat in unit.trained_flats]  # in self.flats' order
         sizes = [0] * num_groups
-        for flat, unit in flat_units:
+        for flat, unit in trained:
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
         self.param_shards = [self._new_param_shard(n, dtype, device) for n in sizes]
+        frozen = [(flat, unit) for unit in self.units for flat in unit.flats if unit.group_of(flat) is None]
+        self.frozen_shard = self._new_param_shard(sum(f.buckets[0].chunk_numel for f, _ in frozen), dtype, device,
+                                                  frozen=True)
+        chunk_of: dict[int, Chunk] = {}
+        chunk_id: dict[int, tuple[int, int]] = {}  # (param group, chunk) of each trained flat buffer
+        at = 0
+        for flat, unit in frozen:
+            lo, hi = flat.buckets[0].owned_range(rank)
+            chunk_of[id(flat)] = (self.frozen_shard[at:at + hi - lo], None)
+            at += hi - lo
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
         fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
-        chunk_of: dict[int, Chunk] = {}
         offsets = [0] * num_groups
-        for fi, (flat, unit) in enumerate(flat_units):
+        for fi, (flat, unit) in enumerate(trained):
             g = unit.group_of(flat)
             lo, hi = flat.buckets[0].owned_range(rank)
             chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
@@ -151,11 +166,14 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             fp32 = None if dtype == torch.float32 else fp32_empty(hi - lo)
             if fp32 is not None:
                 fp32_chunks[g].append(fp32)
-            unit.shard_ids.append((g, len(self.param_chunks[g])))
+            chunk_id[id(flat)] = (g, len(self.param_chunks[g]))
             self.param_chunks[g].append(chunk)
             self.chunk_flats[g].append(fi)
-            unit.shards.append(chunk)
             chunk_of[id(flat)] = (chunk, fp32)
+        for unit in self.units:
+            for flat in unit.flats:
+                unit.shards.append(chunk_of[id(flat)][0])
+                unit.shard_ids.append(chunk_id.get(id(flat)))
         return chunk_of, fp32_chunks
 
     def _cut(self, unit: Unit, chunk_of: dict[int, Chunk]) -> None:
@@ -194,10 +212,13 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
 
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
 
-    def _new_param_shard(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _new_param_shard(self, numel: int, dtype: torch.dtype, device: torch.device,
+                         frozen: bool = False) -> torch.Tensor:
+        """With offload_param nvme the frozen weights' shard stays in host memory: the optimizer writes the files
+        the units read their trained chunks from, and it has no state for frozen weights."""
         if self.offload_param == "none":
             return torch.zeros(numel, dtype=dtype, device=device)
-        if self.offload_param == "nvme":
+        if self.offload_param == "nvme" and not frozen:
             # Only staged until `read_shards_from` gives it back, and no device copy reads it after: pinned
             # memory could not be given back in place (a pinned storage cannot be resized).
             return host_memory_empty(numel, dtype, zeroed=True)
@@ -218,10 +239,10 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
 
     def read_shards_from(self, reader: ParamReader) -> None:
         """offload_param nvme: from now on units read their chunks from the files (the optimizer wrote
-        them there), and the shards' host memory is given back. The optimizer keeps the chunks' tensors as
-        placeholders; their storage is empty, so reading one fails loudly."""
+        them there), and the shards' host memory is given back. The optimizer and the units keep the chunks'
+        tensors as placeholders; their storage is empty, so reading one fails loudly. Frozen chunks stay."""
         for unit in self.units:
-            unit.reader, unit.shards = reader, []
+            unit.reader = reader
         for shard in self.param_shards:
             release_storage(shard)
         self.param_shards = []
@@ -231,7 +252,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         """Turns each meta parameter into an empty one on `device`, keeping the Parameter object (the
         optimizer and tied modules hold it): `.data =` cannot change a tensor's device type, nor the device a
         DTensor reports (it is fixed when the wrapper is made), so a DTensor becomes a new one of empty parts."""
-        for flat in self.flats:
+        for flat in (f for unit in self.units for f in unit.flats):
             for s in flat.slices:
                 if s.param.is_meta:
                     empty = wrap_like(s.param, torch.empty(0, dtype=s.param.dtype, device=device))
@@ -302,6 +323,15 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         self.free_all()
         self.after_step()
 
+    @functools.cached_property
+    def frozen(self) -> dict[int, ParamSlice]:
+        return {id(s.param): s for unit in self.units for flat in unit.flats if unit.group_of(flat) is None
+                for s in flat.slices}
+
+    def frozen_chunks(self) -> list[tuple[FlatParamBuffer, int, int, torch.Tensor]]:
+        return [(flat, *flat.buckets[0].owned_range(self.comm.rank), shard) for unit in self.units
+                for flat, shard in zip(unit.flats, unit.shards) if unit.group_of(flat) is None]
+
     def parts(self) -> Iterator[list[ParamSlice]]:
         for unit in self.units:
             yield [s for flat in unit.flats for s in flat.slices]
@@ -318,4 +348,5 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
     def held_bytes(self) -> int:
         gathered = sum(f.padded_numel * f.data.element_size() for u in self.units if u.persistent for f in u.flats)
         pool = self.reader.pool_bytes() if self.reader is not None else 0
-        return gathered + pool + sum(s.numel() * s.element_size() for s in self.param_shards)
+        shards = [*self.param_shards, self.frozen_shard]
+        return gathered + pool + sum(s.numel() * s.element_size() for s in shards)

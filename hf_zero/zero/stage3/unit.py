@@ -18,18 +18,23 @@ if TYPE_CHECKING:
 
 
 class Unit:
-    """The parameters of one module, one flat buffer per optimizer param group, gathered as one."""
+    """The parameters of one module, one flat buffer per optimizer param group and one of its frozen weights,
+    gathered as one."""
 
-    def __init__(self, name: str, module: nn.Module, flats: list[FlatParamBuffer], groups: list[int],
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParamBuffer], groups: list[int | None],
                  comm: Communicator, persistent: bool = False) -> None:
+        """`groups`: each flat buffer's param group, None for the frozen weights' (last)."""
         self.name, self.module, self.flats, self.groups = name, module, flats, groups
+        self.trained_flats = [flat for flat, g in zip(flats, groups) if g is not None]
         self.comm, self.persistent = comm, persistent
         self.numel = sum(f.padded_numel for f in flats)
         self.nbytes = sum(f.padded_numel * f.data.element_size() for f in flats)  # gathered
         self.shards: list[torch.Tensor] = []  # this rank's chunk of each flat buffer (set by Stage3Params)
-        self.shard_ids: list[tuple[int, int]] = []  # (param group, chunk) of each, in the optimizer's order
+        # (param group, chunk) of each, in the optimizer's order; None for the frozen weights' (no optimizer)
+        self.shard_ids: list[tuple[int, int] | None] = []
         self.reader: ParamReader | None = None  # offload_param nvme: the chunks are read from files
-        self.reading: list[torch.Tensor] = []  # the reader's buffers lent until the all-gathers finish
+        # The reader's buffers lent until the all-gathers finish, each with its copy to the device.
+        self.reading: list[tuple[torch.Tensor, Copy]] = []
         # offload_param: each gather copies the shards from host memory to the device first, and the latest
         # copy is kept here until the update writes the shards; None when the shards are on the device.
         self.shards_lent: LatestCopy | None = None
@@ -90,11 +95,19 @@ class Unit:
                     self.works.append(self._gather_exact(self.comm, shards))
 
     def _shard_on_device(self, i: int) -> torch.Tensor:
-        shard = self.shards[i] if self.reader is None else self._read(i)
+        """The unit's chunk of flat buffer `i` on the device. A trained chunk on NVMe (`reader`) is read into one
+        of the reader's host buffers first; a frozen one has no file and stays in host memory."""
+        buffer = None
+        if self.reader is not None and self.shard_ids[i] is not None:
+            shard, buffer = self.reader.read(*self.shard_ids[i])
+        else:
+            shard = self.shards[i]
         if self.shards_lent is not None:
             shard, copy = to_device(shard, self.flats[i].data.device, f"the host shard of {self.title}",
                                     overlap=True)
             self.copies.append(copy)
+            if buffer is not None:
+                self.reading.append((buffer, copy))
         return shard
 
     def _gather_exact(self, comm: Communicator, parts: list[torch.Tensor]) -> Any:
@@ -151,11 +164,6 @@ class Unit:
                                    flat.buckets[0].chunk_numel, flat.data)
         self.landing.clear()
 
-    def _read(self, i: int) -> torch.Tensor:
-        chunk, buffer = self.reader.read(*self.shard_ids[i])
-        self.reading.append(buffer)
-        return chunk
-
     @torch.no_grad()
     def adopt_params(self) -> None:
         """Moves the module's own parameter tensors into the unit's buffers, then frees them (once, at start)."""
@@ -186,7 +194,7 @@ class Unit:
         if self.landing:
             self._dequantize_landed()
         if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
-            for buffer, copy in zip(self.reading, self.copies):
+            for buffer, copy in self.reading:
                 self.reader.release(buffer, copy)
         elif self.copies:
             self.shards_lent.add(self.copies[-1])
