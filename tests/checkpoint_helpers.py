@@ -188,6 +188,7 @@ def consolidation_runs(root: str) -> dict[str, Any]:
         engine.save_checkpoint(f"{root}/{name}")
         results[name] = {"logits": logits_of(engine), "params": whole_params(engine)}
         if frozen:
+            engine.save_weights(f"{root}/{name}_saved_model", write=rank_world()[0] == 0)
             loading = frozen_positions_engine(4 - config["zero_stage"], zeroed=True)
             loading.load_checkpoint(f"{root}/{name}")
             results[name] |= {"loaded_logits": logits_of(loading), "loaded_params": whole_params(loading)}

@@ -65,13 +65,17 @@ def test_a_frozen_parameter_stored_in_each_ranks_part_is_consolidated_too(traine
 @pytest.mark.parametrize("saved", ["s3_frozen_positions", "s1_frozen_positions"])
 def test_a_frozen_parameter_resumes_bitwise_across_stages(trained, saved):
     """Saved at stage 3 (each rank its part) and loaded at stage 1 (whole), and the other way round, into an engine
-    whose frozen positions were zeroed: every weight, frozen or trained, and the logits come back bit for bit."""
-    _, results = trained
+    whose frozen positions were zeroed: every weight, frozen or trained, and the logits come back bit for bit. The
+    weights save_model writes give the engine's logits."""
+    root, results = trained
     run = results[saved]
     assert run["loaded_params"].keys() == run["params"].keys()
     for name, tensor in run["params"].items():
         assert torch.equal(run["loaded_params"][name], tensor), name
     assert torch.equal(run["loaded_logits"], run["logits"])
+    # save_model's path writes the frozen weight too (gathered with its unit at stage 3)
+    (root / f"{saved}_saved_model" / "config.json").write_text((root / "s3" / "config.json").read_text())
+    assert_same_logits(logits_from(root / f"{saved}_saved_model"), run["logits"])
 
 
 @pytest.mark.slow
