@@ -1,6 +1,7 @@
-"""Megatron-style tensor parallelism for the zoo's GPT-2 (and Turing-style) and BERT models, with
-torch's DTensor API: a ("dp", "tp") DeviceMesh, and `parallelize_module` with column-wise plans for
-the first matrix of attention (Q, K, V) and of the MLP, row-wise plans for the second.
+"""Megatron-style tensor parallelism for the zoo's GPT-2 (and Turing-style) and BERT models, and for any
+transformers model whose config has a `base_model_tp_plan` of column-wise and row-wise layers (Llama, Qwen2,
+Mistral, ...), with torch's DTensor API: a ("dp", "tp") DeviceMesh, and `parallelize_module` with column-wise
+plans for the first matrix of attention (Q, K, V) and of the MLP, row-wise plans for the second.
 
 Each block then holds 1/tp of its attention heads and MLP columns; its input and output stay
 replicated across the tp group (the row-wise output is all-reduced), which is what ZeRO-R's
@@ -19,6 +20,7 @@ group: DTensor's own redistribution needs every tp rank alive.
 """
 from __future__ import annotations
 
+import re
 from functools import partial
 from typing import Any
 
@@ -141,7 +143,8 @@ def _source_rank(block: nn.Module) -> int | None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shards every transformer block of a GPT-2 or BERT model over `tp_mesh` (in place; returns it).
+    """Shards every transformer block of a GPT-2 or BERT model, or the layers a model's `base_model_tp_plan` names,
+    over `tp_mesh` (in place; returns it).
     Call it on the full model, the same on every rank, before hf_zero.initialize. A block still on meta (built
     for `init_from`) is cut without communication: its values come later, each rank's part its own."""
     tp = tp_mesh.size()
@@ -170,7 +173,47 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
                 src_data_rank=_source_rank(layer))
             layer.attention.self.num_attention_heads //= tp
             layer.attention.self.all_head_size //= tp
+    elif getattr(config, "base_model_tp_plan", None):
+        _apply_config_plan(model, config, tp_mesh)
     else:
-        raise ValueError(f"tensor parallelism has plans for transformers' GPT-2 and BERT models; got "
-                         f"{type(model).__name__} (model_type {model_type!r}). Use tensor_parallel_size 1 for it")
+        raise ValueError(f"tensor parallelism has plans for transformers' GPT-2 and BERT models and for models whose "
+                         f"config has a base_model_tp_plan (Llama, Qwen2, Mistral, ...); got {type(model).__name__} "
+                         f"(model_type {model_type!r}). Use tensor_parallel_size 1 for it")
     return model
+
+
+# transformers' plan styles that torch's own styles are: a Linear split on its output, or on its input.
+CONFIG_PLAN_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def _apply_config_plan(model: nn.Module, config: Any, tp_mesh: DeviceMesh) -> None:
+    """The model's own `base_model_tp_plan` (module patterns of its base model, '*' for a layer's index), as
+    transformers applies it: 'colwise' and 'rowwise' nn.Linear layers. The attention of these models reshapes its
+    projections by head_dim (`view(..., -1, head_dim)`), so each rank computes its own heads with no change to the
+    modules; the heads and key-value heads must divide by tp, or a head would be cut in two."""
+    tp = tp_mesh.size()
+    plan = config.base_model_tp_plan
+    other = sorted({style for style in plan.values() if style not in CONFIG_PLAN_STYLES})
+    if other:
+        raise ValueError(f"{type(model).__name__}'s base_model_tp_plan uses {', '.join(map(repr, other))}; hf_zero "
+                         f"applies 'colwise' and 'rowwise' layers only. Use tensor_parallel_size 1 for it")
+    _check_divisible("attention heads", config.num_attention_heads, tp)
+    _check_divisible("key-value heads", getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                     tp)
+    base = model.base_model
+    patterns = [(re.compile(re.escape(pattern).replace(r"\*", r"\d+")), style) for pattern, style in plan.items()]
+    layers = {}
+    for name, module in base.named_modules():
+        style = next((style for pattern, style in patterns if pattern.fullmatch(name)), None)
+        if style is None:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"base_model_tp_plan makes {name} {style}, and it is a {type(module).__name__}; hf_zero "
+                             f"splits nn.Linear layers. Use tensor_parallel_size 1 for it")
+        _check_divisible(f"{name} {'output' if style == 'colwise' else 'input'} features",
+                         module.out_features if style == "colwise" else module.in_features, tp)
+        layers[name] = CONFIG_PLAN_STYLES[style]()
+    if not layers:
+        raise ValueError(f"{type(model).__name__}'s base_model_tp_plan matches no layer of its base model; use "
+                         f"tensor_parallel_size 1 for it")
+    parallelize_module(base, tp_mesh, layers, src_data_rank=_source_rank(base))

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM)
 from transformers.utils import logging as hf_logging
 
 import hf_zero
@@ -33,9 +34,15 @@ def hf_zero_messages(records: list[logging.LogRecord]) -> list[str]:
 
 
 def tiny_model(kind: str) -> nn.Module:
-    """Tiny GPT-2 or BERT from transformers with dropout off, so that runs are deterministic.
-    "-tp" kinds have 4 attention heads, so that tensor parallelism of 2 and 4 can split them."""
+    """Tiny GPT-2, BERT or Llama from transformers with dropout off, so that runs are deterministic.
+    "-tp" kinds have 4 attention heads, so that tensor parallelism of 2 and 4 can split them (Llama: 8 heads sharing
+    4 key-value heads, whose plan is transformers' own base_model_tp_plan)."""
     torch.manual_seed(0)
+    if kind == "llama-tp":
+        return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=8,
+                                            num_key_value_heads=4, intermediate_size=64, vocab_size=VOCAB,
+                                            max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                            pad_token_id=0))
     heads = 4 if kind.endswith("-tp") else 2
     if kind.startswith("gpt2"):
         cfg = GPT2Config(n_layer=8 if kind == "gpt2-deep" else 2, n_embd=32, n_head=heads, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
@@ -50,7 +57,7 @@ def tiny_model(kind: str) -> nn.Module:
 def batch(kind: str, step: int, size: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
-    if kind.startswith("gpt2"):
+    if kind.startswith(("gpt2", "llama")):
         return {"input_ids": ids, "labels": ids}
     return {"input_ids": ids, "labels": torch.randint(0, 3, (size,), generator=g)}
 

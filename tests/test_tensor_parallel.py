@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from transformers import BertForSequenceClassification, GPT2LMHeadModel
 
 import hf_zero
@@ -25,7 +26,8 @@ STEPS, GLOBAL_BATCH, CLIP = 5, 8, 0.5
 CHECKPOINTING = {"none": {}, "pa": {"partition_activations": True},
                  "pa_cpu": {"partition_activations": True, "cpu_checkpointing": True}}
 SCENARIOS = [(kind, stage, mode) for kind in ("gpt2-tp", "bert-tp") for stage in (0, 1, 2, 3)
-             for mode in (CHECKPOINTING if kind == "gpt2-tp" else ("none", "pa_cpu"))]
+             for mode in (CHECKPOINTING if kind == "gpt2-tp" else ("none", "pa_cpu"))] + \
+            [("llama-tp", stage, "none") for stage in (1, 3)]  # through transformers' base_model_tp_plan
 
 
 def tp_model(kind: str, tp: int) -> tuple[torch.nn.Module, object]:
@@ -61,6 +63,12 @@ def train_tp(tp: int) -> dict[tuple, dict]:
         engine = tp_engine(kind, tp, {"zero_stage": stage, **CHECKPOINTING[mode]})
         norms = train_steps(engine, kind, 0, STEPS)
         results[(kind, stage, mode)] = {"params": whole_params(engine), "norms": norms}
+        if kind == "llama-tp":
+            results[(kind, stage, mode)]["tp"] = tp
+            with engine.gathered_parameters():
+                results[(kind, stage, mode)]["split"] = {
+                    name: (tuple(p.to_local().shape), p.placements) for name, p in engine.module.named_parameters()
+                    if isinstance(p, DTensor)}
     return results
 
 
@@ -71,17 +79,29 @@ def tp_runs(request) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict]:
-    return {kind: train_single_process(kind, STEPS, GLOBAL_BATCH, clip=CLIP) for kind in ("gpt2-tp", "bert-tp")}
+    return {kind: train_single_process(kind, STEPS, GLOBAL_BATCH, clip=CLIP) for kind in ("gpt2-tp", "bert-tp",
+                                                                                           "llama-tp")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, stage, mode", SCENARIOS, ids=[f"{k}-s{s}-{m}" for k, s, m in SCENARIOS])
 def test_tp_x_zero_dp_matches_single_process(tp_runs, references, kind, stage, mode):
+    """Llama through its config's base_model_tp_plan: every Linear the plan names is split (`split` records each
+    rank's local shapes), so the parity is tensor parallelism's, not dp over replicated copies."""
     reference = references[kind]
     for rank_result in tp_runs:
         run = rank_result[(kind, stage, mode)]
         assert run["norms"] == pytest.approx(reference["norms"], rel=1e-5)
         assert max_diff(run["params"], reference["params"]) <= FP32_TOL
+        if kind == "llama-tp":  # column-wise: split on the output features, row-wise: on the input features
+            for layer in (0, 1):
+                for module, whole, dim in [("self_attn.q_proj", (32, 32), 0), ("self_attn.k_proj", (16, 32), 0),
+                                           ("self_attn.v_proj", (16, 32), 0), ("self_attn.o_proj", (32, 32), 1),
+                                           ("mlp.gate_proj", (64, 32), 0), ("mlp.up_proj", (64, 32), 0),
+                                           ("mlp.down_proj", (32, 64), 1)]:
+                    local = list(whole)
+                    local[dim] //= run["tp"]
+                    assert run["split"][f"model.layers.{layer}.{module}.weight"] == (tuple(local), (Shard(dim),))
 
 
 def refusals(root: str) -> dict[str, str]:
@@ -90,9 +110,14 @@ def refusals(root: str) -> dict[str, str]:
     mesh = init_mesh(2)
     odd = tiny_model("gpt2")
     odd.config.n_head = 3
+    packed, one_kv_head = tiny_model("llama-tp"), tiny_model("llama-tp")
+    packed.config.base_model_tp_plan = {**packed.config.base_model_tp_plan, "layers.*.mlp.up_proj": "packed_colwise"}
+    one_kv_head.config.num_key_value_heads = 1
     for name, attempt in {
         "world": lambda: init_mesh(3),
         "heads": lambda: apply_tensor_parallel(odd, mesh["tp"]),
+        "plan_style": lambda: apply_tensor_parallel(packed, mesh["tp"]),
+        "kv_heads": lambda: apply_tensor_parallel(one_kv_head, mesh["tp"]),
         "model": lambda: apply_tensor_parallel(torch.nn.Linear(2, 2), mesh["tp"]),
         "mesh_dims": lambda: hf_zero.initialize(*_model_and_optimizer(), mesh=init_mesh(2)["tp"]),
         "zeropp_mesh": _zeropp_on_a_mesh,
@@ -138,7 +163,11 @@ def test_bad_tensor_parallel_input_is_refused_with_what_to_do(tmp_path):
     messages = spawn_gloo(refusals, 2, str(tmp_path))[0]
     assert "tensor_parallel_size must divide the world size 2; got 3" in messages["world"]
     assert "tensor_parallel_size 2 must divide the model's attention heads (3)" in messages["heads"]
-    assert "plans for transformers' GPT-2 and BERT models; got Linear (model_type None)" in messages["model"]
+    assert ("plans for transformers' GPT-2 and BERT models and for models whose config has a base_model_tp_plan "
+            "(Llama, Qwen2, Mistral, ...); got Linear (model_type None)" in messages["model"])
+    assert ("LlamaForCausalLM's base_model_tp_plan uses 'packed_colwise'; hf_zero applies 'colwise' and 'rowwise' "
+            "layers only" in messages["plan_style"])
+    assert "tensor_parallel_size 2 must divide the model's key-value heads (1)" in messages["kv_heads"]
     assert "mesh must have the dimensions ('dp', 'tp')" in messages["mesh_dims"]
     assert ("hpz_partition_size and quantized_gradients with a data-parallel group smaller than the world (a "
             "tensor-parallel mesh) is not supported yet" in messages["zeropp_mesh"])
