@@ -157,12 +157,15 @@ def test_seq2seq_generation_at_stage3_with_ranks_finishing_at_different_lengths(
 
 @pytest.mark.slow
 def test_resuming_a_two_rank_run_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """Stages 1-3, and LoRA at stage 3: the adapter and the partitioned base come back from the checkpoint."""
     results = spawn_gloo(resume_runs, 2, str(tmp_path))
-    for stage in (1, 2, 3):
-        assert results[0][f"stage{stage}_checkpoints"] == ["checkpoint-3", "checkpoint-6"]
-        straight, resumed = results[0][f"stage{stage}"]["straight"], results[0][f"stage{stage}"]["resumed"]
+    for run in ("stage1", "stage2", "stage3", "stage3_lora"):
+        assert results[0][f"{run}_checkpoints"] == ["checkpoint-3", "checkpoint-6"]
+        straight, resumed = results[0][run]["straight"], results[0][run]["resumed"]
+        assert straight.keys() == resumed.keys()
         for name, p in straight.items():
-            assert torch.equal(p, resumed[name]), f"stage {stage}: {name} differs after resuming"
+            assert torch.equal(p, resumed[name]), f"{run}: {name} differs after resuming"
+    assert any("lora_B" in name for name in results[0]["stage3_lora"]["straight"])
 
 
 def test_zero_trainer_needs_zero_training_arguments(tmp_path):

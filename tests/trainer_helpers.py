@@ -178,27 +178,30 @@ def _consolidated_adapter(output_dir: str, merge: bool) -> dict[str, Any]:
 
 
 def resume_runs(root: str) -> dict[str, dict[str, Any]]:
-    """For stages 1-3: 6 steps straight (checkpointing every 3) against resuming a fresh Trainer from step 3."""
+    """For stages 1-3, and LoRA at stage 3 (its base partitioned): 6 steps straight (checkpointing every 3) against
+    resuming a fresh Trainer from step 3."""
     results = {}
-    for stage in (1, 2, 3):
+    for stage, method in ((1, None), (2, None), (3, None), (3, "lora")):
+        name = f"stage{stage}" + (f"_{method}" if method else "")
         params = {}
         for mode in ("straight", "resumed"):
             run = TrainerRun(f"resume{stage}", stage, args={"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
                                                             "eval_on_start": False})
-            out = f"{root}/stage{stage}_{mode}" if mode == "straight" else f"{root}/stage{stage}_straight_copy"
+            out = f"{root}/{name}_{mode}" if mode == "straight" else f"{root}/{name}_straight_copy"
             if mode == "resumed":
                 if dist.get_rank() == 0:
-                    _copy_with_the_last_save_killed(f"{root}/stage{stage}_straight", out)
+                    _copy_with_the_last_save_killed(f"{root}/{name}_straight", out)
                 dist.barrier()
-            trainer = ZeroTrainer(model=gpt2_model(), args=_arguments(run, out),
+            model = get_peft_model(gpt2_model(), PEFT_METHODS[method]()) if method else gpt2_model()
+            trainer = ZeroTrainer(model=model, args=_arguments(run, out),
                                   train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1))
             trainer.train(resume_from_checkpoint=True if mode == "resumed" else None)
             with trainer.engine.gathered_parameters():
                 params[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             if mode == "straight":
                 dist.barrier()
-                results[f"stage{stage}_checkpoints"] = sorted(p.name for p in Path(out).glob("checkpoint-*"))
-        results[f"stage{stage}"] = params
+                results[f"{name}_checkpoints"] = sorted(p.name for p in Path(out).glob("checkpoint-*"))
+        results[name] = params
     return results
 
 
