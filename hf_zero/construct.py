@@ -21,6 +21,8 @@ this rank's shard plus one unit, never the model.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import hashlib
 import json
 import math
@@ -183,9 +185,86 @@ class PretrainedWeights:
                     self.header_of[key] = (tuple(header.get_shape()), TORCH_DTYPES[header.get_dtype()])
         self.where = folder if folder is not None else Path(next(iter(self.file_of.values()), ".")).parent
         self.bytes_read = 0
+        # transformers' renamings and conversions of this load (`follow`): the checkpoint key of a renamed tensor;
+        # for a converted one, its conversion (the first tensor it makes, the converter, the checkpoint keys and
+        # their patterns) and shape; the tensors the last conversion run made.
+        self.renamed: dict[str, str] = {}
+        self.conversion_of: dict[str, tuple[str, Any, list[tuple[str, str]]]] = {}
+        self.converted_shape: dict[str, tuple[int, ...]] = {}
+        self.made: dict[str, torch.Tensor] = {}
+
+    def follow(self, model: nn.Module, weight_mapping: list[Any] | None) -> None:
+        """Takes in transformers' renamings and conversions of this load (`LoadStateDictConfig.weight_mapping`,
+        applied to the checkpoint's keys as `convert_and_load_state_dict_in_model` applies them), so that a model
+        whose checkpoint transformers converts while loading (legacy names, experts stored one by one and merged
+        into one tensor, fused projections split) is read too. A converted tensor is made whole from its checkpoint
+        tensors when its unit is filled, one conversion at a time; each conversion is run once first on meta
+        stand-ins, to learn the tensors it makes and their shapes."""
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        renamings = [t for t in weight_mapping or [] if isinstance(t, WeightRenaming)]
+        converters = [t for t in weight_mapping or [] if isinstance(t, WeightConverter)]
+        if not renamings and not converters:
+            return
+        converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
+        expected, prefix = model.state_dict(), model.base_model_prefix
+        sources: dict[str, tuple[Any, list[tuple[str, str]]]] = {}
+        for key in sorted(self.file_of, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+            if target not in expected and key in expected:  # as transformers: stored under the model's own name
+                target, pattern = rename_source_key(key, [], [], prefix, expected)
+            if target not in expected:
+                continue
+            if pattern is None:
+                self.renamed[target] = key
+            else:
+                sources.setdefault(target, (converter_of[pattern], []))[1].append((key, pattern))
+        def stand_in(key: str) -> torch.Tensor:
+            return torch.empty(self.header_of[key][0], dtype=self.header_of[key][1], device="meta")
+
+        for first, (converter, keys) in sources.items():
+            try:
+                made = self._convert(model, first, converter, keys, stand_in)
+            except Exception as e:
+                raise ValueError(f"transformers converts {first} while loading, and hf_zero could not learn what the "
+                                 f"conversion makes ({type(e).__name__}: {e}): pass --zero_init_partitioned false to "
+                                 f"load the model whole on every rank first") from e
+            for name, tensor in made.items():
+                self.conversion_of[name] = (first, converter, keys)
+                self.converted_shape[name] = tuple(tensor.shape)
+
+    @staticmethod
+    def _convert(model: nn.Module, first: str, converter: Any, keys: list[tuple[str, str]],
+                 load: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Runs one of transformers' conversions on the checkpoint tensors `load` gives: the tensors it makes, by
+        name."""
+        conversion = copy.deepcopy(converter)  # as transformers: each conversion collects its tensors in its own copy
+        for key, pattern in keys:
+            conversion.add_tensor(first, key, pattern, functools.partial(load, key))
+        made = conversion.convert(first, model=model, config=getattr(model, "config", None))
+        return {name: tensor[0] if isinstance(tensor, list) else tensor for name, tensor in made.items()}
+
+    def _converted(self, model: nn.Module, name: str) -> torch.Tensor:
+        """A tensor transformers converts while loading, whole: its conversion is run when the first tensor it makes
+        is read, and what it made is kept until another conversion runs (one layer's experts, say)."""
+        if name not in self.made:
+            first, converter, keys = self.conversion_of[name]
+
+            def load(key: str) -> torch.Tensor:
+                with safe_open(str(self.file_of[key]), framework="pt") as f:
+                    tensor = f.get_tensor(key)
+                self.bytes_read += tensor.numel() * tensor.element_size()
+                return tensor
+
+            self.made = {}
+            self.made = self._convert(model, first, converter, keys, load)
+        return self.made[name]
 
     def key_of(self, model: nn.Module, name: str) -> str:
-        """The checkpoint's name for a model tensor, allowing for the base-model prefix either way."""
+        """The checkpoint's name for a model tensor, allowing for the base-model prefix either way and for
+        transformers' renamings (`follow`)."""
+        if name in self.renamed:
+            return self.renamed[name]
         if name in self.file_of:
             return name
         prefix = getattr(model, "base_model_prefix", "") + "."
@@ -199,11 +278,21 @@ class PretrainedWeights:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.header_of.values())
 
     def shape_of(self, model: nn.Module, name: str) -> tuple[int, ...]:
+        if name in self.converted_shape:
+            return self.converted_shape[name]
         return self.header_of[self.key_of(model, name)][0]
 
     def _read(self, model: nn.Module, name: str, param: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of this rank's part of `param` (called `name`) flattened, reading only the rows that
-        hold them (of a tensor-parallel split, only this tp rank's columns or rows of them)."""
+        hold them (of a tensor-parallel split, only this tp rank's columns or rows of them). A tensor transformers
+        converts while loading is made whole first (`_converted`)."""
+        if name in self.conversion_of:
+            whole = self._converted(model, name)
+            if not is_tp_replicated(param):
+                dim, ranges = local_ranges(param)
+                whole = torch.cat([whole.narrow(dim, a, b - a) for a, b in ranges], dim)
+            out.copy_(whole.reshape(-1)[lo:hi])
+            return
         key = self.key_of(model, name)
         with safe_open(str(self.file_of[key]), framework="pt") as f:
             tensor = f.get_slice(key)

@@ -111,6 +111,7 @@ def _load_pretrained_model(model: nn.Module, state_dict: dict | None, checkpoint
         return load(model, state_dict, checkpoint_files, load_config, expected_keys)
     _check_loadable(checkpoint_files or [], load_config)
     weights = PretrainedWeights(files=checkpoint_files)
+    weights.follow(model, load_config.weight_mapping)
     stand_ins = {key: torch.empty(shape, dtype=dtype, device="meta")
                  for key, (shape, dtype) in weights.header_of.items()}
     # Loaded onto meta, nothing is read: transformers' loader does its bookkeeping on the stand-ins.
@@ -146,9 +147,9 @@ def _check_loadable(checkpoint_files: list[str], load_config: Any) -> None:
 
 
 def _check_readable(model: nn.Module, weights: PretrainedWeights, not_read: set[str]) -> None:
-    """Every weight transformers found in the checkpoint must be readable as it is: a checkpoint key with the
-    model's shape. A weight transformers would convert (fused, split, transposed) is refused here, before any
-    work, rather than read wrongly later."""
+    """Every weight transformers found in the checkpoint must be readable: a checkpoint key with the model's shape,
+    or made by one of transformers' conversions (`PretrainedWeights.follow`) in that shape. Anything else is refused
+    here, before any work, rather than read wrongly later."""
     for name, tensor in model.state_dict(keep_vars=True).items():  # what a checkpoint holds: no non-persistent buffers
         if not tensor.is_meta or name in not_read:
             continue
@@ -157,6 +158,6 @@ def _check_readable(model: nn.Module, weights: PretrainedWeights, not_read: set[
         except KeyError:
             shape = None
         if shape != tuple(tensor.shape):
-            raise ValueError(f"{name} ({tuple(tensor.shape)}) is not stored as one tensor of that shape in the "
-                             f"checkpoint (transformers converts it while loading), which partitioned loading at "
-                             f"--zero_stage 3 does not do: pass --zero_init_partitioned false")
+            raise ValueError(f"{name} ({tuple(tensor.shape)}) is neither stored as one tensor of that shape in the "
+                             f"checkpoint nor made so by transformers' conversions of it, and partitioned loading at "
+                             f"--zero_stage 3 reads nothing else: pass --zero_init_partitioned false")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, BertConfig, BertForMaskedLM,
-                          BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, set_seed)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification, BertConfig,
+                          BertForMaskedLM, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, set_seed)
 
 from hf_zero import pretrained
 from hf_zero.construct import build_seeded
@@ -38,6 +38,53 @@ def save_bert(folder: Path) -> None:
     torch.manual_seed(1)
     BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                intermediate_size=64, max_position_embeddings=16)).save_pretrained(folder)
+
+
+def save_converted(folders: dict[str, Path]) -> None:
+    """A tiny Mixtral and ViT as transformers 5.24 saves them: Mixtral's experts one tensor each (`block_sparse_moe.
+    experts.N.w1.weight`, ...), which transformers merges into one 3-D tensor while loading; ViT under its legacy
+    names (`encoder.layer.N.attention.attention.query`), which it renames."""
+    from transformers import MixtralConfig, MixtralForCausalLM, ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+                                     max_position_embeddings=32)).save_pretrained(folders["mixtral"])
+    ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=48, image_size=16, patch_size=8,
+                                        num_labels=3)).save_pretrained(folders["vit"])
+
+
+CONVERTED = {"mixtral": AutoModelForCausalLM, "vit": AutoModelForImageClassification}
+
+
+def build_converted(folders: dict[str, Path], output_dir: Path) -> dict:
+    """Each converted checkpoint from_pretrained under stage-3 arguments, handed to ZeroTrainer: the values the
+    engine then holds, gathered."""
+    from hf_zero import ZeroTrainer
+
+    results = {}
+    for kind, auto in CONVERTED.items():
+        set_seed(SEED)
+        args = arguments(output_dir)
+        model = auto.from_pretrained(folders[kind])
+        results[f"{kind}_on_meta"] = all(p.is_meta for p in model.parameters())
+        results[kind] = gathered(ZeroTrainer(model=model, args=args))
+    return results
+
+
+def test_checkpoints_transformers_converts_while_loading_build_partitioned_with_the_whole_builds_values(tmp_path):
+    """transformers' conversion mapping, applied per unit: Mixtral's experts merged from their one-by-one tensors,
+    ViT's legacy names renamed. Refused before ("is not stored as one tensor of that shape")."""
+    folders = {kind: tmp_path / kind for kind in CONVERTED}
+    save_converted(folders)
+    expected = {kind: named_copy(auto.from_pretrained(folders[kind])) for kind, auto in CONVERTED.items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in expected["mixtral"]  # one 3-D tensor of all the experts
+    for result in spawn_gloo(build_converted, 2, folders, tmp_path / "out"):
+        for kind in CONVERTED:
+            assert result[f"{kind}_on_meta"]
+            assert result[kind].keys() == expected[kind].keys()
+            assert max_diff(result[kind], expected[kind]) == 0, kind
 
 
 def arguments(output_dir: Path, partitioned: bool = True, **more):
@@ -210,18 +257,39 @@ def hf_zero_run(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:
                            "--log_level_replica", "info", *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.slow
-def test_an_unmodified_script_fine_tunes_a_checkpoint_built_partitioned_as_when_built_whole(tmp_path):
-    model_bytes = save_gpt2(tmp_path / "ckpt")
-    (tmp_path / "nvme").mkdir()
+@pytest.fixture(scope="module")
+def built_partitioned(tmp_path_factory) -> tuple[Path, int, dict[int, tuple[Path, str]]]:
+    """The script fine-tuning a checkpoint built partitioned, saving every 3 of its 6 steps, on 2 ranks (dp 2) and
+    on 4 (tp 2 x dp 2): the runs the tests below compare with the whole build, and resume from. Returns the
+    checkpoint's folder, its bytes, and by tp size each run's output folder and log."""
+    root = tmp_path_factory.mktemp("partitioned")
+    model_bytes = save_gpt2(root / "ckpt")
     runs = {}
-    for name, flags in [(True, []), (False, ["--zero_init_partitioned", "false"]),
+    for ranks, tensor_parallel_size in ((2, 1), (4, 2)):
+        out = root / f"tp{tensor_parallel_size}"
+        done = hf_zero_run("--model_name_or_path", str(root / "ckpt"), "--output_dir", str(out), "--save_strategy",
+                           "steps", "--save_steps", "3", "--tensor_parallel_size", str(tensor_parallel_size),
+                           ranks=ranks)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[tensor_parallel_size] = (out, done.stderr + done.stdout)
+    return root / "ckpt", model_bytes, runs
+
+
+@pytest.mark.slow
+def test_an_unmodified_script_fine_tunes_a_checkpoint_built_partitioned_as_when_built_whole(built_partitioned,
+                                                                                            tmp_path):
+    ckpt, model_bytes, partitioned_runs = built_partitioned
+    (tmp_path / "nvme").mkdir()
+    out, log = partitioned_runs[1]
+    runs = {True: (json.loads((out / "log_history.json").read_text()), log)}
+    outputs = {True: out}
+    for name, flags in [(False, ["--zero_init_partitioned", "false"]),
                         ("nvme", ["--zero_offload_param", "nvme", "--zero_offload_optimizer", "nvme",
                                   "--zero_nvme_path", str(tmp_path / "nvme")])]:
-        out = tmp_path / f"out_{name}"
-        done = hf_zero_run("--model_name_or_path", str(tmp_path / "ckpt"), "--output_dir", str(out), *flags)
+        outputs[name] = tmp_path / f"out_{name}"
+        done = hf_zero_run("--model_name_or_path", str(ckpt), "--output_dir", str(outputs[name]), *flags)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = (json.loads((out / "log_history.json").read_text()), done.stderr + done.stdout)
+        runs[name] = (json.loads((outputs[name] / "log_history.json").read_text()), done.stderr + done.stdout)
     read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs[True][1])]
     assert len(read) == 2 and all(mib * 2**20 < 0.6 * model_bytes for mib in read)  # each rank its slices only
     assert "built the model partitioned" not in runs[False][1]
@@ -239,20 +307,21 @@ def test_an_unmodified_script_fine_tunes_a_checkpoint_built_partitioned_as_when_
     logits = {}
     for partitioned in (True, False):
         with torch.no_grad():
-            logits[partitioned] = AutoModelForCausalLM.from_pretrained(tmp_path / f"out_{partitioned}")(ids).logits
+            logits[partitioned] = AutoModelForCausalLM.from_pretrained(outputs[partitioned])(ids).logits
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
 
 
 @pytest.mark.slow
-def test_with_tensor_parallelism_each_rank_reads_its_tp_parts_dp_chunk_and_trains_as_when_built_whole(tmp_path):
-    model_bytes = save_gpt2(tmp_path / "ckpt")
-    runs = {}
-    for partitioned in ("true", "false"):
-        out = tmp_path / f"out_{partitioned}"
-        done = hf_zero_run("--model_name_or_path", str(tmp_path / "ckpt"), "--output_dir", str(out),
-                           "--tensor_parallel_size", "2", "--zero_init_partitioned", partitioned, ranks=4)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[partitioned] = (json.loads((out / "log_history.json").read_text()), done.stderr + done.stdout)
+def test_with_tensor_parallelism_each_rank_reads_its_tp_parts_dp_chunk_and_trains_as_when_built_whole(
+        built_partitioned, tmp_path):
+    ckpt, model_bytes, partitioned_runs = built_partitioned
+    out, log = partitioned_runs[2]
+    outputs = {"true": out, "false": tmp_path / "out_false"}
+    runs = {"true": (json.loads((out / "log_history.json").read_text()), log)}
+    done = hf_zero_run("--model_name_or_path", str(ckpt), "--output_dir", str(outputs["false"]),
+                       "--tensor_parallel_size", "2", "--zero_init_partitioned", "false", ranks=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs["false"] = (json.loads((outputs["false"] / "log_history.json").read_text()), done.stderr + done.stdout)
     read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs["true"][1])]
     # tp 2 x dp 2: about a quarter of the block weights, half of the embeddings (0.27 by hand); reading the
     # split weights' whole tensors and cutting them would take about 0.5.
@@ -263,7 +332,7 @@ def test_with_tensor_parallelism_each_rank_reads_its_tp_parts_dp_chunk_and_train
         assert values["true"] and values["true"] == pytest.approx(values["false"], rel=1e-5), key
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        logits = {k: AutoModelForCausalLM.from_pretrained(tmp_path / f"out_{k}")(ids).logits for k in runs}
+        logits = {k: AutoModelForCausalLM.from_pretrained(outputs[k])(ids).logits for k in runs}
     torch.testing.assert_close(logits["true"], logits["false"], atol=1e-5, rtol=0)
 
 
@@ -285,26 +354,24 @@ def test_a_checkpoint_that_cannot_be_read_in_slices_is_refused_naming_the_file(t
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, tensor_parallel_size", [(2, 1), (4, 2)], ids=["dp2", "tp2_dp2"])
 def test_a_model_built_partitioned_checkpoints_resumes_and_consolidates_as_any_stage3_model(
-        tmp_path, ranks, tensor_parallel_size):
+        built_partitioned, tmp_path, ranks, tensor_parallel_size):
     from hf_zero.consolidate import consolidate
 
-    save_gpt2(tmp_path / "ckpt")
-    layout = ("--tensor_parallel_size", str(tensor_parallel_size))
-    first = hf_zero_run("--model_name_or_path", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "a"),
-                        "--save_strategy", "steps", "--save_steps", "3", *layout, ranks=ranks)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = hf_zero_run("--model_name_or_path", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "b"),
-                          "--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-3"), *layout, ranks=ranks)
+    ckpt, _, partitioned_runs = built_partitioned
+    first = partitioned_runs[tensor_parallel_size][0]  # saved at steps 3 and 6
+    resumed = hf_zero_run("--model_name_or_path", str(ckpt), "--output_dir", str(tmp_path / "b"),
+                          "--resume_from_checkpoint", str(first / "checkpoint-3"),
+                          "--tensor_parallel_size", str(tensor_parallel_size), ranks=ranks)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stderr.count("built the model partitioned") == ranks
-    losses = {run: {e["step"]: e["loss"] for e in json.loads((tmp_path / run / "log_history.json").read_text())
-                    if "loss" in e} for run in ("a", "b")}
+    losses = {run: {e["step"]: e["loss"] for e in json.loads((folder / "log_history.json").read_text())
+                    if "loss" in e} for run, folder in (("a", first), ("b", tmp_path / "b"))}
     assert sorted(losses["b"]) == [1, 2, 3, 4, 5, 6]  # 1-3 from the checkpoint's trainer state, 4-6 trained again
     assert [losses["b"][s] for s in (4, 5, 6)] == pytest.approx([losses["a"][s] for s in (4, 5, 6)], rel=1e-5)
-    consolidate(tmp_path / "a" / "checkpoint-6", tmp_path / "consolidated", progress=False)
+    consolidate(first / "checkpoint-6", tmp_path / "consolidated", progress=False)
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "a")(ids).logits
+        saved = AutoModelForCausalLM.from_pretrained(first)(ids).logits
         consolidated = AutoModelForCausalLM.from_pretrained(tmp_path / "consolidated")(ids).logits
     torch.testing.assert_close(consolidated, saved, atol=1e-5, rtol=0)
 
