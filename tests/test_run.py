@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -227,22 +228,48 @@ def test_a_launch_the_nodes_could_not_agree_on_is_refused_in_one_line(refused_be
 
 
 
-def test_the_launched_processes_get_an_8_mib_mmap_threshold_unless_one_is_set(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def launched_then_killed(tmp_path_factory) -> dict[str, Any]:
+    """`hf-zero run` of a script whose 2 ranks write their pid and glibc mmap threshold (the launcher started without
+    one set), then wait; once both wrote, the launcher is killed (SIGKILL: torchrun cannot stop its ranks itself).
+    Returns each rank's threshold and the ranks still running 10 s later (killed then)."""
+    folder = tmp_path_factory.mktemp("launch")
+    script = folder / "wait.py"
+    script.write_text("import os, sys, time\nrank = os.environ['RANK']\n"
+                      "open(os.path.join(sys.argv[1], 'threshold' + rank), 'w')"
+                      ".write(os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset'))\n"
+                      "open(os.path.join(sys.argv[1], 'pid' + rank), 'w').write(str(os.getpid()))\n"
+                      "time.sleep(300)\n")
+    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    launcher = subprocess.Popen([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(script),
+                                 str(folder), "--use_cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=environ)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((folder / f"pid{rank}").is_file() for rank in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.2)  # the pid files written through
+        ranks = [int((folder / f"pid{rank}").read_text()) for rank in (0, 1)]
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(map(is_running, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    still = [pid for pid in ranks if is_running(pid)]
+    for pid in still:
+        os.kill(pid, 9)
+    return {"thresholds": [(folder / f"threshold{rank}").read_text() for rank in (0, 1)], "still_running": still}
+
+
+def test_the_launched_processes_get_an_8_mib_mmap_threshold_unless_one_is_set(launched_then_killed, monkeypatch):
     """glibc's sliding threshold makes peaks follow allocation history (hf_zero/launch.py: 4.63-4.90 against
     4.35-4.37 GiB per rank on the gpt2-large-shape run); hf-zero's launchers fix it, and keep a value the user
     set. The launched ranks are checked for the first; the second is decided in the launcher's environment,
     which torchrun hands to the ranks as it is (the first shows that too)."""
     from hf_zero.host_memory import use_mmap_for_large_allocations
 
-    script = tmp_path / "env.py"
-    script.write_text("import os, sys\nrank = os.environ.get('RANK', '0')\n"
-                      "open(os.path.join(sys.argv[1], 'threshold' + rank), 'w')"
-                      ".write(os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset'))\n")
-    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    run = subprocess.run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(script),
-                          str(tmp_path), "--use_cpu"], capture_output=True, text=True, timeout=300, env=environ)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert [(tmp_path / f"threshold{rank}").read_text() for rank in (0, 1)] == [str(8 * 2**20)] * 2
+    assert launched_then_killed["thresholds"] == [str(8 * 2**20)] * 2
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     use_mmap_for_large_allocations()
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "65536"
@@ -268,29 +295,8 @@ def is_running(pid: int) -> bool:
         return False
 
 
-def test_the_ranks_end_within_seconds_when_their_launcher_is_killed(tmp_path):
-    script = tmp_path / "wait.py"
-    script.write_text("import os, sys, time\n"
-                      "open(os.path.join(sys.argv[1], 'pid' + os.environ['RANK']), 'w').write(str(os.getpid()))\n"
-                      "time.sleep(300)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(script),
-                                 str(tmp_path), "--use_cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"pid{rank}").is_file() for rank in (0, 1)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(0.2)  # the pid files written through
-        ranks = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
-    finally:
-        launcher.kill()  # SIGKILL: torchrun cannot stop its ranks itself
-        launcher.wait()
-    deadline = time.monotonic() + 10
-    while any(map(is_running, ranks)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    still = [pid for pid in ranks if is_running(pid)]
-    for pid in still:
-        os.kill(pid, 9)
-    assert not still, "ranks outlived their launcher"
+def test_the_ranks_end_within_seconds_when_their_launcher_is_killed(launched_then_killed):
+    assert not launched_then_killed["still_running"], "ranks outlived their launcher"
 
 
 @pytest.mark.parametrize("launch, expected", [
