@@ -51,6 +51,7 @@ from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.config import ZeroConfigError
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
+from hf_zero.zero.partition import local, wrap_like
 
 
 def _counting_partitioned_params(count: Callable[..., int]) -> Callable[..., int]:
@@ -350,11 +351,23 @@ class ZeroTrainerMixin:
 
 
     def _save_tensor_parallel_model(self, output_dir: str | None, _internal_call: bool) -> None:
-        """Every rank joins in gathering each DTensor whole; the main process writes the state dict."""
+        """Every rank joins in gathering each DTensor whole; the main process writes the state dict. In mixed
+        precision it is what the stock Trainer's fp32 model under --bf16 holds: the trained parameters from their
+        fp32 masters, the rest in fp32."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
+        masters = self.engine.gathered_masters() if self.engine.dtype != torch.float32 else None
+        managed = self.engine.params.managed
+
+        def whole(tensor: torch.Tensor) -> torch.Tensor:
+            if masters is not None and id(tensor) in managed:  # this rank's part of the master, as the DTensor's
+                tensor = wrap_like(tensor, masters[managed[id(tensor)].name].to(local(tensor).device))
+            elif masters is not None and tensor.is_floating_point():
+                tensor = tensor.float()
+            tensor = tensor.detach()
+            return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
         with self.engine.gathered_parameters():
-            state_dict = {name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                          for name, tensor in self.model.state_dict().items()}
+            state_dict = {name: whole(tensor) for name, tensor in self.model.state_dict(keep_vars=True).items()}
             # Written inside: at stage 3 the replicated tensors are views of gathered units, freed on exit.
             if self.args.should_save:
                 self._save(output_dir, state_dict=state_dict)

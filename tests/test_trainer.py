@@ -287,6 +287,14 @@ def test_tensor_parallel_trainer_with_partitioned_cpu_checkpoints_logs_the_stock
         saved = GPT2LMHeadModel.from_pretrained(tmp_path / f"tp{tp}" / "final")
         with torch.no_grad():
             assert_same_logits(saved(input_ids=PROBE_IDS).logits, stock.model(input_ids=PROBE_IDS).logits)
+    # Under --bf16 save_model writes the fp32 masters whole, as stock writes its fp32 model (it wrote the bf16
+    # parameters before); the rest (buffers) in fp32.
+    bf16 = runs[0]["tp2_bf16"]
+    assert {t.dtype for t in bf16["saved"].values()} == {torch.float32}
+    assert bf16["masters"].keys() <= bf16["saved"].keys()
+    for name, master in bf16["masters"].items():
+        assert torch.equal(bf16["saved"][name], master), name
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in bf16["masters"].values())  # not bf16 values
 
 
 @pytest.mark.slow
