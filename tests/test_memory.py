@@ -67,8 +67,11 @@ def measured(monkeypatch_module) -> dict[int, list[dict[str, int]]]:
     return {stage: spawn_gloo(peak_growth, WORLD, stage, start_method="spawn") for stage in (0, 1, 2, 3)}
 
 
+LORA_LAYERS = 12  # a frozen base of 48 MiB in fp32: 24 MiB a rank partitioned, well clear of the overheads
+
+
 def lora_held() -> dict[int, int]:
-    """The 24-layer MLP under peft's LoRA (rank 4 on every layer), its base frozen, at stage 2 then stage 3: how
+    """A 12-layer MLP under peft's LoRA (rank 4 on every layer), its base frozen, at stage 2 then stage 3: how
     far resident memory stays above what the process held before the model was built, after 2 steps in fp32.
     Built whole, then partitioned: the peak is the whole model at every stage; what stays is what a rank holds.
     Stage 2 goes first, so anything the first run leaves behind could only count against stage 3."""
@@ -83,8 +86,8 @@ def lora_held() -> dict[int, int]:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         before = current_rss()
         torch.manual_seed(0)
-        engine = train_two_steps(get_peft_model(Layers(LAYERS, WIDTH), LoraConfig(r=4, target_modules=r"layers\.\d+")),
-                                 stage, WIDTH)
+        engine = train_two_steps(get_peft_model(Layers(LORA_LAYERS, WIDTH),
+                                                LoraConfig(r=4, target_modules=r"layers\.\d+")), stage, WIDTH)
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         held[stage] = current_rss() - before
@@ -102,13 +105,14 @@ def lora_measured(monkeypatch_module) -> list[dict[int, int]]:
 def test_stage3_partitions_a_lora_base_as_it_partitions_trained_weights(lora_measured):
     """The frozen base (4Ψ bytes in fp32) is whole on every rank at stages 0-2; at stage 3 each rank holds 4Ψ/Nd
     of it, as DeepSpeed's stage 3 partitions frozen parameters: the memory LoRA users run ZeRO-3 for."""
-    frozen = 4 * PSI
+    frozen = 4 * LORA_LAYERS * WIDTH * WIDTH
     for held in lora_measured:
         print(f"LoRA, after 2 steps: stage 2 holds {held[2] / MIB:.0f} MiB, stage 3 {held[3] / MIB:.0f} MiB; "
               f"the base is {frozen / MIB:.0f} MiB, {frozen / WORLD / MIB:.0f} MiB a rank partitioned")
         assert held[2] >= frozen
-        assert frozen / WORLD <= held[3] <= frozen / WORLD + FIXED_OVERHEAD
-        assert held[3] <= held[2] - frozen / WORLD / 2
+        # Its part of the base, and less than a quarter of the base besides (the adapter's states, a gathered layer,
+        # the allocator): the whole base, as stages 0-2 hold it, would not fit.
+        assert frozen / WORLD <= held[3] < frozen / WORLD + frozen / 4
 
 
 @pytest.fixture(scope="module")
