@@ -162,18 +162,22 @@ def build_gpt2_large_and_step() -> dict:
 
 
 @pytest.mark.slow
-def test_gpt2_large_is_built_on_4_ranks_holding_its_shard_plus_one_unit_and_trains_a_step():
+def test_gpt2_large_is_built_on_2_ranks_holding_its_shard_plus_one_unit_and_trains_a_step():
+    """2 ranks: the claim does not depend on the count, and 4 took twice the time (every rank initialises every unit
+    in turn, and the step's gathers move (Nd - 1)/Nd of the model to each rank)."""
     psi = model_zoo.parameter_count("gpt2-large")
     whole_fp32 = 4 * psi  # 3.1 GB: what one process holds just to build it
-    results = spawn_gloo(build_gpt2_large_and_step, 4)
+    results = spawn_gloo(build_gpt2_large_and_step, 2)
     for r in results:
         grown = r["built_peak"] - r["baseline"]
         print(f"rank peak {r['built_peak'] / 2**30:.2f} GiB: {r['baseline'] / 2**30:.2f} GiB baseline, "
               f"{r['state_bytes'] / 2**30:.2f} GiB of sharded model states, "
               f"{(grown - r['state_bytes']) / 2**30:.2f} GiB more while building (largest unit in fp32: "
               f"{r['largest_unit_bytes'] / 2**30:.2f} GiB); the whole model in fp32: {whole_fp32 / 2**30:.2f} GiB")
-        # "Well under": the gradient shard is only allocated at the first backward.
-        assert r["built_peak"] < 0.6 * whole_fp32
+        # Measured, against the formula: this rank's fp32 shard (whole / Nd; the gradient shard comes at the first
+        # backward) and one unit being built, over what the interpreter held before.
+        assert grown < whole_fp32 / 2 + 1.5 * r["largest_unit_bytes"] + 64 * 2**20
+        assert r["built_peak"] < 0.85 * whole_fp32  # one process holds the whole model just to build it
         # Building costs one unit beyond the shards the engine keeps (one process would hold the whole model).
         assert grown - r["state_bytes"] < 1.5 * r["largest_unit_bytes"] + 64 * 2**20
         assert torch.isfinite(torch.tensor(r["loss"])) and r["changed"]
