@@ -52,7 +52,7 @@ class Stage3Gradients(PartitionedGradients):
         # A unit with frozen weights reads them after its trained parameters took their gradients (the input's
         # gradient through a LoRA base layer): it is freed at its post-backward instead.
         self.params_waiting = {id(u): sum(len(f.slices) for f in u.flats) for u in self.units
-                               if len(u.trained_flats) == len(u.flats)}
+                               if not u.frozen_flats}
 
     def bucket_ready(self) -> None:
         """A complete bucket waits for its unit's post-backward."""

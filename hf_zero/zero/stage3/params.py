@@ -144,13 +144,13 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         for flat, unit in trained:
             sizes[unit.group_of(flat)] += flat.buckets[0].chunk_numel
         self.param_shards = [self._new_param_shard(n, dtype, device) for n in sizes]
-        frozen = [(flat, unit) for unit in self.units for flat in unit.flats if unit.group_of(flat) is None]
-        self.frozen_shard = self._new_param_shard(sum(f.buckets[0].chunk_numel for f, _ in frozen), dtype, device,
+        frozen = [flat for unit in self.units for flat in unit.frozen_flats]
+        self.frozen_shard = self._new_param_shard(sum(f.buckets[0].chunk_numel for f in frozen), dtype, device,
                                                   frozen=True)
         chunk_of: dict[int, Chunk] = {}
         chunk_id: dict[int, tuple[int, int]] = {}  # (param group, chunk) of each trained flat buffer
         at = 0
-        for flat, unit in frozen:
+        for flat in frozen:
             lo, hi = flat.buckets[0].owned_range(rank)
             chunk_of[id(flat)] = (self.frozen_shard[at:at + hi - lo], None)
             at += hi - lo
@@ -325,12 +325,11 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
 
     @functools.cached_property
     def frozen(self) -> dict[int, ParamSlice]:
-        return {id(s.param): s for unit in self.units for flat in unit.flats if unit.group_of(flat) is None
-                for s in flat.slices}
+        return {id(s.param): s for unit in self.units for flat in unit.frozen_flats for s in flat.slices}
 
     def frozen_chunks(self) -> list[tuple[FlatParamBuffer, int, int, torch.Tensor]]:
         return [(flat, *flat.buckets[0].owned_range(self.comm.rank), shard) for unit in self.units
-                for flat, shard in zip(unit.flats, unit.shards) if unit.group_of(flat) is None]
+                for flat, shard in zip(unit.frozen_flats, unit.shards[len(unit.trained_flats):])]
 
     def parts(self) -> Iterator[list[ParamSlice]]:
         for unit in self.units:

@@ -26,6 +26,7 @@ class Unit:
         """`groups`: each flat buffer's param group, None for the frozen weights' (last)."""
         self.name, self.module, self.flats, self.groups = name, module, flats, groups
         self.trained_flats = [flat for flat, g in zip(flats, groups) if g is not None]
+        self.frozen_flats = flats[len(self.trained_flats):]  # the frozen weights' buffer comes last
         self.comm, self.persistent = comm, persistent
         self.numel = sum(f.padded_numel for f in flats)
         self.nbytes = sum(f.padded_numel * f.data.element_size() for f in flats)  # gathered
