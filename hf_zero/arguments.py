@@ -92,6 +92,11 @@ def _post_init(self: Any) -> None:
         raise ZeroConfigError("--torch_compile is not supported with hf_zero's ZeRO engine yet: the Trainer would "
                               "compile the engine's wrapper, not the model, and nothing would be compiled. Drop "
                               "--torch_compile (and --torch_compile_mode, --torch_compile_backend)")
+    if (dynamo_backend := os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()) != "no":
+        # accelerate's own reading of `accelerate launch --dynamo_backend`: its Accelerator would compile the model it
+        # prepares, and the Trainer hands it the engine's wrapper instead, so nothing would be compiled.
+        raise ZeroConfigError(f"accelerate's --dynamo_backend {dynamo_backend} is not supported with hf_zero's ZeRO "
+                              f"engine yet: nothing would be compiled. Launch with --dynamo_backend no")
     _check_engine_flags(self, processes, per_node)
     if self.zero_deepspeed is not None and (warning := self.zero_deepspeed.warning()) \
             and int(os.environ.get("RANK", "0")) == 0:
@@ -100,7 +105,7 @@ def _post_init(self: Any) -> None:
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"
     if self.zero_engine_config.zero_stage == 3 and self.zero_init_partitioned:
-        pretrained.enable(self, self.seed)
+        pretrained.enable(self)
 
 
 def _take_deepspeed_config(args: Any) -> None:

@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -47,9 +48,15 @@ if TYPE_CHECKING:
 def _init_module(seed: int, name: str, module: nn.Module, owner: nn.Module) -> None:
     """owner._init_weights(module) drawing from a generator seeded by (seed, module name); the global
     RNG is left as it was."""
+    seed_of_module = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+    init_module_from(torch.Generator().manual_seed(seed_of_module).get_state(), module, owner)
+
+
+def init_module_from(rng_state: torch.Tensor, module: nn.Module, owner: nn.Module) -> None:
+    """owner._init_weights(module) drawing from the global CPU generator set to `rng_state`, which is then put
+    back as it was."""
     with torch.random.fork_rng(devices=[]), _dtensors_whole(module):
-        torch.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
-                          & (2**63 - 1))
+        torch.set_rng_state(rng_state)
         owner._init_weights(module)
 
 
@@ -128,6 +135,9 @@ class SeededInit:
         `fill`."""
         _materialize_rest(model)
 
+    def init_module(self, name: str, module: nn.Module, owner: nn.Module) -> None:
+        _init_module(self.seed, name, module, owner)
+
     def fill(self, model: nn.Module, units: list["Unit"], open_unit: Callable, close_unit: Callable,
              rank: int) -> None:
         """Runs the init of every module once, in transformers' order. A unit gets memory before the first
@@ -149,7 +159,7 @@ class SeededInit:
                 if key not in opened:
                     opened.add(key)
                     open_unit(unit)
-            _init_module(self.seed, name, module, owner)
+            self.init_module(name, module, owner)
             for key, unit in writes[i].items():
                 if last[key] == i:
                     close_unit(unit)
@@ -192,6 +202,8 @@ class PretrainedWeights:
         self.conversion_of: dict[str, tuple[str, Any, list[tuple[str, str]]]] = {}
         self.converted_shape: dict[str, tuple[int, ...]] = {}
         self.made: dict[str, torch.Tensor] = {}
+        # Values given by name, taken as they are: those peft gave the adapters around a base built partitioned.
+        self.given: dict[str, torch.Tensor] = {}
 
     def follow(self, model: nn.Module, weight_mapping: list[Any] | None) -> None:
         """Takes in transformers' renamings and conversions of this load (`LoadStateDictConfig.weight_mapping`,
@@ -261,14 +273,18 @@ class PretrainedWeights:
         return self.made[name]
 
     def key_of(self, model: nn.Module, name: str) -> str:
-        """The checkpoint's name for a model tensor, allowing for the base-model prefix either way and for
-        transformers' renamings (`follow`)."""
+        """The checkpoint's name for a model tensor, allowing for the base-model prefix either way, for
+        transformers' renamings (`follow`) and for a peft wrapper's names (`_name_in_base`)."""
+        model, name = _name_in_base(model, name)
         if name in self.renamed:
             return self.renamed[name]
         if name in self.file_of:
             return name
         prefix = getattr(model, "base_model_prefix", "") + "."
-        for key in (name.removeprefix(prefix), prefix + name):
+        # A tied weight is saved once, under the name it is tied to (what a trained copy of it, peft's
+        # modules_to_save of a tied head, starts from).
+        tied_to = (getattr(model, "all_tied_weights_keys", None) or {}).get(name)
+        for key in (name.removeprefix(prefix), prefix + name, tied_to):
             if key in self.file_of:
                 return key
         raise KeyError(f"{name} is not in {self.where}; the folder holds weights of another model")
@@ -278,6 +294,7 @@ class PretrainedWeights:
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.header_of.values())
 
     def shape_of(self, model: nn.Module, name: str) -> tuple[int, ...]:
+        model, name = _name_in_base(model, name)
         if name in self.converted_shape:
             return self.converted_shape[name]
         return self.header_of[self.key_of(model, name)][0]
@@ -286,6 +303,7 @@ class PretrainedWeights:
         """Elements [lo, hi) of this rank's part of `param` (called `name`) flattened, reading only the rows that
         hold them (of a tensor-parallel split, only this tp rank's columns or rows of them). A tensor transformers
         converts while loading is made whole first (`_converted`)."""
+        model, name = _name_in_base(model, name)
         if name in self.conversion_of:
             whole = self._converted(model, name)
             if not is_tp_replicated(param):
@@ -339,9 +357,26 @@ class PretrainedWeights:
                     out = buffer[start:start + piece.param_hi - piece.param_lo]
                     if id(piece.slice.param) in held:
                         out.copy_(held[id(piece.slice.param)][piece.param_lo:piece.param_hi])
+                    elif piece.slice.name in self.given:
+                        out.copy_(self.given[piece.slice.name].reshape(-1)[piece.param_lo:piece.param_hi])
                     else:
                         self._read(model, piece.slice.name, piece.slice.param, piece.param_lo, piece.param_hi, out)
             close_unit(unit)
+
+
+# What peft puts between a base model's module and its tensors: a tuner layer's wrapped layer, and a modules_to_save
+# wrapper's original and its trained copy for an adapter.
+_PEFT_WRAPPING = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+
+def _name_in_base(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """A peft model's tensor named as in its base model as transformers built it (what the checkpoint and
+    `follow` know): the wrapper's prefix and peft's wrapping modules dropped. Anything else as it is."""
+    if not callable(getattr(model, "get_base_model", None)):  # peft's wrapper (its base holds peft_config too)
+        return model, name
+    base = model.get_base_model()
+    prefix = next(n for n, m in model.named_modules() if m is base) + "."
+    return base, _PEFT_WRAPPING.sub("", "." + name.removeprefix(prefix))[1:]
 
 
 def _rows_of_part(tensor: Any, dim: int, ranges: list[tuple[int, int]], first: int, last: int) -> torch.Tensor:
@@ -379,10 +414,13 @@ def place_rest(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def _replace_rest(model: nn.Module, new_value: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
-    """Each frozen parameter and buffer takes `new_value(tensor)`, where that is not None."""
+    """Each tensor of `_rest` (the frozen parameters stage 3 leaves whole, the buffers) takes `new_value(tensor)`,
+    where that is not None."""
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            if not p.requires_grad and (value := new_value(local(p).detach())) is not None:
+            if p.requires_grad or partitioned_frozen(p):
+                continue
+            if (value := new_value(local(p).detach())) is not None:
                 _swap_frozen(p, value)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and (value := new_value(b)) is not None:

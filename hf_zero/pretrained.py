@@ -5,8 +5,8 @@ A script such as run_clm.py calls `AutoModelForCausalLM.from_pretrained(...)` (o
 Trainer exists. Once its arguments are parsed with `--zero_stage 3` (`ZeroTrainingArguments`; on by default,
 `--zero_init_partitioned false` turns it off), those calls build the model on the meta device and no weight
 is read: every rank gets the model's structure, and `ZeroTrainer` then hands it to the engine, which reads
-this rank's slices of the safetensors files (`construct.PretrainedWeights`) or runs the seeded init
-(`construct.SeededInit`) one unit at a time. No rank ever holds the whole model.
+this rank's slices of the safetensors files (`construct.PretrainedWeights`) or runs transformers' own init
+(`stock_init.StockInit`) one unit at a time. No rank ever holds the whole model.
 
 transformers asks `is_deepspeed_zero3_enabled()` at these two points and then enters DeepSpeed's
 `zero.Init` and its rank-0 loader; without DeepSpeed it offers no hook for another engine. hf_zero replaces
@@ -19,9 +19,9 @@ that asked for it are alive (transformers ties its DeepSpeed switch to the argum
   `_keys_to_ignore_on_load_*`, the missing, unexpected and mismatched keys and their report, tied weights,
   the generation config, the dtype. Missing keys (a new classifier head) are materialised and initialised
   by transformers exactly as in a plain `from_pretrained`; the engine takes their values as they are.
-- `_from_config`: the model is built on meta, and the engine fills it with `SeededInit(seed)` (the
-  arguments' `--seed`): the values `construct.build_seeded` gives the whole model in one process, whatever
-  the world size, though not the values of a plain `from_config`, whose draws follow one global stream.
+- `_from_config`: the model is built on meta with transformers' initialisation recorded
+  (`stock_init.record_stock_init`), and the engine fills it unit by unit with the values a plain `from_config`
+  gives at the same point of the script (bitwise; the global generator is left where a plain build leaves it).
 """
 from __future__ import annotations
 
@@ -33,22 +33,24 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from hf_zero.construct import PretrainedWeights, SeededInit
+from hf_zero.construct import PretrainedWeights
+from hf_zero.stock_init import record_stock_init
 
 # Logged where transformers logs its own "Detected DeepSpeed ZeRO-3" (seen with the script's --log_level info).
 logger = logging.get_logger("transformers.modeling_utils")
 
 _asked_by: Any = None  # a weak reference to the arguments that turned partitioned construction on
-_seed = 0
 _sources: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+# The values peft gave the adapters it put around a base built partitioned, by peft layer and parameter name.
+_adapter_values: "weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]]" = weakref.WeakKeyDictionary()
 _originals: dict[str, Any] = {}
 
 
-def enable(arguments: Any, seed: int) -> None:
+def enable(arguments: Any) -> None:
     """From now on, while `arguments` is alive, from_pretrained and from_config build partitioned models."""
-    global _asked_by, _seed
+    global _asked_by
     _install()
-    _asked_by, _seed = weakref.ref(arguments), seed
+    _asked_by = weakref.ref(arguments)
 
 
 def end(arguments: Any) -> None:
@@ -65,8 +67,22 @@ def enabled() -> bool:
 
 
 def init_source(model: nn.Module) -> Any:
-    """Where the engine takes the values of a model built partitioned (`init_from`), or None for a whole model."""
-    return _sources.get(model)
+    """Where the engine takes the values of a model built partitioned (`init_from`), or None for a whole model. A
+    peft model around a base built partitioned has the base's: the engine fills the base's shards through peft's
+    wrapper (`PretrainedWeights.key_of` reads the wrapper's names as the base's) and takes the adapter's values as
+    peft initialised them."""
+    if model in _sources:
+        return _sources[model]
+    base = _peft_base(model)
+    source = _sources.get(base) if base is not None else None
+    if source is not None:
+        source.given.update({f"{prefix}.{name}": values for prefix, layer in model.named_modules()
+                             if layer in _adapter_values for name, values in _adapter_values[layer].items()})
+    return source
+
+
+def _peft_base(model: nn.Module) -> nn.Module | None:
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else None
 
 
 def describe(source: Any) -> str:
@@ -74,12 +90,13 @@ def describe(source: Any) -> str:
     if isinstance(source, PretrainedWeights):
         return (f"read {source.bytes_read / 2**20:.2f} MiB of the checkpoint's {source.total_bytes() / 2**20:.2f} "
                 f"MiB ({len(set(source.file_of.values()))} file(s))")
-    return f"initialised its own shards with seed {source.seed}"
+    return "initialised its own shards with transformers' initialisation of the whole model"
 
 
 def forget(model: nn.Module) -> bool:
     """The engine has taken the model's values from its source; says whether it had one."""
-    return _sources.pop(model, None) is not None
+    base = _peft_base(model)
+    return any(_sources.pop(built, None) is not None for built in (model, base) if built is not None)
 
 
 def _install() -> None:
@@ -91,16 +108,32 @@ def _install() -> None:
     _originals["from_config"] = PreTrainedModel.__dict__["_from_config"].__func__
     PreTrainedModel._load_pretrained_model = staticmethod(_load_pretrained_model)
     PreTrainedModel._from_config = classmethod(_from_config)
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # without peft there is no adapter to keep
+        return
+    _originals["move_adapter"] = BaseTunerLayer.__dict__["_move_adapter_to_device_of_base_layer"]
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = _move_adapter_to_device_of_base_layer
+
+
+def _move_adapter_to_device_of_base_layer(layer: Any, adapter_name: str, device: torch.device | None = None) -> None:
+    """peft initialises a new adapter in host memory and then moves it onto its base layer's device (here, and
+    again as it puts the layer in the model): onto the meta device of a base built partitioned, its values would be
+    lost. They are kept first, for the engine to take as they are (`init_source`)."""
+    base_weight = getattr(layer.get_base_layer(), "weight", None)
+    if enabled() and isinstance(base_weight, torch.Tensor) and base_weight.is_meta:
+        _adapter_values.setdefault(layer, {}).update(
+            {name: param.detach().clone() for name, param in layer.named_parameters() if not param.is_meta})
+    _originals["move_adapter"](layer, adapter_name, device)
 
 
 def _from_config(cls: type, config: Any, **kwargs: Any) -> nn.Module:
     if not enabled():
         return _originals["from_config"](cls, config, **kwargs)
-    with torch.device("meta"):
-        model = _originals["from_config"](cls, config, **kwargs)
-    _sources[model] = SeededInit(_seed)
-    logger.info(f"{cls.__name__}.from_config built on meta: each rank will initialise only its own shards "
-                f"(seed {_seed}) when the engine starts")
+    model, stock_init = record_stock_init(lambda: _originals["from_config"](cls, config, **kwargs))
+    _sources[model] = stock_init
+    logger.info(f"{cls.__name__}.from_config built on meta: each rank will initialise only its own shards, with "
+                f"transformers' initialisation of the whole model, when the engine starts")
     return model
 
 

@@ -48,7 +48,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_zero import pretrained
 from hf_zero.checkpoint import TRAINER_SUBFOLDER, newest_complete
 from hf_zero.arguments import ZeroArgumentsMixin
-from hf_zero.config import ZeroConfigError
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
 from hf_zero.zero.partition import local, wrap_like
@@ -97,19 +96,6 @@ class ZeroOptimizer(AcceleratedOptimizer):
         return self.engine.last_step_skipped
 
 
-def _refuse_a_partitioned_base_in_a_peft_model(model: nn.Module | None) -> None:
-    """A peft model whose base stage-3 arguments built partitioned (on meta, for the engine to fill) cannot be
-    filled through peft's wrapper yet: refused before the Trainer tries to move its meta tensors."""
-    if getattr(model, "peft_config", None) is None or pretrained.init_source(model) is not None:
-        return
-    if pretrained.init_source(model.get_base_model()) is not None:
-        raise ZeroConfigError(
-            f"the model is a peft model ({type(model).__name__}) around a base built partitioned (on meta: stage-3 "
-            f"arguments were parsed before from_pretrained), and hf_zero cannot fill a base's shards through the "
-            f"peft wrapper yet. Build the base whole with --zero_init_partitioned false (each rank holds it whole "
-            f"until the engine partitions it), or train at --zero_stage 2")
-
-
 def _loss_reads_num_items(model: nn.Module) -> bool:
     """Whether the model's loss reads the num_items_in_batch the Trainer passes through **kwargs: a model that
     says so (accepts_loss_kwargs), or whose forward hands its kwargs to transformers' loss_function or names
@@ -149,7 +135,6 @@ class ZeroTrainerMixin:
     built_partitioned = False  # the engine filled the model's shards itself (hf_zero.pretrained)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_a_partitioned_base_in_a_peft_model(kwargs.get("model", args[0] if args else None))
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, ZeroArgumentsMixin):
             raise TypeError(f"{type(self).__name__} needs its arguments as training_args.ZeroTrainingArguments "

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageCla
                           BertForMaskedLM, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, set_seed)
 
 from hf_zero import pretrained
-from hf_zero.construct import build_seeded
 from hf_zero.launch import spawn_gloo
 from tests.helpers import max_diff, named_copy
 
@@ -149,7 +149,8 @@ def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with
     set_seed(SEED)
     expected_bert = named_copy(BertForSequenceClassification.from_pretrained(folders["bert"], num_labels=3))
     config = AutoConfig.from_pretrained(folders["gpt2"])
-    expected_from_config = named_copy(build_seeded(lambda: AutoModelForCausalLM.from_config(config), SEED))
+    set_seed(SEED)
+    expected_from_config = named_copy(AutoModelForCausalLM.from_config(config))
     for result in spawn_gloo(build_three_ways, ranks, folders, tmp_path / "out", tensor_parallel_size):
         assert result["gpt2_on_meta"] and result["bert_on_meta"] and result["from_config_on_meta"]
         assert max_diff(result["gpt2"], expected_gpt2) == 0
@@ -161,6 +162,70 @@ def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with
         assert max_diff(result["bert"], expected_bert) == 0
         assert expected_bert["classifier.weight"].abs().sum() > 0
         assert max_diff(result["from_config"], expected_from_config) == 0
+
+
+def stock_configs() -> dict[str, tuple[Any, Any]]:
+    """Tiny configurations of the four model families the stock initialisation is checked on: GPT-2 and BERT with
+    their output embeddings tied, Llama with rotary buffers, T5 with three tied embeddings and an init per module
+    kind."""
+    from transformers import AutoModelForMaskedLM, AutoModelForSeq2SeqLM, LlamaConfig, T5Config
+
+    return {
+        "gpt2": (AutoModelForCausalLM, GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32,
+                                                  bos_token_id=0, eos_token_id=0)),
+        "bert": (AutoModelForMaskedLM, BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                  intermediate_size=64, vocab_size=100, max_position_embeddings=32)),
+        "llama": (AutoModelForCausalLM, LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                                    num_key_value_heads=2, intermediate_size=64, vocab_size=100)),
+        "t5": (AutoModelForSeq2SeqLM, T5Config(num_layers=2, d_model=32, d_kv=8, num_heads=4, d_ff=64,
+                                               vocab_size=100, decoder_start_token_id=0)),
+    }
+
+
+def from_config_at_stage3(output_dir: Path) -> dict:
+    """Each stock configuration built by from_config under stage-3 arguments (on meta), with the global generator's
+    state right after it, and the values the engine holds once ZeroTrainer has taken the model."""
+    from hf_zero import ZeroTrainer
+
+    results = {}
+    for kind, (auto, config) in stock_configs().items():
+        args = arguments(output_dir / kind)
+        set_seed(SEED)
+        model = auto.from_config(config)
+        results[kind] = {"on_meta": all(p.is_meta for p in model.parameters()), "rng": torch.get_rng_state(),
+                         "values": gathered(ZeroTrainer(model=model, args=args))}
+    return results
+
+
+def test_from_config_at_stage3_gives_the_stock_initialisation_bitwise(tmp_path):
+    """A from-scratch model built partitioned holds what a plain from_config holds after the same set_seed, and the
+    global generator is left where the plain build leaves it (what the script draws next is as under stock)."""
+    expected = {}
+    for kind, (auto, config) in stock_configs().items():
+        set_seed(SEED)
+        expected[kind] = named_copy(auto.from_config(config)), torch.get_rng_state()
+    for result in spawn_gloo(from_config_at_stage3, 2, tmp_path):
+        for kind, (values, rng) in expected.items():
+            assert result[kind]["on_meta"], kind
+            assert result[kind]["values"].keys() == values.keys(), kind
+            assert max_diff(result[kind]["values"], values) == 0, kind
+            assert torch.equal(result[kind]["rng"], rng), kind
+
+
+def test_a_parameter_whose_values_its_constructor_drew_is_refused_at_from_config():
+    """transformers' init is replayed module by module; a weight only the module's constructor set (torch's default
+    init, which _init_weights leaves alone) cannot be, and is named rather than given other values."""
+    from hf_zero.stock_init import record_stock_init
+
+    class Keeps(GPT2LMHeadModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.extra = torch.nn.Linear(4, 4)  # built after post_init: no init of transformers' reaches it
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    with pytest.raises(ValueError, match=r"extra\.weight, extra\.bias keep the values .* "
+                                         r"--zero_init_partitioned false"):
+        record_stock_init(lambda: Keeps(config))
 
 
 def peak_growth(folder: Path, output_dir: Path, partitioned: bool = True, nvme_path: str | None = None,
@@ -377,21 +442,47 @@ def test_a_model_built_partitioned_checkpoints_resumes_and_consolidates_as_any_s
     torch.testing.assert_close(consolidated, saved, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("partitioned", [True, False])
-def test_a_peft_model_around_a_base_built_partitioned_is_refused_naming_the_flag(tmp_path, partitioned):
-    """get_peft_model around a base that stage-3 arguments built on meta: refused before the Trainer moves a meta
-    tensor ("Cannot copy out of meta tensor" before), naming --zero_init_partitioned false, which builds the
-    base whole and trains (as tests/test_trainer.py's LoRA runs do at stage 3)."""
+def lora_on_a_base_built_two_ways(folder: Path, output_dir: Path) -> dict:
+    """peft's LoRA (and a trained copy of the head, modules_to_save) around GPT-2 from_pretrained under stage-3
+    arguments, the base built partitioned and built whole, 3 steps through ZeroTrainer each: whether the base was on
+    meta, the losses, and the adapter save_model wrote."""
     from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
 
-    from hf_zero import ZeroConfigError, ZeroTrainer
+    from hf_zero import ZeroTrainer
+    from tests.trainer_helpers import lm_examples
 
+    results = {}
+    for partitioned in (True, False):
+        args = arguments(output_dir / str(partitioned), partitioned=partitioned, max_steps=3, logging_steps=1,
+                         per_device_train_batch_size=2, learning_rate=1e-2)
+        set_seed(SEED)
+        adapter = LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0, modules_to_save=["lm_head"])
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), adapter)
+        base_on_meta = all(p.is_meta for n, p in model.named_parameters() if "lora_" not in n)
+        trainer = ZeroTrainer(model=model, args=args, train_dataset=[
+            {"input_ids": e["input_ids"] % 64, "labels": e["labels"] % 64} for e in lm_examples(12, 3)])
+        trainer.train()
+        trainer.save_model(str(output_dir / str(partitioned) / "adapter"))
+        torch.distributed.barrier()  # the main process has written it
+        results[partitioned] = {
+            "base_on_meta": base_on_meta, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "adapter": load_file(output_dir / str(partitioned) / "adapter" / "adapter_model.safetensors")}
+    return results
+
+
+def test_a_peft_model_around_a_base_built_partitioned_trains_as_when_the_base_is_built_whole(tmp_path):
+    """get_peft_model around a base that stage-3 arguments built on meta: the engine fills the base's shards through
+    peft's wrapper, and peft's adapter keeps the values peft gave it (moved onto the meta base, they were lost:
+    "Cannot copy out of meta tensor", then a refusal). Against the base built whole (--zero_init_partitioned false,
+    the path tests/test_trainer.py checks against stock DDP): the same losses and the same adapter, bitwise."""
     save_gpt2(tmp_path / "base")
-    args = arguments(tmp_path / "out", partitioned=partitioned)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
-                           LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0))
-    if partitioned:
-        with pytest.raises(ZeroConfigError, match=r"around a base built partitioned .* --zero_init_partitioned false"):
-            ZeroTrainer(model=model, args=args)
-    else:
-        assert ZeroTrainer(model=model, args=args).engine is None  # built whole: the engine starts with training
+    for result in spawn_gloo(lora_on_a_base_built_two_ways, 2, tmp_path / "base", tmp_path / "out"):
+        partitioned, whole = result[True], result[False]
+        assert partitioned["base_on_meta"] and not whole["base_on_meta"]
+        assert len(whole["losses"]) == 3 and partitioned["losses"] == whole["losses"]
+        assert partitioned["adapter"].keys() == whole["adapter"].keys()
+        assert any("lora_A" in k for k in whole["adapter"]) and any("lm_head" in k for k in whole["adapter"])
+        for name, tensor in whole["adapter"].items():
+            assert torch.equal(partitioned["adapter"][name], tensor), name
+        assert any(tensor.abs().sum() > 0 for name, tensor in whole["adapter"].items() if "lora_B" in name)  # trained

@@ -313,14 +313,13 @@ def tensor_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
 
 
 def _bf16_tensor_parallel_saving_run(folder: str) -> dict[str, Any]:
-    """--tensor_parallel_size 2 at stage 3 under --bf16, 2 steps, then save_model: the weights written, and the fp32
-    masters made whole (each rank's tp part of them gathered over the tp group)."""
+    """--tensor_parallel_size 2 at stage 3 under --bf16 with --gradient_checkpointing, 2 steps, then save_model: the
+    gradient norms, the weights written, and the fp32 masters made whole (each rank's tp part of them gathered over
+    the tp group)."""
     from safetensors.torch import load_file
 
-    # Without gradient checkpointing: under --bf16 with tensor parallelism its recomputation fails on the DTensor
-    # parameters' dtype (fp32 metadata over bf16 local parts; not fixed yet).
-    args = ZeroTrainingArguments(**tensor_parallel_arguments(folder, 8, 2, max_steps=2, gradient_checkpointing=False),
-                                 zero_stage=3, tensor_parallel_size=2, bf16=True)
+    args = ZeroTrainingArguments(**tensor_parallel_arguments(folder, 8, 2, max_steps=2), zero_stage=3,
+                                 tensor_parallel_size=2, bf16=True)
     trainer = ZeroTrainer(model=gpt2_model("gpt2-tp"), args=args, train_dataset=lm_examples(TRAIN_EXAMPLES, 1))
     trainer.train()
     trainer.save_model(f"{folder}/final")
@@ -331,7 +330,8 @@ def _bf16_tensor_parallel_saving_run(folder: str) -> dict[str, Any]:
                                       stride=params[name].stride()).full_tensor()
              if isinstance(params[name], DTensor) else master for name, master in masters.items()}
     dist.barrier()
-    return {"saved": load_file(f"{folder}/final/model.safetensors"), "masters": whole}
+    return {"saved": load_file(f"{folder}/final/model.safetensors"), "masters": whole,
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]}
 
 
 def tensor_parallel_resume_runs(root: str) -> dict[str, dict[str, torch.Tensor]]:

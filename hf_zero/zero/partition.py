@@ -40,8 +40,13 @@ def partitioned_frozen(param: torch.Tensor) -> bool:
 
 def set_data(param: torch.Tensor, tensor: torch.Tensor) -> None:
     """`param.data = tensor`; for a DTensor, `tensor` becomes its local part (`.data =` on a DTensor
-    replaces the wrapper's own storage, which no computation reads)."""
-    if isinstance(param, DTensor):
+    replaces the wrapper's own storage, which no computation reads). A DTensor's dtype is fixed when the
+    wrapper is made, so one bound to a buffer of another dtype (the compute dtype's, under --bf16) becomes a new
+    wrapper of that dtype, the Parameter object kept, as `.data =` changes a plain parameter's dtype: an fp32
+    wrapper over bf16 parts made the checkpointed recomputation, which compares dtypes, fail."""
+    if isinstance(param, DTensor) and param.dtype != tensor.dtype:
+        torch.utils.swap_tensors(param, nn.Parameter(wrap_like(param, tensor), param.requires_grad))
+    elif isinstance(param, DTensor):
         param._local_tensor = tensor
     else:
         param.data = tensor

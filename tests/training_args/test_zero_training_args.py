@@ -144,6 +144,23 @@ def test_accelerates_fp8_is_refused_naming_the_setting(monkeypatch):
         parse("--zero_stage", "2")
 
 
+def test_accelerate_launchs_dynamo_backend_is_refused_instead_of_compiling_nothing(monkeypatch):
+    """`accelerate launch --dynamo_backend inductor` hands ACCELERATE_DYNAMO_BACKEND to the processes, which
+    accelerate's own plugin reads (the reference: it would compile); the engine's wrapper is never compiled, so
+    the setting is refused rather than ignored. `--dynamo_backend no`, accelerate's default, passes."""
+    from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    assert TorchDynamoPlugin().backend == DynamoBackend.INDUCTOR
+    with pytest.raises(ZeroConfigError, match="accelerate's --dynamo_backend inductor is not supported with hf_zero's "
+                                              "ZeRO engine yet: nothing would be compiled. Launch with "
+                                              "--dynamo_backend no"):
+        parse("--zero_stage", "2")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    assert TorchDynamoPlugin().backend == DynamoBackend.NO
+    assert parse("--zero_stage", "2").zero_engine_config.zero_stage == 2
+
+
 @pytest.mark.parametrize("flags", [["--torch_compile"], ["--torch_compile_mode", "max-autotune"]])
 def test_torch_compile_is_refused_instead_of_compiling_nothing(flags):
     with pytest.raises(ZeroConfigError, match="--torch_compile is not supported with hf_zero's ZeRO engine yet"):

@@ -65,6 +65,14 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         for s in (s for unit in self.units for flat in unit.flats for s in flat.slices
                   if not isinstance(s.param, DTensor)):
             s.param.hf_zero_numel = s.numel  # its size when gathered, for counts (a DTensor knows its own)
+        chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype, config)
+        if init_from is not None:
+            self._fill_shards(model, init_from, chunk_of)
+        else:
+            self._shard_built_units(chunk_of)
+        self.fp32_init = None if dtype == torch.float32 else fp32_chunks
+        # After the parameters are bound to the units' buffers, which may give a DTensor a new wrapper of the
+        # compute dtype (partition.set_data): the gradient hooks attach to the wrapper the model keeps.
         self.position = model_order(model)
         self.grads = Stage3Gradients(self.units, self.position, comm, config.overlap_comm,
                                      config.torch_reduce_dtype, offloaded=config.offload_optimizer != "none")
@@ -77,12 +85,6 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
                            "%d), where its quantization would lose precision and save no inter-node bytes; the "
                            "gradients are reduced exactly by the plain reduce-scatter", comm.world_size,
                            comm.ranks_per_node)
-        chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype, config)
-        if init_from is not None:
-            self._fill_shards(model, init_from, chunk_of)
-        else:
-            self._shard_built_units(chunk_of)
-        self.fp32_init = None if dtype == torch.float32 else fp32_chunks
         # The order units ran in, each forward's and each backward's, recorded again every pass; prefetch follows
         # the last pass's until the running pass leaves it.
         self.forward, self.backward = ExecutionOrder(), ExecutionOrder()
