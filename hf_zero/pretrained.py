@@ -78,7 +78,25 @@ def init_source(model: nn.Module) -> Any:
     if source is not None:
         source.given.update({f"{prefix}.{name}": values for prefix, layer in model.named_modules()
                              if layer in _adapter_values for name, values in _adapter_values[layer].items()})
+        _refuse_lost_adapter_values(model, source)
     return source
+
+
+def _refuse_lost_adapter_values(model: nn.Module, source: PretrainedWeights) -> None:
+    """A trained tensor peft made on the meta base that neither kept values nor is in the checkpoint (a prompt
+    learning method's encoder, which peft builds on the base's device) has nothing to be filled from."""
+    lost = []
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.is_meta and name not in source.given:
+            try:
+                source.key_of(model, name)
+            except KeyError:
+                lost.append(name)
+    if lost:
+        raise ValueError(f"{', '.join(lost)} of the peft model ({type(model).__name__}) have no values: peft made "
+                         f"them on the meta device of a base built partitioned (stage-3 arguments were parsed before "
+                         f"from_pretrained), and the checkpoint does not hold them. Pass --zero_init_partitioned false "
+                         f"to build the base whole first")
 
 
 def _peft_base(model: nn.Module) -> nn.Module | None:

@@ -486,3 +486,20 @@ def test_a_peft_model_around_a_base_built_partitioned_trains_as_when_the_base_is
         for name, tensor in whole["adapter"].items():
             assert torch.equal(partitioned["adapter"][name], tensor), name
         assert any(tensor.abs().sum() > 0 for name, tensor in whole["adapter"].items() if "lora_B" in name)  # trained
+
+
+def test_a_prompt_learning_adapter_around_a_base_built_partitioned_is_refused_naming_the_flag(tmp_path):
+    """Prompt tuning's encoder is made by peft on its base's device: on a base built on meta it has no values, and
+    the checkpoint does not hold it. Refused when the Trainer takes the model, naming the tensor and the flag,
+    rather than read as a missing checkpoint key ("the folder holds weights of another model")."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    from hf_zero import ZeroTrainer
+
+    save_gpt2(tmp_path / "base")
+    args = arguments(tmp_path / "out")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                           PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match=r"prompt_encoder\.default\.embedding\.weight of the peft model .* "
+                                         r"--zero_init_partitioned false"):
+        ZeroTrainer(model=model, args=args)
