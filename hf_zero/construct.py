@@ -375,7 +375,8 @@ def _name_in_base(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     if not callable(getattr(model, "get_base_model", None)):  # peft's wrapper (its base holds peft_config too)
         return model, name
     base = model.get_base_model()
-    prefix = next(n for n, m in model.named_modules() if m is base) + "."
+    # The base is the wrapper's base_model (prompt learning) or that tuner's model (LoRA and the other tuners).
+    prefix = "base_model." if model.base_model is base else "base_model.model."
     return base, _PEFT_WRAPPING.sub("", "." + name.removeprefix(prefix))[1:]
 
 

@@ -75,10 +75,11 @@ def init_source(model: nn.Module) -> Any:
         return _sources[model]
     base = _peft_base(model)
     source = _sources.get(base) if base is not None else None
-    if source is not None:
+    if source is not None:  # first asked for this peft model: its adapters' values are taken in once
         source.given.update({f"{prefix}.{name}": values for prefix, layer in model.named_modules()
                              if layer in _adapter_values for name, values in _adapter_values[layer].items()})
         _refuse_lost_adapter_values(model, source)
+        _sources[model] = source
     return source
 
 

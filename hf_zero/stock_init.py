@@ -45,7 +45,7 @@ class _DrawsOnMeta(TorchDispatchMode):
         self.in_init = 0
         self.drawn_outside_init: set[int] = set()
         self.written_in_init: set[int] = set()
-        self._storages: list[Any] = []  # held, so that a freed storage's address is not taken by another
+        self._storages: dict[int, Any] = {}  # held, so that a freed storage's address is not taken by another
         # One buffer all the scratch tensors are cut from: a fresh tensor per draw left the freed ones scattered
         # over the heap between the states kept (1 GB still held after building a 200M-parameter GPT-2).
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -75,7 +75,7 @@ class _DrawsOnMeta(TorchDispatchMode):
         for tensor in written:
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 storage = tensor.untyped_storage()
-                self._storages.append(storage)
+                self._storages[storage._cdata] = storage
                 if self.in_init:
                     self.written_in_init.add(storage._cdata)
                 elif random:
