@@ -138,8 +138,8 @@ def test_a_meta_model_needs_init_from_and_stage3():
         hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 2}, init_from=SeededInit())
 
 
-def build_gpt2_large_and_step() -> dict:
-    """gpt2-large (774M) built on meta, materialised unit by unit at stage 3; peak memory; one SGD step."""
+def build_gpt2_large() -> dict:
+    """gpt2-large (774M) built on meta, materialised unit by unit at stage 3; peak memory."""
     import psutil
 
     baseline = psutil.Process().memory_info().rss  # interpreter, torch and transformers
@@ -147,27 +147,19 @@ def build_gpt2_large_and_step() -> dict:
         model = model_zoo.build("gpt2-large")
     engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-2), {"zero_stage": 3},
                                 init_from=SeededInit(SEED))
-    built_peak = peak_rss()
-    built_state_bytes = sum(engine.ledger.state_bytes.values())
-    shard = engine.params.param_shards[0]
-    before = shard[:100_000].clone()
-    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    loss = engine(input_ids=ids, labels=ids).loss
-    engine.backward(loss)
-    engine.step()
-    return {"baseline": baseline, "built_peak": built_peak, "loss": loss.item(),
-            "changed": not torch.equal(before, shard[:100_000]),
+    return {"baseline": baseline, "built_peak": peak_rss(), "state_bytes": sum(engine.ledger.state_bytes.values()),
             "largest_unit_bytes": 4 * max(u.numel for u in engine.params.units),
-            "state_bytes": built_state_bytes}
+            "shard_is_drawn": bool(engine.params.param_shards[0].std() > 0)}
 
 
 @pytest.mark.slow
-def test_gpt2_large_is_built_on_2_ranks_holding_its_shard_plus_one_unit_and_trains_a_step():
+def test_gpt2_large_is_built_on_2_ranks_holding_its_shard_plus_one_unit():
     """2 ranks: the claim does not depend on the count, and 4 took twice the time (every rank initialises every unit
-    in turn, and the step's gathers move (Nd - 1)/Nd of the model to each rank)."""
+    in turn). That a model built so trains as the whole model does: the tests above, on models where one process
+    can hold the reference (a step here took 31 of the test's 52 s and checked nothing they do not)."""
     psi = model_zoo.parameter_count("gpt2-large")
     whole_fp32 = 4 * psi  # 3.1 GB: what one process holds just to build it
-    results = spawn_gloo(build_gpt2_large_and_step, 2)
+    results = spawn_gloo(build_gpt2_large, 2)
     for r in results:
         grown = r["built_peak"] - r["baseline"]
         print(f"rank peak {r['built_peak'] / 2**30:.2f} GiB: {r['baseline'] / 2**30:.2f} GiB baseline, "
@@ -180,7 +172,7 @@ def test_gpt2_large_is_built_on_2_ranks_holding_its_shard_plus_one_unit_and_trai
         assert r["built_peak"] < 0.85 * whole_fp32  # one process holds the whole model just to build it
         # Building costs one unit beyond the shards the engine keeps (one process would hold the whole model).
         assert grown - r["state_bytes"] < 1.5 * r["largest_unit_bytes"] + 64 * 2**20
-        assert torch.isfinite(torch.tensor(r["loss"])) and r["changed"]
+        assert r["shard_is_drawn"]
 
 
 TP_STEPS = 3
