@@ -194,8 +194,8 @@ def test_two_nodes_train_as_one_node_of_as_many_processes(tmp_path, monkeypatch)
     """Two "nodes" on 127.0.0.1 of one process each, each started with the same command, meeting at a c10d
     rendezvous endpoint as under SLURM or an elastic launcher (torchrun gives each its ranks; the static
     rendezvous, --master_addr and --node_rank, is the same torchrun with other options:
-    test_each_rendezvous_reaches_torchrun_as_asked). The second node's process is rank 1 and local rank 0, so
-    a rank taken for a local one shows. The reference is one node of 2 processes: the stock Trainer's sampler
+    test_each_rendezvous_reaches_torchrun_as_asked). Whichever node's process is rank 1 is local rank 0, so the
+    ranks and the local ranks are numbered differently, as on any cluster. The reference is one node of 2 processes: the stock Trainer's sampler
     gives 2 ranks other samples per step than one process. (Two nodes of two processes against one node of four
     took 2.3x this test's time and checked the same.)"""
     # torchrun gives each of several processes on a node one thread; a node's only process would get accelerate's
