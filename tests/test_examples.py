@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from hf_zero.launch import free_port
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
+WITHOUT_TEARDOWN = Path(__file__).parent / "scripts" / "without_teardown.py"  # for the stock references
 QUIET = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
 pytestmark = pytest.mark.slow
 
@@ -91,9 +93,9 @@ def reversal_pairs(folder: Path, tokenizer: Any) -> dict[str, Path]:
     Only words the tokenizer keeps whole: every target is 8 tokens ([CLS], 6 words, [SEP])."""
     from pydoc_data.topics import topics
 
-    whole_words = [word for word in " ".join(topics[key] for key in sorted(topics)).lower().split()
-                   if word.isalpha() and len(tokenizer.tokenize(word)) == 1]
-    sentences = [whole_words[i:i + 6] for i in range(0, 6 * 72, 6)]
+    words = " ".join(topics[key] for key in sorted(topics)).lower().split()
+    whole_words = list(islice((w for w in words if w.isalpha() and len(tokenizer.tokenize(w)) == 1), 6 * 72))
+    sentences = [whole_words[i:i + 6] for i in range(0, len(whole_words), 6)]
     files = {}
     for split, chosen in (("train", sentences[:64]), ("test", sentences[64:])):
         files[split] = folder / f"{split}.json"
@@ -138,9 +140,8 @@ def test_switch_transformers_through_the_translation_example_at_stage3_trains_as
              "--max_target_length", "10", "--max_steps", "6", "--per_device_train_batch_size", "4",
              "--per_device_eval_batch_size", "4", "--optim", "sgd", "--learning_rate", "0.5", "--logging_steps", "1",
              *QUIET]
-    without_teardown = Path(__file__).parent / "scripts" / "without_teardown.py"
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), str(without_teardown), *train, "--output_dir", str(tmp_path / "stock"),
+         "--master_port", str(free_port()), str(WITHOUT_TEARDOWN), *train, "--output_dir", str(tmp_path / "stock"),
          "--ddp_find_unused_parameters", "true", "--average_tokens_across_devices", "false"])
     run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", *train, "--zero_stage", "3",
          "--output_dir", str(tmp_path / "zero")])

@@ -19,7 +19,6 @@ from hf_zero.launch import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "hf_style_clm.py"
 MLM_SCRIPT = Path(__file__).parent / "scripts" / "hf_style_mlm.py"
-WITHOUT_TEARDOWN = Path(__file__).parent / "scripts" / "without_teardown.py"  # for the stock reference
 COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
 
 
@@ -195,9 +194,9 @@ def test_two_nodes_train_as_one_node_of_as_many_processes(tmp_path, monkeypatch)
     rendezvous endpoint as under SLURM or an elastic launcher (torchrun gives each its ranks; the static
     rendezvous, --master_addr and --node_rank, is the same torchrun with other options:
     test_each_rendezvous_reaches_torchrun_as_asked). Whichever node's process is rank 1 is local rank 0, so the
-    ranks and the local ranks are numbered differently, as on any cluster. The reference is one node of 2 processes: the stock Trainer's sampler
-    gives 2 ranks other samples per step than one process. (Two nodes of two processes against one node of four
-    took 2.3x this test's time and checked the same.)"""
+    ranks and the local ranks are numbered differently, as on any cluster. The reference is one node of 2
+    processes: the stock Trainer's sampler gives 2 ranks other samples per step than one process. (Two nodes of
+    two processes against one node of four took 2.3x this test's time and checked the same.)"""
     # torchrun gives each of several processes on a node one thread; a node's only process would get accelerate's
     # choice (every core), and other rounding in its matmuls.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

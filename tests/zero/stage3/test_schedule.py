@@ -413,9 +413,10 @@ def with_router_losses(features: list[dict[str, torch.Tensor]]) -> dict[str, Any
     return {**default_data_collator(features), "output_router_logits": True}
 
 
-def trainers_on_switch_transformers(stages: list[int]) -> dict[str, dict[str, list[float]]]:
-    """6 steps of transformers' Seq2SeqTrainer (DDP, finding the experts a rank left unused) and of
-    ZeroSeq2SeqTrainer at each of `stages`, SGD with clipping: their logged losses and gradient norms."""
+def trainers_on_switch_transformers(stages: list[int]) -> dict[str | int, dict[str, list[float]]]:
+    """6 steps of transformers' Seq2SeqTrainer (DDP, finding the experts a rank left unused; under "stock") and of
+    ZeroSeq2SeqTrainer at each of `stages` (under the stage): their logged losses and gradient norms. SGD with
+    clipping."""
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     from hf_zero import ZeroSeq2SeqTrainer
