@@ -5,7 +5,8 @@
 
 What it runs, each part in a fresh process so that one part's allocator state is not the next one's:
   tests      tests/test_gpu.py under pytest (skipped in the dry mode, where it would only skip)
-  sanitizer  its stream-heavy tests again under TORCH_CUDA_SANITIZER=1 (CUDA's stream sanitizer)
+  sanitizer  its stream tests again under TORCH_CUDA_SANITIZER=1 (CUDA's stream sanitizer): every stage and
+             offload configuration with each stream delayed, and NVMe offload
   systems    a GPT-2 of about 1.3B (width 2048, 24 blocks; `--dry`: the zoo's tiny one) trained by plain
              PyTorch (fp32 weights, bf16 autocast, torch AdamW) and by the engine at stages 2 and 3, with and
              without CPU offload, each inside a one-rank NCCL process group so that the communication stream
@@ -40,8 +41,9 @@ SYSTEMS = {"torch": None,
            "stage3": {"zero_stage": 3},
            "stage3+cpu": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}
 # Under CUDA's stream sanitizer (TORCH_CUDA_SANITIZER=1, which reports any kernel that touches memory another
-# stream uses without an ordering between them): the GPU-path tests of the stream-heavy configurations.
-SANITIZED = ["-k", "nccl_group and offload_optimizer and not delayed and compute"]
+# stream uses without an ordering between them): every stage and offload configuration in a one-rank NCCL group,
+# with each stream delayed in turn (compute, comm, copy), and NVMe offload.
+SANITIZED = ["-k", "nccl_group or nvme"]
 GPT2_1_3B = {"n_embd": 2048, "n_head": 16, "n_layer": 24, "n_positions": 1024}
 
 

@@ -26,9 +26,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hf_zero.device import HOST, PendingCopyError, compute_device, overlaps, poison, same_bytes, simulation
+from hf_zero.device import HOST, NO_WORK, Event, collective_issued, compute_device, quiet, record_event
 from hf_zero.launch import (collective_timeout, note_collective, other_ranks_report, processes_per_node,
                             start_heartbeat)
+from hf_zero.simulated_gpu import PendingCopyError, overlaps, poison, same_bytes, simulation
 
 MODEL_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
 SPANS = ("intra-node", "inter-node")
@@ -83,14 +84,18 @@ class CollectiveMismatch(CollectiveError):
 
 class _Named:
     """A collective's work handle whose wait() first checks that every rank issued the same collectives up to
-    this one (`_Sequence`), and names the collective if it fails."""
+    this one (`_Sequence`), and names the collective if it fails. As NCCL's, its wait() makes the stream the
+    caller queues on wait for the collective's end (`done`), not the host."""
 
-    def __init__(self, work: Any, what: Callable[[], str], confirm: Callable[[], None]) -> None:
-        self.work, self.what, self.confirm = work, what, confirm
+    def __init__(self, work: Any, what: Callable[[], str], confirm: Callable[[], None], done: Event) -> None:
+        self.work, self.what, self.confirm, self.done = work, what, confirm, done
 
     def wait(self) -> bool:
         self.confirm()
-        return _named(self.what, self.work.wait)
+        with quiet():
+            finished = _named(self.what, self.work.wait)
+        self.done.wait()
+        return finished
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -258,11 +263,27 @@ class _Late:
         return self.done
 
 
-def _copy_locally(output: torch.Tensor, input: torch.Tensor) -> _Done:
-    """With one rank, reduce-scatter and all-gather both leave output equal to input."""
-    if not _same_memory(output, input):
-        output.copy_(input)
-    return _Done()
+class _Recorded:
+    """The handle of a one-rank collective, done on the stream it was issued from: as NCCL's, its wait() makes the
+    waiting stream wait for it (a gather issued on the copy stream is read on the compute stream)."""
+
+    def __init__(self, done: Event) -> None:
+        self.done = done
+
+    def wait(self) -> bool:
+        self.done.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.query()
+
+
+def _copy_locally(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> _Recorded:
+    """With one rank, reduce-scatter, all-gather and all-to-all all leave each output equal to its input."""
+    for output, input in zip(outputs, inputs):
+        if not _same_memory(output, input):
+            output.copy_(input)
+    return _Recorded(record_event(outputs[0].device) if outputs else NO_WORK)
 
 
 @dataclass
@@ -384,6 +405,7 @@ class Communicator:
         self.ranks_per_node = ranks_per_node or processes_per_node(world_size())
         self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() \
             else [0]
+        self.group_name = f"the group of ranks {self.global_ranks}"
         # Where tensors must be for this group's collectives: NCCL reduces on the GPU, gloo on the host.
         backend = dist.get_backend(group) if dist.is_initialized() else None
         self.device = compute_device() if backend == "nccl" else HOST
@@ -417,24 +439,31 @@ class Communicator:
         def what() -> str:
             return f"rank {rank()}: {op} #{number} of its group of {self.world_size}{elements}{purpose}"
 
-        sequence = _named(what, lambda: _sequence_of(self.global_ranks))
-        number = sequence.issue(f"{op}{elements}{purpose}", what)
+        with quiet():  # the comparison's own small host tensors, over gloo groups of its own: not device work
+            sequence = _named(what, lambda: _sequence_of(self.global_ranks))
+            number = sequence.issue(f"{op}{elements}{purpose}", what)
         note_collective(what)
 
         def confirm() -> None:
-            sequence.confirm(number)
+            with quiet():
+                sequence.confirm(number)
 
+        done = collective_issued(self.group_name, list(reads), list(writes), what())
         mode = simulation() if async_op else None
         if mode == "late":  # launched at its wait, as late as a GPU may run it: compared there, as on a GPU
-            return _Named(_Late(launch, list(reads), list(writes), what), what, confirm)
+            with quiet():
+                return _Named(_Late(launch, list(reads), list(writes), what), what, confirm, done)
         # gloo starts a collective as it is issued, and one that pairs with another of a different size aborts
         # the process in gloo's transport thread: compared first. NCCL's is compared before the host waits on it.
         if not async_op or self.device == HOST:
             confirm()
-        work = _named(what, launch)
-        if mode == "early":
-            _named(what, work.wait)
-        return None if work is None else _Named(work, what, confirm)
+        with quiet():
+            work = _named(what, launch)
+            if mode == "early":
+                _named(what, work.wait)
+        if not async_op:
+            done.wait()
+        return None if work is None else _Named(work, what, confirm, done)
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:
@@ -447,7 +476,7 @@ class Communicator:
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Sums `input` over ranks; this rank receives its 1/world_size part in `output` (may alias input)."""
         if self.world_size == 1:
-            return _copy_locally(output, input)
+            return _copy_locally([output], [input])
         self._record("reduce_scatter", input)
         if not self.per_rank_pieces:
             return self._launch("reduce_scatter", input, lambda: dist.reduce_scatter_single(
@@ -471,9 +500,7 @@ class Communicator:
         for a unit's flat buffers or for the post-step buckets, instead of a launch and its latency each.
         gloo's in-place pieces are one broadcast per rank and pair (no temporary beats one launch on a CPU)."""
         if self.world_size == 1:
-            for output, input in zip(outputs, inputs):
-                _copy_locally(output, input)
-            return _Done()
+            return _copy_locally(outputs, inputs)
         for output in outputs:
             self._record("all_gather", output)
         op = "all_gather" if len(outputs) == 1 else f"all_gather of {len(outputs)} tensors"
@@ -507,7 +534,7 @@ class Communicator:
     def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""
         if self.world_size == 1:
-            return _copy_locally(output, input)
+            return _copy_locally([output], [input])
         self._record("all_to_all", input)
         return self._launch("all_to_all", input,
                             lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op),
@@ -530,14 +557,16 @@ class Communicator:
         """Used once at start-up to make every rank begin from rank 0's weights, as DDP does."""
         if self.world_size > 1:
             self._launch("broadcast", tensor, lambda: dist.broadcast(
-                tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group))
+                tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group),
+                reads=[tensor], writes=[tensor])
 
     def any_rank_(self, flags: torch.Tensor) -> None:
         """Sets each flag (uint8) to 1 where any rank has it set. A control message (which parameters got a
         gradient somewhere), not recorded: the ledger counts model-state traffic."""
         if self.world_size > 1:
             self._launch("all_reduce (max)", flags,
-                         lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group))
+                         lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group),
+                         reads=[flags], writes=[flags])
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (small, picklable): control messages such as "this rank's save failed".

@@ -1,34 +1,21 @@
-"""The one door to asynchronous device work: pinned host buffers, non-blocking copies in both
-directions and the events that say when they have landed, and the stream gradient reductions run on
-(`CommStream`). No other module calls `copy_(non_blocking=True)`, `pin_memory`, `torch.cuda` events or
-streams.
+"""The one door to asynchronous device work: streams and the events that order them, pinned host buffers,
+non-blocking copies in both directions, the stream gradient reductions run on (`CommStream`), and the memory
+stage 3 gives back and takes again (`release_storage`). No other module calls `copy_(non_blocking=True)`,
+`pin_memory`, `record_stream`, `torch.cuda` events or streams.
 
-On a GPU a non-blocking copy is only queued: a host-to-device copy reads its pinned source some time
-later, and a device-to-host copy fills its destination some time later. The host may touch those
-buffers again only after waiting on the copy (`Copy.wait`). Device work queued after the copy on the
-same stream (compute, NCCL collectives) is ordered after it and needs no wait.
+The rule. Work queued on a side stream (a copy, a collective, a one-rank collective's local copy, any op issued
+inside `on_copy_stream`, a reduction on the communication stream) is read by the compute stream only after the
+compute stream waited on an event recorded after it (`Event.wait`, `Copy.ready`, a collective's `wait()` made
+on the compute stream, `CommStream.wait`), and by the host only after the host waited (`Copy.wait`). A side
+stream that reads what the compute stream wrote, or fills memory it allocated, first waits on the compute stream
+(`on_copy_stream` and every copy on the copy stream do). Memory goes back to the allocator only after every
+stream that used it is done with it: the stream that allocated it waited on them, or the memory was recorded on
+them. On a GPU these are CUDA streams and events; on CPU everything is immediate, and
+`HF_ZERO_SIMULATE_ASYNC` plays the GPU, checking the rule on every op (hf_zero.simulated_gpu).
 
 Copies run on one of three streams: the compute stream (the default), the communication stream (what a
 reduction's settle copies, `CommStream`) and the copy stream (`overlap=True`: copies that must not hold up the
-compute queued after them, such as a prefetched parameter shard or an offloaded activation checkpoint). Copies
-on one stream run in order; copies on two streams are ordered only by a wait (`Copy.ready`, `CommStream.wait`).
-
-On CPU every copy is immediate, so a missing wait can never show. `HF_ZERO_SIMULATE_ASYNC` makes the CPU behave
-as a GPU would at its most unlucky, which is how the tests check the GPU path. "late" (or "1"): asynchronous
-work lands as late as a GPU may land it:
-- host to device: the destination receives the values at once when the copy is on the compute stream (later
-  compute is stream-ordered), else only when a stream waits on it (`Copy.ready`) or the host does; it holds
-  poison (NaN) until then. The source stays lent to the copy until the host waits on it: writing into it
-  meanwhile (through file I/O, the C++ kernel, or torch) is caught, naming the buffer.
-- device to host: the destination holds poison until the copy is waited on, and receives the values the
-  source had when the copy was queued. Reading or writing it meanwhile is caught.
-- a host buffer that copies on two streams use, one of them writing it, with no wait ordering them, is caught.
-- a reduction on the communication stream runs when the compute stream waits on it; an asynchronous collective
-  (hf_zero.comm) runs when waited on, its outputs poison until then, and its inputs must not change meanwhile.
-A wait lands every copy queued before it on the same stream, as a CUDA event does.
-"early": asynchronous work runs the moment it is issued, copies and reductions and collectives whole, as a GPU
-with an idle side stream runs them: code that counts on them not having run yet (a buffer reused before the
-work that reads it was issued, a shard zeroed after its reduction was handed over) shows as a wrong result.
+compute queued after them, such as a prefetched parameter shard or an offloaded activation checkpoint).
 
 File I/O reads and writes the memory of host tensors only: a device address handed to the operating
 system is a crash or silent garbage, so `bytes_of` refuses anything else.
@@ -38,34 +25,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from hf_zero import simulated_gpu as sim
+from hf_zero.simulated_gpu import COMM, COMPUTE, COPY, HOST as HOST_STREAM, simulating
 
 HOST = torch.device("cpu")
-SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
-SIMULATION_MODES = ("late", "early")
-COMPUTE, COMM, COPY = "compute", "comm", "copy"  # the streams a copy may be queued on
 # On a GPU (tests/test_gpu.py): "STREAM:CYCLES" queues CYCLES of `torch.cuda._sleep` on one side, so that a
 # missing wait reads or writes a buffer too early and shows as a wrong number, the GPU's own version of the
-# simulation below. STREAM "compute": before every asynchronous copy and every reduction's hand-over, so copies
+# simulation. STREAM "compute": before every asynchronous copy and every reduction's hand-over, so copies
 # land late and backward writes its buckets late (a reduction that does not wait on the compute stream reads a
 # bucket too early; a host that does not wait on a copy reads or writes its buffer too early). STREAM "comm":
 # before every reduction on the communication stream (compute that does not wait on it reads its result early).
-# STREAM "copy": before every copy on the copy stream (compute that does not wait on one reads its destination
-# early).
+# STREAM "copy": before every copy and every op issued on the copy stream (compute that does not wait on one
+# reads its destination early).
 DELAY_ENV = "HF_ZERO_CUDA_DELAY"
-
-
-class PendingCopyError(RuntimeError):
-    """The host touched a buffer that a queued device copy still reads or writes."""
 
 
 def has_accelerator() -> bool:
@@ -93,41 +71,50 @@ def _delay_device(stream: str) -> None:
         torch.cuda._sleep(int(cycles))
 
 
-def simulation() -> str | None:
-    """How asynchronous work runs on CPU (tests: HF_ZERO_SIMULATE_ASYNC): "late", "early" or None (at once)."""
-    mode = os.environ.get(SIMULATE_ENV, "")
-    if mode in ("", "0"):
-        return None
-    mode = "late" if mode == "1" else mode
-    if mode not in SIMULATION_MODES:
-        raise ValueError(f"{SIMULATE_ENV} must be one of {', '.join(SIMULATION_MODES)} (or 1: late); got {mode!r}")
-    return mode
+# ---- streams and events -------------------------------------------------------------------------
+@dataclass(eq=False)
+class Event:
+    """The work queued on one stream up to the point it was recorded (`record_event`): a CUDA event, or the
+    simulation's (`simulated`: the stream checker's id). Neither: nothing to wait for."""
+    cuda: "torch.cuda.Event | None" = None
+    simulated: int | None = None
+
+    def wait(self) -> None:
+        """The stream the caller queues on now waits for the event's work (the host does not)."""
+        if self.cuda is not None:
+            torch.cuda.current_stream().wait_event(self.cuda)
+        elif self.simulated is not None and sim.checker is not None:
+            sim.checker.wait(sim.stream_now(), self.simulated)
+
+    def synchronize(self) -> None:
+        """The host waits for the event's work (and so does everything it queues later)."""
+        if self.cuda is not None:
+            self.cuda.synchronize()
+        elif self.simulated is not None and sim.checker is not None:
+            sim.checker.wait(HOST_STREAM, self.simulated)
+
+    def query(self) -> bool:
+        return self.cuda.query() if self.cuda is not None else True
+
+    def __del__(self) -> None:
+        if self.simulated is not None and getattr(sim, "checker", None) is not None:
+            sim.checker.forget(self.simulated)
 
 
-def simulating() -> bool:
-    """Whether asynchronous work behaves as on a GPU (`simulation`), though it runs on CPU."""
-    return simulation() is not None
+NO_WORK = Event()
 
 
-_current = threading.local()  # simulation: the stream device work is queued on now (`stream` attribute)
-
-
-def _stream_now() -> str:
-    return getattr(_current, "stream", COMPUTE)
-
-
-@contextlib.contextmanager
-def _queued_on(name: str, stream: "torch.cuda.Stream | None") -> Iterator[None]:
-    """Device work issued inside goes to `stream` (a GPU), or is counted as queued on stream `name` (CPU)."""
-    if stream is not None:
-        with torch.cuda.stream(stream):
-            yield
-        return
-    previous, _current.stream = _stream_now(), name
-    try:
-        yield
-    finally:
-        _current.stream = previous
+def record_event(device: torch.device | None = None) -> Event:
+    """An event for the work queued so far on the stream the caller queues on now (of `device`, by default the
+    one this process computes on)."""
+    device = device if device is not None else compute_device()
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return Event(cuda=event)
+    if sim.checker is not None:
+        return Event(simulated=sim.checker.record(sim.stream_now()))
+    return NO_WORK
 
 
 _copy_streams: dict[int, "torch.cuda.Stream"] = {}
@@ -143,13 +130,26 @@ def _copy_stream(device: torch.device) -> "torch.cuda.Stream | None":
     return _copy_streams[index]
 
 
-def on_copy_stream(device: torch.device) -> contextlib.AbstractContextManager:
-    """Device work issued inside runs on `device`'s copy stream: after the copies queued there (`overlap=True`),
-    without waiting for the compute queued before it. A collective issued inside (NCCL waits on the stream it is
-    issued from) reads what those copies brought, while the compute stream runs on."""
-    return _queued_on(COPY, _copy_stream(device))
+@contextlib.contextmanager
+def on_copy_stream(device: torch.device):
+    """Device work issued inside runs on `device`'s copy stream, after the copies queued there (`overlap=True`)
+    and after the work queued so far on the stream the caller was on (which wrote what it reads, and used the
+    memory the allocator gave what it fills), without holding up the compute queued after it. Whoever reads
+    what it wrote waits on an event recorded inside (`record_event`), or on its collective's handle, first."""
+    side = _copy_stream(device)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            _delay_device("copy")
+            yield
+        return
+    if sim.checker is not None:
+        sim.checker.wait_stream(COPY, sim.stream_now())
+    with sim.on_stream(COPY):
+        yield
 
 
+# ---- host memory --------------------------------------------------------------------------------
 def _pins() -> bool:
     """Whether host buffers a device copies to and from are pinned: when this process computes on a GPU."""
     return compute_device().type == "cuda"
@@ -161,7 +161,7 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     up to a power of two and keeps it for the life of the process, so a one-off buffer pinned here is
     page-locked memory the host never gets back."""
     if simulating():
-        return _in_host_memory(lambda: _as_if_pinned(numel, dtype))
+        return sim.as_if_pinned(numel, dtype)
     return torch.empty(numel, dtype=dtype, pin_memory=_pins())
 
 
@@ -173,30 +173,20 @@ def host_memory_empty(numel: int, dtype: torch.dtype = torch.float32, zeroed: bo
 
 
 def _in_host_memory(make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """make(), a tensor the caller places in host memory; the simulation counts it so (`DeviceMemory`)."""
+    return sim.in_host_memory(make) if simulating() else make()
+
+
+def in_host_memory(src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`src` in host memory (as `dtype`): itself when it is there, else copied into ordinary (pageable) memory,
+    filled when this returns. For one-off copies, such as a checkpoint's pieces, which pinned memory would keep
+    page-locked for good (`host_empty`). A copy from the device into pageable memory is synchronous: no copy to
+    wait on. Under the simulation always a copy: the simulated device's memory is apart from the host's."""
     if not simulating():
-        return make()
-    with torch.utils._python_dispatch._disable_current_modes():
-        tensor = make()
-    _simulator.host_storages.add(tensor)
-    return tensor
-
-
-class _PinnedBytes(bytearray):
-    """Simulation: the memory of an as-if-pinned buffer (a bytearray subclass, so that it can be watched)."""
-
-
-def _as_if_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Simulation: an empty host buffer with the one property of pinned memory that the
-    host can trip over, a storage that cannot be resized (`release_storage` cannot give it back in place),
-    counted in `pinned_host_bytes` while it lives."""
-    nbytes = numel * dtype.itemsize
-    memory = _PinnedBytes(nbytes)
-    _simulator.pinned_now += nbytes
-    _simulator.pinned_peak = max(_simulator.pinned_peak, _simulator.pinned_now)
-    weakref.finalize(memory, _simulator.unpin, nbytes)
-    fixed = torch.frombuffer(memory, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
-    return fixed.view(dtype)
+        return src.to(HOST, dtype).contiguous()
+    if sim.checker is not None:  # synchronous: the host waits for the stream, which reads the source
+        sim.checker.access(sim.stream_now(), [src], [], "a synchronous copy to the host")
+        sim.checker.wait(HOST_STREAM, sim.checker.record(sim.stream_now()))
+    return sim.in_host_memory(lambda: src.to(HOST, dtype, copy=True).contiguous())
 
 
 def pinned_host_bytes() -> tuple[int, int]:
@@ -204,7 +194,7 @@ def pinned_host_bytes() -> tuple[int, int]:
     what the caching host allocator holds, cached blocks included; under the simulation the as-if-pinned
     buffers alive; else none."""
     if simulating():
-        return _simulator.pinned_now, _simulator.pinned_peak
+        return sim.pinned["now"], sim.pinned["peak"]
     if has_accelerator() and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
         return stats.get("allocated_bytes.current", 0), stats.get("allocated_bytes.peak", 0)
@@ -213,45 +203,66 @@ def pinned_host_bytes() -> tuple[int, int]:
 
 def reset_pinned_peak() -> None:
     if simulating():
-        _simulator.pinned_peak = _simulator.pinned_now
+        sim.pinned["peak"] = sim.pinned["now"]
     elif has_accelerator() and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
         torch.cuda.reset_peak_host_memory_stats()
 
 
-# ---- copies and their events --------------------------------------------------------------------
+# ---- device memory given back and taken again -----------------------------------------------------
+def release_storage(tensor: torch.Tensor, what: str = "a buffer's release") -> None:
+    """Frees a tensor's memory but keeps the tensor and its storage object, so views of it (autograd's
+    saved ones, an optimizer's) stay valid and see the memory once `allocate_storage` gives it back. The
+    allocator hands the memory to its stream's next allocation at once: every other stream that used it must be
+    done (the stream checker holds it to that)."""
+    if sim.checker is not None:
+        sim.checker.free(tensor, what)
+    tensor.untyped_storage().resize_(0)
+
+
+def allocate_storage(tensor: torch.Tensor) -> bool:
+    """Gives a released tensor its memory back (uninitialised), from the stream the caller queues on now;
+    False when it already had it."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.untyped_storage().nbytes() >= nbytes:
+        return False
+    tensor.untyped_storage().resize_(nbytes)
+    if sim.checker is not None:
+        sim.checker.allocated(tensor, sim.stream_now())
+    return True
+
+
+# ---- copies ------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Copy:
     """A queued copy. `wait()` blocks the host until it (and every copy queued before it) has landed."""
     name: str
     host: torch.Tensor  # the host side: the source of a copy to the device, the destination of one to the host
     to_device: bool
-    event: "torch.cuda.Event | None" = None
+    event: Event = NO_WORK
     stream: str = COMPUTE
-    snapshot: torch.Tensor | None = None  # simulation: the values the copy moves, as they were when queued
-    poison: torch.Tensor | None = None  # simulation, to the host: what the destination holds until it lands
-    # simulation, to the device on a side stream: the destination, poison until a stream or the host waits
-    undelivered: torch.Tensor | None = None
-    landed: bool = False
-    # simulation: streams that waited on this copy's stream after it was queued (their later copies follow it)
-    ordered_before: set[str] | None = None
+    queued: sim.QueuedCopy | None = None  # under the simulation: the copy as the simulation holds it back
+
+    @property
+    def landed(self) -> bool:
+        return self.queued is None or self.queued.landed
 
     def wait(self) -> None:
         """The host waits until the copy (and every copy queued before it on its stream) has landed."""
-        if self.event is not None:
+        if self.queued is not None:
+            sim.engine.land_through(self.queued)
+        else:
             self.event.synchronize()
-        if not self.landed:
-            _simulator.land_through(self)
 
     def ready(self) -> None:
         """The stream the caller queues on now waits for the copy (its destination may be read there); the host
         does not: the source of a copy to the device stays lent until `wait`."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-        elif self.undelivered is not None:
-            _simulator.deliver(self)
+        if self.queued is not None:
+            sim.engine.ready(self.queued)
+        else:
+            self.event.wait()
 
 
-DONE = Copy("done", torch.empty(0), to_device=True, landed=True)
+DONE = Copy("done", torch.empty(0), to_device=True)
 
 
 class LatestCopy:
@@ -300,27 +311,20 @@ def to_host(src: torch.Tensor, name: str, overlap: bool = False) -> tuple[torch.
     return dst, copy_to_host(dst, src, name, overlap)
 
 
-def in_host_memory(src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`src` in host memory (as `dtype`): itself when it is there, else copied into ordinary (pageable) memory,
-    filled when this returns. For one-off copies, such as a checkpoint's pieces, which pinned memory would keep
-    page-locked for good (`host_empty`). A copy from the device into pageable memory is synchronous: no copy to
-    wait on. Under the simulation always a copy: the simulated device's memory is apart from the host's."""
-    return _in_host_memory(lambda: src.to(HOST, dtype, copy=simulating()).contiguous())
-
-
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool, overlap: bool) -> Copy:
     host, on_device = (src, dst) if to_device else (dst, src)
     if simulating():
-        return _simulator.queue(dst, src, name, to_device, COPY if overlap else _stream_now())
+        stream = COPY if overlap else sim.stream_now()
+        if overlap and sim.checker is not None:
+            sim.checker.record_stream(on_device, COPY)
+        return Copy(name, host, to_device, stream=stream, queued=sim.engine.queue(dst, src, name, to_device, stream))
     if not has_accelerator() or dst.device == src.device:
         dst.copy_(src)  # within host memory (or within the device) a copy is ordered like any other work
         return DONE
     if not overlap:
         _delay_device("compute")
         dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return Copy(name, host, to_device, event)
+        return Copy(name, host, to_device, record_event(on_device.device))
     side = _copy_stream(on_device.device)
     # The compute queued so far wrote the source (to the host), or used the block the allocator just gave the
     # destination (to the device): the copy starts after it.
@@ -328,12 +332,30 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool, over
     with torch.cuda.stream(side):
         _delay_device("copy")
         dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(side)
+        event = record_event(on_device.device)
     # The allocator reuses a freed block in the order of the stream that allocated it: keep this one from compute
     # until the copy stream is done with it, should the compute stream drop the tensor first.
     on_device.record_stream(side)
     return Copy(name, host, to_device, event, stream=COPY)
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+def collective_issued(group: str, reads: list[torch.Tensor], writes: list[torch.Tensor], what: str) -> Event:
+    """A collective of process group `group` is issued now from the stream the caller queues on: as NCCL runs it,
+    on the group's own stream, after the work queued so far on the caller's, reading `reads` and writing
+    `writes`. Returns the event of its end, which its handle's wait() makes the waiting stream wait on. On a GPU
+    NCCL does all of this itself (NO_WORK); under the simulation the stream checker is told."""
+    if sim.checker is None:
+        return NO_WORK
+    stream = f"collectives of {group}"
+    sim.checker.wait_stream(stream, sim.stream_now())
+    sim.checker.access(stream, reads, writes, what)
+    return Event(simulated=sim.checker.record(stream))
+
+
+def quiet() -> contextlib.AbstractContextManager:
+    """The ops inside move a collective's data as its backend does (declared by `collective_issued`)."""
+    return sim.quiet() if sim.checker is not None else contextlib.nullcontext()
 
 
 # ---- the communication stream ----------------------------------------------------------------
@@ -342,7 +364,8 @@ class Reduction:
     """A collective submitted to the communication stream (`CommStream.submit`)."""
     launch: Callable[[], Any]  # issues the collective and returns its work handle
     settle: Callable[[], None]  # device work once it is done (this rank's chunk into its shard)
-    event: "torch.cuda.Event | None" = None  # GPU: recorded on the communication stream after settle
+    issued: Event = NO_WORK  # the submitting stream's work before it (simulation: what it waits on when it runs)
+    event: Event = NO_WORK  # recorded on the communication stream after settle
     work: Any = None  # CPU: the collective's handle once launched
     settled: bool = False
 
@@ -356,12 +379,14 @@ class CommStream:
     reduction stream do. Whatever the host does with a reduction's buffers or results comes after `wait`.
 
     On CPU a collective runs in gloo's own thread from `submit` on, and `settle` runs at `wait`. Under the
-    simulation the whole reduction runs at `wait` ("late"), as late as a GPU may run it: a bucket the host writes
-    again before waiting is reduced with the wrong values, and a shard read before waiting misses the
-    reduction; either shows as a wrong result. "early": it runs whole at `submit`.
+    simulation the whole reduction runs at `wait` ("late"), as late as a GPU may run it, ordered after the work
+    queued before its submit only: a bucket the host writes again before waiting is reduced with the wrong values
+    and refused by the stream checker, and a shard read before waiting misses the reduction. "early": it runs
+    whole at `submit`.
     """
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.queued: list[Reduction] = []  # CPU: submitted, not yet settled, in order
 
@@ -374,13 +399,13 @@ class CommStream:
                 _delay_device("comm")
                 launch().wait()  # the communication stream waits on the collective, the host does not
                 settle()
-                reduction.event = torch.cuda.Event()
-                reduction.event.record(self.stream)
+                reduction.event = record_event(self.stream.device)
             reduction.settled = True
             return reduction
-        mode = simulation()
+        reduction.issued = record_event(self.device)
+        mode = sim.simulation()
         if mode != "late":
-            with _queued_on(COMM, None):
+            with sim.on_stream(COMM):
                 reduction.work = launch()
         self.queued.append(reduction)
         if mode == "early":
@@ -389,24 +414,29 @@ class CommStream:
 
     def done(self, reduction: Reduction) -> bool:
         """Whether waiting on `reduction` would not hold anything up (a GPU: its event has passed)."""
-        if reduction.event is not None:
+        if reduction.event.cuda is not None:
             return reduction.event.query()
         return reduction.settled or (reduction.work is not None and reduction.work.is_completed())
 
     def wait(self, reduction: Reduction) -> None:
         """The compute stream (the host, on CPU) waits for `reduction` and every one submitted before it."""
-        if reduction.event is not None:
-            torch.cuda.current_stream(self.stream.device).wait_event(reduction.event)
+        if self.stream is not None:
+            reduction.event.wait()
             return
         while not reduction.settled:
             earliest = self.queued.pop(0)
-            with _queued_on(COMM, None):
+            # Under the simulation "late" the reduction runs only now, ordered after what was queued before its
+            # submit (`issued`), not after what the host did since.
+            with sim.on_stream(COMM), sim.issued_earlier():
+                earliest.issued.wait()
                 work = earliest.work if earliest.work is not None else earliest.launch()
                 work.wait()
                 earliest.settle()
+                earliest.event = record_event(self.device)
             earliest.settled = True
+        reduction.event.wait()
         if simulating():  # the compute stream's later copies come after the settles' copies
-            _simulator.order(COMM, COMPUTE)
+            sim.engine.order(COMM, COMPUTE)
 
     def join(self) -> None:
         """The compute stream waits for every reduction submitted so far."""
@@ -419,9 +449,10 @@ class CommStream:
 # ---- host access ------------------------------------------------------------------------------
 def check_host_access(tensor: torch.Tensor, writing: bool) -> None:
     """Raises PendingCopyError when the host may not yet read (or write) `tensor`: a queued copy still reads
-    it (writing only) or will still write it. Checked by file I/O and the C++ kernels; simulation only."""
+    it (writing only) or will still write it, and StreamOrderError when a stream's access to it is not ordered
+    before the host's. Checked by file I/O and the C++ kernels; simulation only."""
     if simulating():
-        _simulator.check_access(tensor, writing)
+        sim.engine.check_access(tensor, writing)
 
 
 def bytes_of(tensor: torch.Tensor, writing: bool) -> memoryview:
@@ -435,175 +466,3 @@ def bytes_of(tensor: torch.Tensor, writing: bool) -> memoryview:
     check_host_access(tensor, writing)
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-# ---- the simulated device's memory -----------------------------------------------------------------
-class _Storages:
-    """Tensor storages, held weakly: a storage freed (and its address reused) drops out."""
-
-    def __init__(self) -> None:
-        self.refs: dict[int, StorageWeakRef] = {}
-
-    def add(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        self.refs[storage._cdata] = StorageWeakRef(storage)
-
-    def __contains__(self, tensor: torch.Tensor) -> bool:
-        ref = self.refs.get(tensor.untyped_storage()._cdata)
-        return ref is not None and not ref.expired()
-
-    def nbytes(self) -> int:
-        """Bytes the live storages hold now (a storage resized to nothing holds none)."""
-        total = 0
-        for key, ref in list(self.refs.items()):
-            if ref.expired():
-                del self.refs[key]
-            else:
-                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        return total
-
-
-class DeviceMemory(TorchDispatchMode):
-    """Simulation: while active, counts the memory allocated on the simulated device, as `max_memory_allocated`
-    does on a GPU: every tensor storage an operation creates, except host memory made by this layer
-    (`host_empty`, `host_memory_empty`, `in_host_memory`), for as long as it lives, with its peak (`peak`).
-    A storage given back by resizing (stage 3's freed units) counts as freed, and again once re-grown. What was
-    allocated before it became active is not counted: it measures growth."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        if not simulating():
-            raise RuntimeError(f"DeviceMemory counts the simulated device's memory: set {SIMULATE_ENV}")
-        self.storages = _Storages()
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" \
-                    and tensor.untyped_storage()._cdata not in inputs and tensor not in self.storages \
-                    and tensor not in _simulator.host_storages:
-                self.storages.add(tensor)
-        self.peak = max(self.peak, self.storages.nbytes())
-        return out
-
-
-# ---- the CPU simulation of a GPU's copy engine -------------------------------------------------
-def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    start = tensor.data_ptr()
-    return start, start + tensor.numel() * tensor.element_size()
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the two tensors' memory spans share a byte."""
-    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
-    return a_lo < b_hi and b_lo < a_hi
-
-
-def poison(tensor: torch.Tensor) -> None:
-    """Simulation: fills `tensor` with what a buffer holds before device work fills it (NaN, or 0xA5 bytes)."""
-    if tensor.is_floating_point():
-        tensor.fill_(float("nan"))
-    else:
-        tensor.view(torch.uint8).fill_(0xA5)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-class _Simulator:
-    """Copies queued in order on each simulated stream (hf_zero.device's CPU test mode)."""
-
-    def __init__(self) -> None:
-        self.queued: list[Copy] = []  # every stream's, in the order queued
-        self.host_storages = _Storages()  # host memory, not the simulated device's (`DeviceMemory`)
-        self.lock = threading.Lock()
-        self.pinned_now = self.pinned_peak = 0  # bytes of as-if-pinned buffers alive, and their peak
-
-    def unpin(self, nbytes: int) -> None:
-        self.pinned_now -= nbytes
-
-    def queue(self, dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool, stream: str) -> Copy:
-        host = src if to_device else dst
-        if simulation() == "early":
-            dst.copy_(src)
-            return Copy(name, host, to_device, stream=stream, landed=True)
-        with self.lock:
-            for earlier in [c for c in self.queued if overlaps(c.host, host)]:
-                if earlier.stream == stream or stream in earlier.ordered_before:
-                    self._land_through(earlier)  # device work is stream-ordered: the earlier copy lands first
-                elif not (to_device and earlier.to_device):  # two reads of a host buffer do not race
-                    raise PendingCopyError(f"{name} is queued on the {stream} stream while {earlier.name}, on the "
-                                           f"{earlier.stream} stream, still uses the same host memory, and no wait "
-                                           f"orders the two: wait on the earlier copy first")
-            copy = Copy(name, host, to_device, stream=stream, snapshot=src.detach().clone(), ordered_before=set())
-            if not to_device:
-                poison(dst)
-                copy.poison = dst.detach().clone()
-            elif stream == _stream_now():
-                dst.copy_(src)  # later device work on the same stream is ordered after the copy
-            else:
-                poison(dst)
-                copy.undelivered = dst
-            self.queued.append(copy)
-        return copy
-
-    def order(self, waited: str, waiting: str) -> None:
-        """Stream `waiting` waited on stream `waited`: its later copies come after every copy queued there."""
-        with self.lock:
-            for copy in self.queued:
-                if copy.stream == waited:
-                    copy.ordered_before.add(waiting)
-
-    def deliver(self, copy: Copy) -> None:
-        """A stream waited on `copy` (to the device, on a side stream): its destination holds the values."""
-        with self.lock:
-            self._deliver(copy)
-
-    @staticmethod
-    def _deliver(copy: Copy) -> None:
-        if copy.undelivered is not None:
-            copy.undelivered.copy_(copy.snapshot)
-            copy.undelivered = None
-
-    def check_access(self, tensor: torch.Tensor, writing: bool) -> None:
-        with self.lock:
-            self._check(tensor, writing)
-
-    def land_through(self, copy: Copy) -> None:
-        with self.lock:
-            self._land_through(copy)
-
-    def _land_through(self, copy: Copy) -> None:
-        if copy in self.queued:
-            on_its_stream = [c for c in self.queued if c.stream == copy.stream]
-            for earlier in on_its_stream[:on_its_stream.index(copy) + 1]:
-                self._land(earlier)
-                self.queued.remove(earlier)
-        copy.landed = True
-
-    def _check(self, tensor: torch.Tensor, writing: bool) -> None:
-        for copy in self.queued:
-            if overlaps(tensor, copy.host) and (writing or not copy.to_device):
-                what = ("reads it, to the device" if copy.to_device else "will fill it, from the device")
-                raise PendingCopyError(f"the host {'writes' if writing else 'reads'} {copy.name} while a queued "
-                                       f"copy still {what}: wait on the copy first")
-
-    def _land(self, copy: Copy) -> None:
-        """Checks that the host kept its hands off the copy's host buffer, then lands it."""
-        if copy.to_device:
-            if not same_bytes(copy.host, copy.snapshot):
-                raise PendingCopyError(f"{copy.name} was written by the host while a queued copy still read it, "
-                                       f"to the device: wait on the copy first")
-            self._deliver(copy)
-        else:
-            if not same_bytes(copy.host, copy.poison):
-                raise PendingCopyError(f"{copy.name} was written by the host while a queued copy from the device "
-                                       f"still had to fill it: wait on the copy first")
-            copy.host.copy_(copy.snapshot)
-        copy.landed = True
-
-
-_simulator = _Simulator()

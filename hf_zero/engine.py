@@ -36,6 +36,7 @@ from hf_zero.comm import Communicator, Ledger
 from hf_zero.comm import rank as global_rank
 from hf_zero.construct import place_rest
 from hf_zero.device import compute_device
+from hf_zero.simulated_gpu import start_checking
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.deepspeed_config import engine_config
 from hf_zero.launch import destroy_process_group_at_exit, processes_per_node
@@ -239,6 +240,7 @@ class ZeroEngine(nn.Module):
         super().__init__()
         self.config = cfg = engine_config(config)
         groups, dp_group, tp_group = check_inputs(model, optimizer, cfg, group, init_from, mesh)
+        start_checking()  # under the simulation "late": the stream order of everything below (simulated_gpu)
         self.module, self.optimizer = model, optimizer
         self.zero_stage, self.dtype = cfg.zero_stage, cfg.torch_dtype
         self.ledger = Ledger()

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_zero.device import SIMULATION_MODES
+from hf_zero.simulated_gpu import SIMULATION_MODES, simulation, stop_checking
 from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, spawn_gloo
 from tests.helpers import Scenario, run_scenarios, simulated
 
@@ -105,6 +105,15 @@ def refused_before_launch(monkeypatch, capsys):
         return code, capsys.readouterr().err
 
     return refused
+
+
+@pytest.fixture(autouse=True)
+def _stream_checker_ends_with_the_simulation():
+    """A test that left the simulation "late" (its monkeypatch undone) leaves no stream checker behind to slow, or
+    stop, the tests after it in this worker."""
+    yield
+    if simulation() != "late":
+        stop_checking()
 
 
 @pytest.fixture(scope="module", params=["immediate", *SIMULATION_MODES])

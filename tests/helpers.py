@@ -22,7 +22,7 @@ from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
 from transformers.utils import logging as hf_logging
 
 import hf_zero
-from hf_zero.device import SIMULATE_ENV
+from hf_zero.simulated_gpu import SIMULATE_ENV, stop_checking
 
 hf_logging.set_verbosity_error()
 VOCAB, SEQ = 96, 16
@@ -174,7 +174,10 @@ def simulated(mode: str | None) -> Iterator[None]:
             patch.delenv(SIMULATE_ENV, raising=False)
         else:
             patch.setenv(SIMULATE_ENV, mode)
-        yield
+        try:
+            yield
+        finally:
+            stop_checking()
 
 
 def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:
@@ -226,6 +229,19 @@ def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:
     record["root_numel"] = sum(f.numel for u in getattr(engine.params, "units", []) if u.is_root for f in u.flats)
     record["optimizer_tensors"] = sum(len(s) for s in engine.optimizer.state.values())
     return record
+
+
+# The configurations whose GPU path tests/test_gpu.py checks against plain torch on CUDA, with each stream delayed,
+# and tests/test_simulated_gpu.py checks under the stream checker on CPU: every stage, and ZeRO-Offload's modes.
+GPU_PATH_CONFIGS = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+                    {"zero_stage": 2, "offload_optimizer": "cpu"},
+                    {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+                    {"zero_stage": 2, "offload_optimizer": "cpu", "delayed_param_update": True,
+                     "delayed_param_update_warmup": 100}]
+
+
+def config_id(config: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in config.items())
 
 
 def sgd_steps(model: nn.Module, steps: int, config: dict) -> hf_zero.ZeroEngine | None:

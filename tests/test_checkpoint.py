@@ -318,13 +318,13 @@ def test_a_save_copies_the_states_to_host_buffers_and_allocates_nothing_state_si
         return buffer
 
     monkeypatch.setattr(hf_zero.device, "host_empty", host_empty)
-    queue = hf_zero.device._Simulator.queue
+    queue = hf_zero.simulated_gpu.CopyEngine.queue
 
     def queue_unseen(*args):  # the simulation's own copies of the values are not the engine's allocations
         with torch.utils._python_dispatch._disable_current_modes():
             return queue(*args)
 
-    monkeypatch.setattr(hf_zero.device._Simulator, "queue", queue_unseen)
+    monkeypatch.setattr(hf_zero.simulated_gpu.CopyEngine, "queue", queue_unseen)
     counter = NewTensorBytes(host_buffers)
     with counter:
         engine.save_checkpoint(str(tmp_path / "ckpt"))

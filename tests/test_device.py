@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zero import device
-from hf_zero.device import LatestCopy, PendingCopyError, bytes_of, copy_to_device, copy_to_host, to_device, to_host
+from hf_zero import device, simulated_gpu
+from hf_zero.device import LatestCopy, bytes_of, copy_to_device, copy_to_host, to_device, to_host
+from hf_zero.simulated_gpu import COMM, COPY, SIMULATE_ENV, SIMULATION_MODES, PendingCopyError
 
 
 @pytest.fixture
 def simulated(monkeypatch):
-    monkeypatch.setenv(device.SIMULATE_ENV, "1")
+    monkeypatch.setenv(SIMULATE_ENV, "1")
     yield
-    device._simulator.queued.clear()
+    simulated_gpu.engine.queued.clear()
 
 
 def test_a_copy_to_the_device_keeps_its_source_lent_until_waited_on(simulated):
@@ -112,7 +113,7 @@ def test_a_reduction_whose_settle_copies_to_the_host_orders_that_copy_before_the
     reduction = stream.submit(lambda: _Finished(), lambda: settled.append(
         copy_to_host(landing, torch.tensor([5.0, 6.0]), "a reduced chunk")))
     stream.wait(reduction)
-    assert settled[0].stream == device.COMM and landing.isnan().all()
+    assert settled[0].stream == COMM and landing.isnan().all()
     back, copy = to_device(landing, torch.device("cpu"), "the chunk back")  # ordered by the wait: no error
     assert back.tolist() == [5, 6]
 
@@ -134,25 +135,25 @@ def test_copies_that_overlap_compute_are_queued_on_the_copy_stream_and_the_rest_
     from tests.helpers import batch, make_optimizer, tiny_model
 
     streams: dict[str, set[str]] = {}
-    queue = device._Simulator.queue
+    queue = simulated_gpu.CopyEngine.queue
 
     def recorded(self, dst, src, name, to_device, stream):
         streams.setdefault(name.split(" of ")[0], set()).add(stream)
         return queue(self, dst, src, name, to_device, stream)
 
-    monkeypatch.setattr(device._Simulator, "queue", recorded)
+    monkeypatch.setattr(simulated_gpu.CopyEngine, "queue", recorded)
     for config in ({"zero_stage": 3, "offload_param": "cpu", "offload_optimizer": "cpu", "cpu_checkpointing": True},
                    {"zero_stage": 2, "offload_optimizer": "cpu"}):
         model = tiny_model("gpt2")
         engine = hf_zero.initialize(model, make_optimizer(model), {**config, "dtype": "bf16"})
         engine.backward(engine(**batch("gpt2", 0, 4)).loss)
         engine.step()
-    assert streams == {"the host shard": {device.COPY}, "an offloaded activation checkpoint": {device.COPY},
-                       "the reduced gradient chunk": {device.COMM}}
+    assert streams == {"the host shard": {COPY}, "an offloaded activation checkpoint": {COPY},
+                       "the reduced gradient chunk": {COMM}}
 
 
 def test_early_runs_every_copy_and_reduction_whole_the_moment_it_is_issued(monkeypatch):
-    monkeypatch.setenv(device.SIMULATE_ENV, "early")
+    monkeypatch.setenv(SIMULATE_ENV, "early")
     dst, copy = to_host(torch.arange(3.0), "a checkpoint piece")
     assert dst.tolist() == [0, 1, 2] and copy.landed
     on_device, copy = to_device(torch.arange(3.0), torch.device("cpu"), "a shard", overlap=True)
@@ -163,9 +164,9 @@ def test_early_runs_every_copy_and_reduction_whole_the_moment_it_is_issued(monke
 
 
 def test_an_unknown_simulation_mode_is_refused_naming_the_setting(monkeypatch):
-    monkeypatch.setenv(device.SIMULATE_ENV, "sometimes")
+    monkeypatch.setenv(SIMULATE_ENV, "sometimes")
     with pytest.raises(ValueError, match="HF_ZERO_SIMULATE_ASYNC must be one of late, early"):
-        device.simulating()
+        simulated_gpu.simulating()
 
 
 def collectives_under_simulation(mode: str) -> dict:
@@ -175,7 +176,7 @@ def collectives_under_simulation(mode: str) -> dict:
     import torch.distributed as dist
 
     from hf_zero.comm import Communicator, Ledger
-    os.environ[device.SIMULATE_ENV] = mode
+    os.environ[SIMULATE_ENV] = mode
     comm, me = Communicator(Ledger()), dist.get_rank()
     seen = {}
     values = torch.arange(4.0) + 10 * me
@@ -202,7 +203,7 @@ def collectives_under_simulation(mode: str) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("mode", device.SIMULATION_MODES)
+@pytest.mark.parametrize("mode", SIMULATION_MODES)
 def test_every_asynchronous_collective_delivers_at_its_wait_when_late_and_at_once_when_early(mode):
     from hf_zero.launch import spawn_gloo
     ranks = spawn_gloo(collectives_under_simulation, 2, mode)
@@ -221,7 +222,7 @@ def test_every_asynchronous_collective_delivers_at_its_wait_when_late_and_at_onc
 
 
 def test_without_the_simulation_copies_on_cpu_are_immediate_and_make_no_copy_of_host_tensors(monkeypatch):
-    monkeypatch.delenv(device.SIMULATE_ENV, raising=False)
+    monkeypatch.delenv(SIMULATE_ENV, raising=False)
     host = torch.arange(3.0)
     same, copy = to_device(host, torch.device("cpu"), "x")
     assert same is host and copy.landed
@@ -309,7 +310,7 @@ def initialize_measured(config: dict, nvme: str) -> tuple[int, int]:
     with torch.device("meta" if stage3 else "cpu"):
         model = model_zoo.build("gpt2-xl", n_embd=128, n_head=4, n_layer=8, vocab_size=1024, n_positions=64)
     psi = sum(p.numel() for p in model.parameters())
-    with device.DeviceMemory() as memory:
+    with simulated_gpu.DeviceMemory() as memory:
         initialize(model, torch.optim.AdamW(model.parameters()),
                    {**config, "dtype": "bf16", **({"nvme_path": nvme} if "nvme" in config.values() else {})},
                    init_from=SeededInit(0) if stage3 else None)

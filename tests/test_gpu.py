@@ -11,16 +11,11 @@ import pytest
 import torch
 
 import hf_zero
-from tests.helpers import batch, make_optimizer, named_copy, tiny_model
+from tests.helpers import GPU_PATH_CONFIGS, batch, config_id, make_optimizer, named_copy, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (not evidence when skipped)")
 
 CUDA = torch.device("cuda", 0)
-OFFLOADS = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
-            {"zero_stage": 2, "offload_optimizer": "cpu"},
-            {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
-            {"zero_stage": 2, "offload_optimizer": "cpu", "delayed_param_update": True,
-             "delayed_param_update_warmup": 100}]
 
 
 def on_cuda(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -53,7 +48,7 @@ def assert_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
     assert max((got[k].cpu() - expected[k].cpu()).abs().max().item() for k in expected) < 1e-5
 
 
-@pytest.mark.parametrize("config", OFFLOADS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", GPU_PATH_CONFIGS, ids=config_id)
 def test_every_stage_and_offload_trains_on_cuda_as_plain_torch_does(config):
     assert_close(engine_cuda_run(config, 4), plain_cuda_run(4))
 
@@ -115,7 +110,7 @@ def one_rank_nccl_group():
 
 
 @pytest.mark.parametrize("late", ["compute", "comm", "copy"])
-@pytest.mark.parametrize("config", OFFLOADS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", GPU_PATH_CONFIGS, ids=config_id)
 def test_every_stage_trains_as_plain_torch_in_an_nccl_group_with_one_stream_far_behind(
         one_rank_nccl_group, monkeypatch, config, late):
     """Device sleeps (DELAY_ENV) keep one side far behind: the compute stream (copies land late, backward writes

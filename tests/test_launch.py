@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import hf_zero
 from hf_zero.comm import CHECK_ENV, CollectiveError, Communicator, Ledger, checking_collectives, issued_for
-from hf_zero.device import SIMULATE_ENV
+from hf_zero.simulated_gpu import SIMULATE_ENV
 from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, HEARTBEAT_SECONDS, collective_timeout, free_port, spawn_gloo
 
 SCRIPT = """

@@ -237,7 +237,7 @@ class NvmeAdamStates:
         side, start = self.grad_write_side, self.chunk_starts[g][k]
         total = values
         if (g, k) in self.grads_written:
-            total = torch.empty_like(values)
+            total = host_memory_empty(values.numel(), values.dtype)
             self._io(True, g, "grad", side, start, total)
             total.add_(values)
         self.grad_square_sums[(g, k)] = self.square_sum(g, k, total).item()

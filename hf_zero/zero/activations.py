@@ -134,8 +134,9 @@ class CheckpointStore:
             saved.prefetched = (copy, kept)
             return
         whole = torch.empty(kept.numel() * self.tp_comm.world_size, dtype=kept.dtype, device=saved.device)
-        with on_copy_stream(saved.device):  # the gather follows the copy there, not the recomputation
-            copy.ready()
+        # On the copy stream, after the copy there and the compute that wrote `kept` and allocated `whole`, not
+        # holding up the recomputation; `unpack` makes the compute stream wait on it.
+        with on_copy_stream(saved.device):
             saved.prefetched = (self.tp_comm.all_gather_(whole, kept, async_op=True), whole)
 
     def _count(self, saved: SavedCheckpoint, sign: int) -> None:

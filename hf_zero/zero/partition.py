@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from hf_zero.device import allocate_storage, release_storage
+
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the tensor itself for anything else)."""
@@ -179,8 +181,8 @@ class FlatParamBuffer:
     def allocate_storage(self) -> None:
         allocate_storage(self.data)
 
-    def release_storage(self) -> None:
-        release_storage(self.data)
+    def release_storage(self, what: str = "the release of a flat buffer") -> None:
+        release_storage(self.data, what)
 
     @torch.no_grad()
     def pack_and_bind(self) -> None:
@@ -203,21 +205,6 @@ class FlatParamBuffer:
     def owned_chunk(self, bucket: Bucket, shard: int, flat: torch.Tensor | None = None) -> torch.Tensor:
         lo, hi = bucket.owned_range(shard)
         return (self.data if flat is None else flat)[lo:hi]
-
-
-def release_storage(tensor: torch.Tensor) -> None:
-    """Frees a tensor's memory but keeps the tensor and its storage object, so views of it (autograd's
-    saved ones, an optimizer's) stay valid and see the memory once `allocate_storage` gives it back."""
-    tensor.untyped_storage().resize_(0)
-
-
-def allocate_storage(tensor: torch.Tensor) -> bool:
-    """Gives a released tensor its memory back (uninitialised); False when it already had it."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.untyped_storage().nbytes() >= nbytes:
-        return False
-    tensor.untyped_storage().resize_(nbytes)
-    return True
 
 
 def model_order(model: nn.Module) -> dict[nn.Parameter, int]:

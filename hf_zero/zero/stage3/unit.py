@@ -88,11 +88,10 @@ class Unit:
             if purpose != "read" and self.quantize_block is not None:  # never with offload_param (config.py)
                 self.works.append(self._gather_quantized(shards))
             else:
-                # With the shards in host memory the gather follows their copies on the copy stream, so that
-                # neither holds up the compute queued meanwhile (on one stream, PCIe time would add to every step).
+                # With the shards in host memory the gather follows their copies on the copy stream (stream order:
+                # no wait), so that neither holds up the compute queued meanwhile (on one stream, PCIe time would
+                # add to every step). The compute stream waits on the gather's handle (`wait`) before reading.
                 with on_copy_stream(self.flats[0].data.device) if self.copies else contextlib.nullcontext():
-                    for copy in self.copies:
-                        copy.ready()
                     self.works.append(self._gather_exact(self.comm, shards))
 
     def _shard_on_device(self, i: int) -> torch.Tensor:
@@ -165,6 +164,22 @@ class Unit:
                                    flat.buckets[0].chunk_numel, flat.data)
         self.landing.clear()
 
+    def wait(self) -> None:
+        """The stream the caller queues on (the compute stream) waits for the unit's gather: its buffers may be
+        read there, and given back to the allocator, from then on."""
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        if self.landing:
+            self._dequantize_landed()
+        if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
+            for buffer, copy in self.reading:
+                self.reader.release(buffer, copy)
+        elif self.copies:
+            self.shards_lent.add(self.copies[-1])
+        self.reading.clear()
+        self.copies.clear()
+
     @torch.no_grad()
     def adopt_params(self) -> None:
         """Moves the module's own parameter tensors into the unit's buffers, then frees them (once, at start)."""
@@ -187,20 +202,6 @@ class Unit:
 
     def group_of(self, flat: FlatParamBuffer) -> int:
         return self.groups[self.flats.index(flat)]
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works.clear()
-        if self.landing:
-            self._dequantize_landed()
-        if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
-            for buffer, copy in self.reading:
-                self.reader.release(buffer, copy)
-        elif self.copies:
-            self.shards_lent.add(self.copies[-1])
-        self.reading.clear()
-        self.copies.clear()
 
     def _tally(self, sign: int) -> None:
         """The ledger's count of unit all-gathers and of units (and their bytes) gathered at once."""
@@ -241,5 +242,5 @@ class Unit:
         self.wait()
         self._set_params(lambda s: self.empty)
         for flat in self.flats:
-            flat.release_storage()
+            flat.release_storage(f"the release of {self.title}'s gathered buffer")
         self.gathered = False
