@@ -24,12 +24,12 @@ import torch.distributed as dist
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 from transformers.utils import logging
 
-from hf_zero import deepspeed_config, pretrained
+from hf_zero import deepspeed_config, environment, pretrained
 from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
                             read_settings_file, trainer_flag)
 from hf_zero.device import has_accelerator
-from hf_zero.launch import (COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, collective_timeout,
-                             processes_per_node)
+from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, processes_per_node
+from hf_zero.launch import DEFAULT_COLLECTIVE_TIMEOUT, collective_timeout
 from hf_zero.tensor_parallel import check_tp_within_a_node
 
 logger = logging.get_logger(__name__)
@@ -83,7 +83,7 @@ def _post_init(self: Any) -> None:
     _take_deepspeed_config(self)
     # The launcher's layout, read before transformers sets up its own (accelerate may fill in LOCAL_WORLD_SIZE);
     # self.world_size is 1 when transformers does not start distributed training.
-    processes = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    processes = dist.get_world_size() if dist.is_initialized() else environment.world_size()
     per_node = processes_per_node(processes)
     if self.ddp_timeout is None:  # before transformers starts the process group with it
         self.ddp_timeout = math.ceil(collective_timeout().total_seconds())
@@ -99,7 +99,7 @@ def _post_init(self: Any) -> None:
                               f"engine yet: nothing would be compiled. Launch with --dynamo_backend no")
     _check_engine_flags(self, processes, per_node)
     if self.zero_deepspeed is not None and (warning := self.zero_deepspeed.warning()) \
-            and int(os.environ.get("RANK", "0")) == 0:
+            and environment.integer("RANK", 0, 0) == 0:
         logger.warning(warning)
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
@@ -137,7 +137,8 @@ def _accelerate_deepspeed(args: Any) -> str | dict[str, Any] | None:
         args.zero_init_partitioned = False
     if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         return env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]
-    zero: dict[str, Any] = {"stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))}  # accelerate's default
+    # accelerate's default stage is 2
+    zero: dict[str, Any] = {"stage": environment.integer("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2, 0)}
     for key, name in (("offload_optimizer", "OFFLOAD_OPTIMIZER_DEVICE"), ("offload_param", "OFFLOAD_PARAM_DEVICE")):
         if env.get(f"ACCELERATE_DEEPSPEED_{name}"):
             zero[key] = {"device": env[f"ACCELERATE_DEEPSPEED_{name}"]}
@@ -145,9 +146,9 @@ def _accelerate_deepspeed(args: Any) -> str | dict[str, Any] | None:
         zero["stage3_gather_16bit_weights_on_model_save"] = env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"]
     config: dict[str, Any] = {"zero_optimization": zero}
     if env.get("ACCELERATE_GRADIENT_CLIPPING") not in (None, "none"):
-        config["gradient_clipping"] = float(env["ACCELERATE_GRADIENT_CLIPPING"])
+        config["gradient_clipping"] = environment.number("ACCELERATE_GRADIENT_CLIPPING")
     if env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"):
-        config["gradient_accumulation_steps"] = int(env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"])
+        config["gradient_accumulation_steps"] = environment.integer("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1, 1)
     return config
 
 

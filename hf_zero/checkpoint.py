@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -310,12 +311,20 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
         raise CheckpointError(f"save_checkpoint needs a folder to create or replace, such as 'ckpt' or "
                               f"'out/step-100'; got {str(directory)!r}")
     partial, _ = save_folders(final)
+    check_name_length(final)
     layout = _with_whole_module_state(layout)
+    lock = FileLock(final.with_name(final.name + ".lock"), timeout=0)
 
     def fresh_partial() -> None:
         # Rank 0 alone settles and creates it, and the others wait for that (agree gathers): a rank
         # creating it while rank 0 removes an interrupted save's folder would lose its files or fail.
         if comm.rank == 0:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:  # held until the save ends: another process's save of the same folder would mix their files
+                lock.acquire()
+            except Timeout:
+                raise CheckpointError(f"another save of {final} is in progress (it holds {lock.lock_file}); wait "
+                                      f"for it to end, or save to another folder") from None
             settle(final)
             partial.mkdir(parents=True)
             (partial / MARKER).write_text(f"{FORMAT}: a checkpoint folder, moved and removed by later saves\n")
@@ -335,10 +344,27 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
                             CheckpointError)
         comm.agree(lambda: commit(shards), f"committing {final}", CheckpointError)
     except CheckpointError:
-        if comm.rank == 0 and made_here(partial) and not is_complete(partial):
-            _remove(partial)
+        if comm.rank == 0 and lock.is_locked:
+            with contextlib.suppress(OSError):  # the cleanup's own failure must not hide why the save failed
+                if made_here(partial) and not is_complete(partial):
+                    _remove(partial)
         raise
+    finally:
+        if lock.is_locked:
+            lock.release()
     return final
+
+
+def check_name_length(final: Path) -> None:
+    """Refuses a folder name whose save folders (`<name>.partial`, `<name>.lock`) the file system cannot name."""
+    existing = next(p for p in (final.parent, *final.parent.parents) if p.exists())
+    limit = os.pathconf(existing, "PC_NAME_MAX")
+    longest = max(len(os.fsencode(name)) for name in (final.name + ".partial", final.name + ".lock"))
+    if longest > limit:
+        raise CheckpointError(f"the checkpoint folder name {final.name!r} is {len(os.fsencode(final.name))} bytes; a "
+                              f"save also writes {final.name + '.partial'!r}, which this file system cannot name "
+                              f"(names are at most {limit} bytes): use a name of at most {limit - len('.partial')} "
+                              f"bytes")
 
 
 def _with_whole_module_state(layout: ShardLayout) -> ShardLayout:
@@ -565,6 +591,11 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
     expect(isinstance(scalars, list) and len(scalars) == len(groups) and all(
         isinstance(g, dict) and all(finite(v) for v in g.values()) for g in scalars),
         "optimizer.scalars must hold finite numbers, one object per param group")
+    for where, entries in (("param_groups", groups), ("scalars", scalars)):
+        for g, entry in enumerate(entries):
+            for key, value in entry.items():
+                problem = hyper_parameter_problem(key, value)
+                expect(problem is None, f"optimizer.{where}[{g}].{key} {problem}; got {value!r}")
     expect(isinstance(optimizer["elementwise"], list) and all(isinstance(k, str) and "/" not in k
                                                               for k in optimizer["elementwise"]),
            "optimizer.elementwise must be a list of state names")
@@ -608,6 +639,36 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
                        and count(piece[2]), f"{shard['file']}: piece {piece!r} is not [parameter, first, end]")
     expect(any(s["file"].startswith("rank00000-") for s in shards), "no shard of rank 0, which holds the module state")
     return index_pieces(manifest)
+
+
+# What the hyper-parameters and counters of torch's optimizers may be, by name: a loaded learning rate of -1 trains
+# backwards, "0.1" fails at the next step, a step of -3 makes Adam's bias correction complex. Other names are
+# checked finite only (`_check_manifest`).
+_AT_LEAST_ZERO = {"lr", "initial_lr", "max_lr", "min_lr", "weight_decay", "eps", "momentum", "lr_decay",
+                  "initial_accumulator_value", "alpha", "lambd", "t0", "max_eval", "tolerance_grad",
+                  "tolerance_change", "history_size"}
+_FLAGS = {"amsgrad", "nesterov", "maximize", "foreach", "capturable", "differentiable", "fused", "centered",
+          "decoupled_weight_decay"}
+_COUNTS = {"step"}
+
+
+def hyper_parameter_problem(key: str, value: Any) -> str | None:
+    """What is wrong with `value` as hyper-parameter or counter `key` of a checkpoint's optimizer, or None."""
+    def number(v: Any) -> bool:
+        return type(v) in (int, float) and math.isfinite(v)
+
+    if key in _AT_LEAST_ZERO and not (number(value) and value >= 0):
+        return "must be a finite number of at least 0"
+    if key in _COUNTS and not (number(value) and value >= 0 and float(value).is_integer()):
+        return "must be a whole number of at least 0 (a count)"
+    if key == "dampening" and not (number(value) and 0 <= value <= 1):
+        return "must be a number from 0 to 1"
+    if key == "betas" and not (isinstance(value, list) and len(value) == 2
+                               and all(number(b) and 0 <= b < 1 for b in value)):
+        return "must be two numbers, each at least 0 and below 1"
+    if key in _FLAGS and value is not None and type(value) is not bool:
+        return "must be true, false or null"
+    return None
 
 
 def inside(folder: Path, name: str) -> Path:

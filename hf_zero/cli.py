@@ -9,7 +9,8 @@ from typing import NoReturn
 
 from hf_zero.config import DTYPES, ZeroConfigError, did_you_mean, offload_conflict
 from hf_zero.host_memory import use_mmap_for_large_allocations
-from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, free_port, parse_seconds
+from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, check_environment, seconds
+from hf_zero.launch import DEFAULT_COLLECTIVE_TIMEOUT, free_port
 
 
 class Parser(argparse.ArgumentParser):
@@ -24,7 +25,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _seconds(value: str) -> float:
-    return parse_seconds(value, "the value")
+    return seconds(value, "the value")
 
 
 def _nproc(value: str) -> int:
@@ -102,6 +103,7 @@ def _train(argv: list[str]) -> int:
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
+    check_environment()
     train_lm.check_args(args, processes, args.nproc_per_node)  # bad settings stop here, before any process starts
     use_mmap_for_large_allocations()
     if processes == 1:
@@ -122,6 +124,7 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
+    check_environment()
     use_mmap_for_large_allocations()
     if processes == 1:
         return run.main([args.script, *args.script_args])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +25,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hf_zero import environment
 from hf_zero.device import HOST, NO_WORK, Event, collective_issued, compute_device, quiet, record_event
-from hf_zero.launch import (collective_timeout, note_collective, other_ranks_report, processes_per_node,
-                            start_heartbeat)
+from hf_zero.environment import processes_per_node
+from hf_zero.launch import collective_timeout, note_collective, other_ranks_report, start_heartbeat
 from hf_zero.simulated_gpu import PendingCopyError, overlaps, poison, same_bytes, simulation
 
 MODEL_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states", "buffers")
@@ -122,7 +122,6 @@ class _Pieces:
         return self.done or all(work.is_completed() for work in self.works)
 
 
-CHECK_ENV = "HF_ZERO_CHECK_COLLECTIVES"
 # What the engine's collectives are for, while it says so (`issued_for`): part of what the ranks compare.
 _purpose: list[str] = []
 
@@ -136,15 +135,6 @@ def issued_for(text: str) -> Iterator[None]:
         yield
     finally:
         _purpose.pop()
-
-
-def checking_collectives() -> bool:
-    """Whether the ranks compare their collectives (`_Sequence`): on unless HF_ZERO_CHECK_COLLECTIVES is 0."""
-    text = os.environ.get(CHECK_ENV, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{CHECK_ENV} must be 1 (compare every collective across the ranks, the default) or 0 "
-                         f"(do not); got {text!r}")
-    return text == "1"
 
 
 class _Sequence:
@@ -169,7 +159,7 @@ class _Sequence:
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self.world_size, self.issued = len(ranks), 0
-        self.checking = checking_collectives()
+        self.checking = environment.check_collectives()
         if self.checking:
             timeout = collective_timeout()
             groups = [dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,

@@ -83,9 +83,10 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
                   "step": manifest.get("global_steps"), "dtype": dtype}
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
+    config_path, config = _model_config(source)
     if adapter:
         return _consolidate_adapter(source, manifest, index, output, dtype, merge, {**provenance, "merged": merge},
-                                    progress)
+                                    progress, config_path, config)
     out_dtype = DTYPES[dtype]
     with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
         stored = set(rank0.keys())
@@ -117,7 +118,7 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
         except BaseException:
             writer.abort()
             raise
-        return written + _copy_model_files(source, staging, dtype)
+        return written + _copy_model_files(source, config, staging, dtype)
 
     written = _write_staged(output, provenance, write)
     weight_bytes = sum(t.numel() * t.element_size() for t in planned.values())
@@ -141,24 +142,34 @@ ADAPTER_CONFIG = "adapter_config.json"  # peft's, written into the checkpoint of
 
 
 def _consolidate_adapter(source: Path, manifest: dict, index: dict, output: Path, dtype: str, merge: bool,
-                         provenance: dict, progress: bool) -> ConsolidationReport:
+                         provenance: dict, progress: bool, config_path: Path, config_json: dict) -> ConsolidationReport:
     """The peft model is built on meta from the checkpoint's config and adapter config, given the checkpoint's
     tensors (the adapter's alone, or with `merge` every tensor: the whole model in memory, as peft merges), and
-    written by peft (the adapter) or by transformers (the merged model): the files each library loads."""
+    written by peft (the adapter) or by transformers (the merged model): the files each library loads. Side files
+    that cannot build it, or build one whose tensors are not the checkpoint's, are refused before anything is read."""
     import transformers
     from peft import PeftConfig, get_peft_model
 
-    config = transformers.AutoConfig.from_pretrained(source)
-    adapter_config = PeftConfig.from_pretrained(source)
+    base_class = _base_model_class(config_path, config_json)
+    adapter_path = source / ADAPTER_CONFIG
+    _json_object(checkpoint.inside(source, ADAPTER_CONFIG))
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+        adapter_config = PeftConfig.from_pretrained(source)
+    except (ValueError, TypeError, KeyError, OSError) as error:
+        raise checkpoint.CheckpointError(f"{config_path} and {adapter_path} do not describe a model transformers "
+                                         f"{transformers.__version__} and peft can build: "
+                                         f"{str(error).strip().splitlines()[0]}") from None
     if merge and adapter_config.is_prompt_learning:
         raise checkpoint.CheckpointError(f"--merge: a {adapter_config.peft_type} adapter adds virtual tokens rather "
                                          f"than changing weights, so it has nothing to merge; drop --merge to write "
                                          f"the adapter folder")
     with torch.device("meta"):  # the base model: no memory until the checkpoint's tensors are assigned
-        base = getattr(transformers, config.architectures[0])._from_config(config)
+        base = base_class._from_config(config)
     model = get_peft_model(base, adapter_config)  # the adapter's modules and tensors (prompt tokens) where peft puts them
     trained = {key for _, key in manifest["weights"] if key.startswith("master/")}
     wanted = [(name, key) for name, key in manifest["weights"] if merge or key in trained]
+    _check_adapter_shapes(model, manifest, wanted, adapter_path)
     rss_before = psutil.Process().memory_info().rss
     reset_peak_rss()
     out_dtype = DTYPES[dtype]
@@ -265,9 +276,64 @@ def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str
                  for file in sorted({file for _, _, file in index[name]})}
         entry = checkpoint.stored_entry(manifest, name)
         dtype = entry.get("dtype", "F32")  # a frozen weight's, as the model held it; masters and states are fp32
-        whole = torch.empty(math.prod(entry["shape"]), dtype=TORCH_DTYPES[dtype])
-        checkpoint.read_range(files, index, kind, name, 0, whole.numel(), whole, dtype)
+        numel = math.prod(entry["shape"])
+        checkpoint.read_range(files, index, kind, name, 0, numel, None, dtype)  # the files hold it all: then allocate
+        whole = torch.empty(numel, dtype=TORCH_DTYPES[dtype])
+        checkpoint.read_range(files, index, kind, name, 0, numel, whole, dtype)
         return whole.view(entry["shape"])
+
+
+def _json_object(path: Path) -> dict:
+    """A side file of the checkpoint, as the JSON object it must hold."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise checkpoint.CheckpointError(f"{path} is not valid JSON ({error}); the checkpoint is damaged") from None
+    if not isinstance(value, dict):
+        raise checkpoint.CheckpointError(f"{path} must hold a JSON object; it holds a {type(value).__name__}")
+    return value
+
+
+def _model_config(source: Path) -> tuple[Path, dict]:
+    """The checkpoint's config.json (in its folder or, for a Trainer checkpoint, the checkpoint-N folder around it)
+    and what it holds."""
+    folders = _model_file_folders(source)
+    config_from = next((f for f in folders if (f / "config.json").is_file()), None)
+    if config_from is None:
+        raise checkpoint.CheckpointError(
+            f"no config.json in {' or '.join(map(str, folders))}: the checkpoint was saved from a model that is "
+            f"not a transformers PreTrainedModel, so there is no config to load it with")
+    return config_from / "config.json", _json_object(config_from / "config.json")
+
+
+def _base_model_class(config_path: Path, config: dict) -> type:
+    """The transformers class config.json's `architectures` names, as save_pretrained records it."""
+    import transformers
+
+    names = config.get("architectures")
+    if not (isinstance(names, list) and names and all(isinstance(name, str) for name in names)):
+        raise checkpoint.CheckpointError(f"{config_path}: 'architectures' must name the model's class, such as "
+                                         f"[\"GPT2LMHeadModel\"] (save_pretrained records it); got {names!r}")
+    found = getattr(transformers, names[0], None)
+    if not (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)):
+        raise checkpoint.CheckpointError(f"{config_path}: 'architectures' names {names[0]!r}, which is not a model "
+                                         f"class of transformers {transformers.__version__}")
+    return found
+
+
+def _check_adapter_shapes(model: torch.nn.Module, manifest: dict, wanted: list[list[str]], adapter_path: Path) -> None:
+    """Each tensor to be read has the shape the model built from the side files gives it (an adapter_config.json
+    whose r differs from the adapter's weights, say)."""
+    built = dict(model.state_dict())
+    for name, key in wanted:
+        kind, _, stored = key.partition("/")
+        if kind == "module" or name not in built:
+            continue
+        shape = checkpoint.whole_shape(manifest, stored) if kind == "master" else manifest["frozen"][stored]["shape"]
+        if list(built[name].shape) != list(shape):
+            raise checkpoint.CheckpointError(f"{adapter_path} builds {name} of shape {list(built[name].shape)}, but the "
+                                             f"checkpoint holds it as {list(shape)}: the adapter config is not the "
+                                             f"one the adapter was trained with")
 
 
 def _model_file_folders(source: Path) -> list[Path]:
@@ -290,17 +356,12 @@ def _copy_tokenizer(folders: list[Path], output: Path) -> list[str]:
     return [Path(p).name for p in AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(output)]
 
 
-def _copy_model_files(source: Path, output: Path, dtype: str) -> list[str]:
-    """config.json (with the output dtype), generation_config.json and the tokenizer, found in the
+def _copy_model_files(source: Path, config: dict, output: Path, dtype: str) -> list[str]:
+    """config.json (`config`, with the output dtype), generation_config.json and the tokenizer, found in the
     checkpoint folder or, for a Trainer checkpoint, the checkpoint-N folder around it."""
     folders = _model_file_folders(source)
-    config_from = next((f for f in folders if (f / "config.json").is_file()), None)
-    if config_from is None:
-        raise checkpoint.CheckpointError(
-            f"no config.json in {' or '.join(map(str, folders))}: the checkpoint was saved from a model that is "
-            f"not a transformers PreTrainedModel, so there is no config to load it with")
-    config = json.loads((config_from / "config.json").read_text())
-    config["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
+    config_from = next(f for f in folders if (f / "config.json").is_file())
+    config = {**config, "dtype": str(DTYPES[dtype]).removeprefix("torch.")}
     (output / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     written = ["config.json"]
     if (config_from / "generation_config.json").is_file():

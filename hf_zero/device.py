@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,18 +31,18 @@ import torch
 import torch.distributed as dist
 
 from hf_zero import simulated_gpu as sim
+from hf_zero.environment import cuda_delay
 from hf_zero.simulated_gpu import COMM, COMPUTE, COPY, HOST as HOST_STREAM, simulating
 
 HOST = torch.device("cpu")
-# On a GPU (tests/test_gpu.py): "STREAM:CYCLES" queues CYCLES of `torch.cuda._sleep` on one side, so that a
-# missing wait reads or writes a buffer too early and shows as a wrong number, the GPU's own version of the
+# HF_ZERO_CUDA_DELAY, on a GPU (tests/test_gpu.py): "STREAM:CYCLES" queues CYCLES of `torch.cuda._sleep` on one
+# side, so that a missing wait reads or writes a buffer too early and shows as a wrong number, the GPU's own version of the
 # simulation. STREAM "compute": before every asynchronous copy and every reduction's hand-over, so copies
 # land late and backward writes its buckets late (a reduction that does not wait on the compute stream reads a
 # bucket too early; a host that does not wait on a copy reads or writes its buffer too early). STREAM "comm":
 # before every reduction on the communication stream (compute that does not wait on it reads its result early).
 # STREAM "copy": before every copy and every op issued on the copy stream (compute that does not wait on one
 # reads its destination early).
-DELAY_ENV = "HF_ZERO_CUDA_DELAY"
 
 
 def has_accelerator() -> bool:
@@ -65,10 +64,10 @@ def use_local_accelerator(local_rank: int) -> None:
 
 
 def _delay_device(stream: str) -> None:
-    """Queues DELAY_ENV's cycles of device sleep on the current stream when DELAY_ENV names `stream`."""
-    where, _, cycles = os.environ.get(DELAY_ENV, "").partition(":")
-    if where == stream:
-        torch.cuda._sleep(int(cycles))
+    """Queues HF_ZERO_CUDA_DELAY's cycles of device sleep on the current stream when it names `stream`."""
+    delay = cuda_delay()
+    if delay is not None and delay[0] == stream:
+        torch.cuda._sleep(delay[1])
 
 
 # ---- streams and events -------------------------------------------------------------------------

@@ -39,7 +39,8 @@ from hf_zero.device import compute_device
 from hf_zero.simulated_gpu import start_checking
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.deepspeed_config import engine_config
-from hf_zero.launch import destroy_process_group_at_exit, processes_per_node
+from hf_zero.environment import processes_per_node
+from hf_zero.launch import destroy_process_group_at_exit
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.precision import LossScaler
 from hf_zero.zero import activations

@@ -7,7 +7,6 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import signal
@@ -25,40 +24,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hf_zero import environment
 from hf_zero.device import has_accelerator, use_local_accelerator
 
 logger = logging.getLogger("hf_zero")
 
 
-def processes_per_node(world_size: int) -> int:
-    """torchrun's LOCAL_WORLD_SIZE: the processes on this node (all `world_size` of them when it is not set)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
-COLLECTIVE_TIMEOUT_ENV = "HF_ZERO_COLLECTIVE_TIMEOUT"
 # How long a rank waits in one collective by default: long enough for a rank that saves or loads a large
 # shard, or compiles the kernels, while the others wait; short enough that a rank that stopped answering
 # is an error within minutes (torch's own default is 30).
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
-def parse_seconds(text: str, name: str) -> float:
-    """A positive, finite number of seconds; ValueError naming `name` otherwise."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{name} must be a positive number of seconds; got {text!r}")
-    return seconds
-
-
 def collective_timeout(default: timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT) -> timedelta | None:
     """How long a rank waits in one collective for the others before it fails: HF_ZERO_COLLECTIVE_TIMEOUT
     seconds where that is set (`--collective_timeout` of the launchers sets it; the test suite sets 40, so
     that a hung collective fails its test within a minute), else `default`."""
-    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
-    return default if text is None else timedelta(seconds=parse_seconds(text, COLLECTIVE_TIMEOUT_ENV))
+    return environment.collective_timeout(default)
 
 
 def init_distributed(backend: str | None = None) -> None:
@@ -69,9 +51,51 @@ def init_distributed(backend: str | None = None) -> None:
     if backend is None:
         backend = "nccl" if has_accelerator() else "gloo"
     if backend == "nccl":
-        use_local_accelerator(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=collective_timeout())
+        use_local_accelerator(environment.integer("LOCAL_RANK", 0, 0))
+    rank, timeout = environment.integer("RANK", 0, 0), collective_timeout()
+    store = _announce_joining(rank)
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    except dist.DistError as error:  # torch's says which store key it waited for, not which rank never came
+        raise JoinError(f"rank {rank}: the {environment.world_size()} processes did not all join the process group "
+                        f"within {timeout.total_seconds():.0f} s{_not_joined(store, rank)} (torch: "
+                        f"{str(error).splitlines()[0]})") from None
     start_heartbeat()
+
+
+class JoinError(RuntimeError):
+    """Some rank never joined the process group: the message names it where the rendezvous store can tell."""
+
+
+def _joining_key(rank: int) -> str:
+    return f"hf_zero/joining/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _announce_joining(rank: int) -> dist.TCPStore | None:
+    """Tells the rendezvous store that this rank is joining the process group, so that a rank whose join times out
+    can name the ranks that never came; None where the store does not answer yet (rank 0 hosts it under
+    spawn_gloo, from its join on)."""
+    if "MASTER_ADDR" not in os.environ or environment.world_size() == 1:
+        return None
+    try:
+        store = _store_client()
+        store.set(_joining_key(rank), "1")
+        return store
+    except Exception:  # no store to tell: a timeout is reported without the names
+        return None
+
+
+def _not_joined(store: dist.TCPStore | None, me: int) -> str:
+    if store is None:
+        return ""
+    with contextlib.suppress(Exception):
+        missing = [r for r in range(environment.world_size()) if r != me and not store.check([_joining_key(r)])]
+        if missing:
+            return (f": rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never started to join "
+                    f"(stopped, crashed before its join, or still starting; --collective_timeout sets how long the "
+                    f"others wait)")
+        return ": every rank started to join, and some rank did not finish"
+    return ""
 
 
 # ---- heartbeat: which rank stopped answering ------------------------------------------------------
@@ -208,7 +232,7 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
 def say_once(message: str) -> None:
     """Prints `message` on stderr once however many ranks hold it: the first rank to get there prints it (the rank
     that exits first has torchrun stop the others), and a rank whose message is another one prints that too."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
+    if environment.world_size() > 1 and "MASTER_ADDR" in os.environ:
         with contextlib.suppress(Exception):  # the store gone: say it anyway
             key = f"hf_zero/said/{hashlib.sha256(message.encode()).hexdigest()}"
             if _store_client().add(key, 1) > 1:

@@ -6,7 +6,7 @@ from typing import Callable, NoReturn
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.comm import CollectiveError
 from hf_zero.config import ZeroConfigError
-from hf_zero.launch import die_with_launcher, exit_skipping_teardown, say_once
+from hf_zero.launch import JoinError, die_with_launcher, exit_skipping_teardown, say_once
 
 
 def run_rank(main: Callable[[], int | str | None], prog: str) -> NoReturn:
@@ -18,7 +18,7 @@ def run_rank(main: Callable[[], int | str | None], prog: str) -> NoReturn:
         code = main()
     except SystemExit as stop:  # the script's own sys.exit
         code = stop.code
-    except (ZeroConfigError, CheckpointError, CollectiveError) as error:
+    except (ZeroConfigError, CheckpointError, CollectiveError, JoinError) as error:
         say_once(f"{prog}: {error}")
         code = 2
     exit_skipping_teardown(code)

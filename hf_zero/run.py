@@ -15,14 +15,14 @@ sys.modules, which resolves names from those defining modules again.
 from __future__ import annotations
 
 import importlib
-import os
 import runpy
 import sys
 from pathlib import Path
 
 from hf_zero.arguments import check_script_flags
 from hf_zero.config import ZeroConfigError
-from hf_zero.launch import processes_per_node, say_once
+from hf_zero.environment import check_environment, processes_per_node, world_size
+from hf_zero.launch import say_once
 
 # (defining module, class name) -> hf_zero's replacement, as "module:attribute".
 REPLACEMENTS = {
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         # Before the script runs: its parser would print its whole usage on every rank.
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_environment()
+        world = world_size()
         check_script_flags(argv[1:], world, processes_per_node(world))
         patch_transformers()
         sys.argv = [str(script), *argv[1:]]

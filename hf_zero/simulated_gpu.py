@@ -56,8 +56,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
-SIMULATION_MODES = ("late", "early")
+from hf_zero import environment
+from hf_zero.environment import SIMULATE_ENV
+
 COMPUTE, COMM, COPY, HOST = "compute", "comm", "copy", "host"  # the timelines the simulation knows
 
 
@@ -71,13 +72,7 @@ class StreamOrderError(RuntimeError):
 
 def simulation() -> str | None:
     """How asynchronous work runs on CPU (tests: HF_ZERO_SIMULATE_ASYNC): "late", "early" or None (at once)."""
-    mode = os.environ.get(SIMULATE_ENV, "")
-    if mode in ("", "0"):
-        return None
-    mode = "late" if mode == "1" else mode
-    if mode not in SIMULATION_MODES:
-        raise ValueError(f"{SIMULATE_ENV} must be one of {', '.join(SIMULATION_MODES)} (or 1: late); got {mode!r}")
-    return mode
+    return environment.simulation()
 
 
 def simulating() -> bool:

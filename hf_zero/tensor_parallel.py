@@ -35,7 +35,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_zero.config import ZeroConfigError
 from hf_zero.device import compute_device
-from hf_zero.launch import processes_per_node
+from hf_zero.environment import processes_per_node
 
 
 def check_tp_within_a_node(tensor_parallel_size: int, processes_per_node: int, across_nodes: bool) -> None:

@@ -24,7 +24,8 @@ from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.config import add_arguments as add_engine_arguments
 from hf_zero.device import compute_device
-from hf_zero.launch import init_distributed, processes_per_node
+from hf_zero.environment import processes_per_node
+from hf_zero.launch import init_distributed
 from hf_zero.memory import model_state_bytes
 from hf_zero.tensor_parallel import apply_tensor_parallel, check_tp_within_a_node, init_mesh
 

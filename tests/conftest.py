@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_zero.simulated_gpu import SIMULATION_MODES, simulation, stop_checking
-from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, spawn_gloo
+from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATION_MODES
+from hf_zero.launch import spawn_gloo
+from hf_zero.simulated_gpu import simulation, stop_checking
 from tests.helpers import Scenario, run_scenarios, simulated
 
 # Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies

@@ -22,7 +22,8 @@ from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
 from transformers.utils import logging as hf_logging
 
 import hf_zero
-from hf_zero.simulated_gpu import SIMULATE_ENV, stop_checking
+from hf_zero.environment import SIMULATE_ENV
+from hf_zero.simulated_gpu import stop_checking
 
 hf_logging.set_verbosity_error()
 VOCAB, SEQ = 96, 16

@@ -466,6 +466,19 @@ DAMAGE = {  # what is done to the checkpoint -> what the error says
     "loss scale NaN": (_edit_manifest(lambda m: m["loss_scaler"].update(scale=float("nan"))), "positive finite scale"),
     "Adam step infinite": (_edit_manifest(lambda m: m["optimizer"]["scalars"][0].update(step=float("inf"))),
                            "optimizer.scalars must hold finite numbers"),
+    # Issue 53, item 1: values of the right JSON type that no optimizer can use loaded, and trained wrong or failed.
+    "lr negative": (_edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(lr=-1.0)),
+                    "optimizer.param_groups[0].lr must be a finite number of at least 0; got -1.0"),
+    "lr a string": (_edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(lr="0.1")),
+                    "optimizer.param_groups[0].lr must be a finite number of at least 0; got '0.1'"),
+    "betas out of range": (_edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(betas=[0.9, 1.0])),
+                           "optimizer.param_groups[0].betas must be two numbers, each at least 0 and below 1"),
+    "amsgrad a number": (_edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(amsgrad=1)),
+                         "optimizer.param_groups[0].amsgrad must be true, false or null; got 1"),
+    "Adam step negative": (_edit_manifest(lambda m: m["optimizer"]["scalars"][0].update(step=-3.0)),
+                           "optimizer.scalars[0].step must be a whole number of at least 0 (a count); got -3.0"),
+    "Adam step fractional": (_edit_manifest(lambda m: m["optimizer"]["scalars"][0].update(step=2.5)),
+                             "optimizer.scalars[0].step must be a whole number of at least 0 (a count); got 2.5"),
     "overlapping pieces": (_edit_manifest(_overlapping_pieces), "is damaged: the checkpoint's shards do not hold each"),
     "no rank-0 shard": (_move_shard("rank00001-of-00002.safetensors"), "no shard of rank 0"),
     "shard name leaves the folder": (_move_shard("../elsewhere/evil.safetensors"), "is not a file name of this folder"),
@@ -512,3 +525,47 @@ def test_a_rank_that_cannot_read_its_shard_fails_every_rank_alike_and_none_chang
                             r"rank00001-of-00002.safetensors has no tensor '\S+', which the manifest places there",
                             outcome["error"]), outcome["error"]
         assert outcome["unchanged"]
+
+
+def test_a_folder_name_whose_partial_folder_the_file_system_cannot_name_is_refused_before_anything_is_written(
+        tmp_path):
+    """Issue 53, item 8: a name of 248-255 bytes is valid, but not its `.partial`; the save's cleanup then raised a
+    second `OSError: File name too long` that hid the CheckpointError."""
+    engine = new_engine({"zero_stage": 2})
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    too_long = "c" * (limit - 4)
+    with pytest.raises(CheckpointError, match=f"'{too_long}' is {limit - 4} bytes; a save also writes .*\\(names are "
+                                              f"at most {limit} bytes\\): use a name of at most {limit - 8} bytes"):
+        engine.save_checkpoint(tmp_path / too_long)
+    assert list(tmp_path.iterdir()) == []
+    engine.save_checkpoint(tmp_path / ("c" * (limit - 8)))  # the longest that fits
+    assert checkpoint.is_complete(tmp_path / ("c" * (limit - 8)))
+
+
+def test_a_second_save_of_the_same_folder_while_one_is_in_progress_is_refused_and_leaves_the_first_whole(
+        tmp_path, monkeypatch):
+    """Issue 53, item 8: two processes saving into one folder at once corrupted nothing, but the second said
+    "ck.partial holds files that are not an hf_zero checkpoint". Here the second save (another engine: the lock is
+    a file lock, which a second open of the file in this process meets as another process would) runs while the
+    first writes its shards."""
+    folder = tmp_path / "ck"
+    write_shard = checkpoint._write_shard
+    second: list[CheckpointError] = []
+
+    def another_save_meanwhile(*args):
+        monkeypatch.setattr(checkpoint, "_write_shard", write_shard)
+        with pytest.raises(CheckpointError) as refused:
+            new_engine({"zero_stage": 2}).save_checkpoint(folder)
+        second.append(refused.value)
+        return write_shard(*args)
+
+    engine = new_engine({"zero_stage": 2})
+    train(engine, 0, 1)
+    monkeypatch.setattr(checkpoint, "_write_shard", another_save_meanwhile)
+    engine.save_checkpoint(folder)
+    assert re.search(f"another save of {re.escape(str(folder))} is in progress \\(it holds "
+                        f"{re.escape(str(folder))}.lock\\); wait for it to end, or save to another folder",
+                        str(second[0])), second
+    continued = new_engine({"zero_stage": 2})
+    continued.load_checkpoint(folder)
+    assert max_diff(whole_params(continued), whole_params(engine)) == 0

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import GPT2LMHeadModel
+
+import hf_zero
 
 from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
@@ -275,3 +279,94 @@ def test_the_consolidation_record_names_the_checkpoint_without_its_local_path(sm
     record = (tmp_path / "out" / "hf_zero_consolidation.json").read_text()
     assert json.loads(record)["checkpoint"] == "ckpt"
     assert str(small_checkpoint.parent) not in record
+
+
+# ---- crafted side files and shapes: one CheckpointError naming the file, nothing written (issue 53, item 3) ----
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory):
+    """A stage-1 checkpoint of a tiny GPT-2 with a LoRA adapter of r 4 (its config.json and adapter_config.json
+    beside the manifest)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.helpers import tiny_model
+
+    model = get_peft_model(tiny_model("gpt2"), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine = hf_zero.initialize(model, torch.optim.AdamW(trained), {"zero_stage": 1})
+    folder = tmp_path_factory.mktemp("lora") / "ckpt"
+    engine.save_checkpoint(folder)
+    return folder
+
+
+def _rewrite_json(name: str, change):
+    def rewrite(folder: Path) -> None:
+        path = folder / name
+        path.write_text(change(json.loads(path.read_text())) if callable(change) else change)
+    return rewrite
+
+
+def _without(key: str):
+    return lambda config: json.dumps({k: v for k, v in config.items() if k != key})
+
+
+def _with(**entries):
+    return lambda config: json.dumps({**config, **entries})
+
+
+CRAFTED = {  # the side file's damage -> what the one line says
+    "config.json not JSON": ("config.json", "{oops", r"config.json is not valid JSON"),
+    "config.json a list": ("config.json", "[1]", r"config.json must hold a JSON object; it holds a list"),
+    "no architectures": ("config.json", _without("architectures"),
+                         r"config.json: 'architectures' must name the model's class.*got None"),
+    "architectures a function": ("config.json", _with(architectures=["pipeline"]),
+                                 r"config.json: 'architectures' names 'pipeline', which is not a model class"),
+    "architectures unknown": ("config.json", _with(architectures=["NoSuchModel"]),
+                              r"config.json: 'architectures' names 'NoSuchModel', which is not a model class"),
+    "model_type unknown": ("config.json", _with(model_type="no-such-type"),
+                           r"config.json and .*adapter_config.json do not describe a model transformers .* can build"),
+    "adapter_config.json not JSON": ("adapter_config.json", "{bad", r"adapter_config.json is not valid JSON"),
+    "adapter_config.json a list": ("adapter_config.json", "[1]",
+                                   r"adapter_config.json must hold a JSON object; it holds a list"),
+    "adapter r not the weights'": ("adapter_config.json", _with(r=16),
+                                   r"adapter_config.json builds .*lora_A.* of shape \[16, 32\], but the checkpoint "
+                                   r"holds it as \[4, 32\]"),
+}
+
+
+@pytest.mark.parametrize("crafted", CRAFTED)
+def test_a_crafted_side_file_of_a_peft_checkpoint_is_one_error_naming_it_and_nothing_is_written(
+        lora_checkpoint, tmp_path, capsys, crafted):
+    name, change, says = CRAFTED[crafted]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(lora_checkpoint, folder)
+    _rewrite_json(name, change)(folder)
+    code, err = run_consolidate(capsys, folder, tmp_path / "out")
+    assert code == 2 and err.count("\n") == 1 and re.search(says, err), err
+    assert err.startswith("hf-zero consolidate: ") and str(folder) in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_untouched_peft_checkpoint_consolidates(lora_checkpoint, tmp_path, capsys):
+    """The cases above start from a checkpoint that consolidates: what refuses each is its damage."""
+    code, err = run_consolidate(capsys, lora_checkpoint, tmp_path / "out")
+    assert code == 0, err
+    assert (tmp_path / "out" / "adapter_config.json").is_file()
+
+
+def test_a_manifest_shape_its_files_do_not_hold_is_refused_before_any_memory_is_given_to_it(
+        small_checkpoint, tmp_path, capsys):
+    """A shape of 2**38 elements with one piece claiming all of it: loading refuses it by the stored tensor's
+    shape; consolidation allocated the whole parameter first (1 TiB of fp32)."""
+    manifest_path = small_checkpoint / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    name = next(iter(manifest["parameters"]))
+    manifest["parameters"][name]["shape"] = [2 ** 38]
+    for shard in manifest["shards"]:
+        shard["pieces"] = [piece for piece in shard["pieces"] if piece[0] != name]
+    manifest["shards"][0]["pieces"].append([name, 0, 2 ** 38])
+    manifest_path.write_text(json.dumps(manifest))
+    code, err = run_consolidate(capsys, small_checkpoint, tmp_path / "out")
+    said = [line for line in err.split("\n") if "hf-zero consolidate: " in line]  # beside the progress bar
+    assert code == 2 and len(said) == 1, err
+    assert re.search(rf"the manifest's piece is F32 of shape \[{2 ** 38}\]", said[0]), err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -7,7 +7,8 @@ import torch
 
 from hf_zero import device, simulated_gpu
 from hf_zero.device import LatestCopy, bytes_of, copy_to_device, copy_to_host, to_device, to_host
-from hf_zero.simulated_gpu import COMM, COPY, SIMULATE_ENV, SIMULATION_MODES, PendingCopyError
+from hf_zero.environment import SIMULATE_ENV, SIMULATION_MODES
+from hf_zero.simulated_gpu import COMM, COPY, PendingCopyError
 
 
 @pytest.fixture

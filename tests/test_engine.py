@@ -9,7 +9,7 @@ import transformers
 
 import hf_zero
 from hf_zero.config import ZeroConfigError
-from hf_zero.simulated_gpu import SIMULATION_MODES
+from hf_zero.environment import SIMULATION_MODES
 from hf_zero.launch import spawn_gloo
 from hf_zero.zero.reducer import MAX_IN_FLIGHT
 from tests.conftest import UNDER_SIMULATION

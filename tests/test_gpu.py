@@ -113,14 +113,14 @@ def one_rank_nccl_group():
 @pytest.mark.parametrize("config", GPU_PATH_CONFIGS, ids=config_id)
 def test_every_stage_trains_as_plain_torch_in_an_nccl_group_with_one_stream_far_behind(
         one_rank_nccl_group, monkeypatch, config, late):
-    """Device sleeps (DELAY_ENV) keep one side far behind: the compute stream (copies land late, backward writes
-    its buckets late), the communication stream (reductions finish late) or the copy stream (a prefetched
+    """Device sleeps (HF_ZERO_CUDA_DELAY) keep one side far behind: the compute stream (copies land late, backward
+    writes its buckets late), the communication stream (reductions finish late) or the copy stream (a prefetched
     parameter shard arrives late). A missing wait, of a reduction on the compute stream, of the compute stream on
     a reduction or a copy, or of the host on a copy, then reads or writes a buffer too early and the weights
     differ from plain torch's."""
-    from hf_zero.device import DELAY_ENV
+    from hf_zero.environment import CUDA_DELAY_ENV
 
-    monkeypatch.setenv(DELAY_ENV, f"{late}:2000000")  # about a millisecond of an H100's clock each
+    monkeypatch.setenv(CUDA_DELAY_ENV, f"{late}:2000000")  # about a millisecond of an H100's clock each
     assert_close(engine_cuda_run(config, 4, expect_comm_stream=True), plain_cuda_run(4))
 
 

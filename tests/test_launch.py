@@ -3,6 +3,7 @@ destroy_process_group (as every Trainer script does) having its group destroyed 
 finalization, where gloo can abort."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -18,9 +19,11 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from hf_zero.comm import CHECK_ENV, CollectiveError, Communicator, Ledger, checking_collectives, issued_for
-from hf_zero.simulated_gpu import SIMULATE_ENV
-from hf_zero.launch import COLLECTIVE_TIMEOUT_ENV, HEARTBEAT_SECONDS, collective_timeout, free_port, spawn_gloo
+from hf_zero.comm import CollectiveError, Communicator, Ledger, issued_for
+from hf_zero.config import ZeroConfigError
+from hf_zero.environment import CHECK_COLLECTIVES_ENV as CHECK_ENV
+from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATE_ENV, check_collectives
+from hf_zero.launch import HEARTBEAT_SECONDS, collective_timeout, free_port, spawn_gloo
 
 SCRIPT = """
 import atexit, os
@@ -169,8 +172,9 @@ def test_hf_zero_check_collectives_0_turns_the_check_off_and_other_values_are_re
     monkeypatch.setenv(CHECK_ENV, "0")
     spawn_gloo(ranks_issue_different_collectives, 2, 3, True)
     monkeypatch.setenv(CHECK_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{CHECK_ENV} must be 1 .* or 0 .*; got 'yes'"):
-        checking_collectives()
+    with pytest.raises(ZeroConfigError, match=f"{CHECK_ENV} must be one of 1 \\(compare every collective across the "
+                                              f"ranks, the default\\), 0 \\(do not\\); got 'yes'"):
+        check_collectives()
 
 
 def rank_1_stops(report_to: str) -> None:
@@ -200,11 +204,56 @@ def test_a_rank_that_stops_answering_is_named_by_the_rank_left_waiting(monkeypat
                         r"its group of 2 \(8 float32 elements\)\)", error, re.DOTALL), error
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
-def test_a_bad_collective_timeout_is_refused_naming_the_variable(monkeypatch, value):
+@pytest.mark.slow
+def test_a_rank_stopped_before_it_joins_the_process_group_is_named_in_one_line(tmp_path):
+    """Issue 53, item 7: rank 1 stopped (SIGSTOP) as soon as it exists, before its join. Rank 0 failed after the
+    timeout with a 25-line traceback ending in torch's `DistStoreError: wait timeout ... keys:
+    /default_pg/0//cpu//0/1`, naming no rank; mid-training the same fault was already named."""
+    import psutil
+
+    hf_zero_train = subprocess.Popen([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "2",
+                                      "--max_steps", "400", "--log_every", "5", "--collective_timeout", "5"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    stopped, deadline = None, time.time() + 60
+    try:
+        while stopped is None and time.time() < deadline and hf_zero_train.poll() is None:
+            for child in psutil.Process(hf_zero_train.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if child.environ().get("RANK") == "1":
+                        child.send_signal(signal.SIGSTOP)
+                        stopped = child
+                        break
+            time.sleep(0.02)
+        assert stopped is not None, "rank 1 was never seen"
+
+        def rank_0_lives() -> bool:
+            with contextlib.suppress(psutil.Error):
+                return any(c.environ().get("RANK") == "0" for c in psutil.Process(hf_zero_train.pid).children(True))
+            return False
+
+        while rank_0_lives() and time.time() < deadline:
+            time.sleep(0.1)
+        stopped.kill()  # torchrun's SIGTERM waits for a stopped process to go on: its SIGKILL comes 30 s later
+        _, err = hf_zero_train.communicate(timeout=60)
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(psutil.Error):
+                stopped.kill()
+        hf_zero_train.kill()
+    said = [line for line in err.splitlines() if line.startswith("hf-zero train: ")]
+    assert said == ["hf-zero train: rank 0: the 2 processes did not all join the process group within 5 s: rank 1 "
+                    "never started to join (stopped, crashed before its join, or still starting; --collective_timeout "
+                    "sets how long the others wait) (torch: wait timeout after 5000ms, keys: "
+                    "/default_pg/0//cpu//0/1)"], err
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan", "1e300", "1e-9", "0.5", "2592001"])
+def test_a_collective_timeout_outside_one_second_to_30_days_is_refused_naming_the_variable(monkeypatch, value):
+    """1e300 raised OverflowError inside every rank, 1e-9 rounded to a timeout of 0 ms (issue 53)."""
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, value)
-    with pytest.raises(ValueError, match=f"{COLLECTIVE_TIMEOUT_ENV} must be a positive number of seconds; "
-                                         f"got '{value}'"):
+    with pytest.raises(ZeroConfigError, match=f"{COLLECTIVE_TIMEOUT_ENV} must be a number of seconds from 1 to "
+                                              f"2,592,000 \\(30 days\\); got '{value}'"):
         collective_timeout(None)
 
 
@@ -269,5 +318,6 @@ def test_the_launchers_collective_timeout_flag_reaches_the_ranks(monkeypatch, tm
 
 def test_a_bad_collective_timeout_flag_is_one_line_naming_it(refused_before_launch):
     assert refused_before_launch("train", "--collective_timeout", "soon") == (
-        2, "hf-zero train: argument --collective_timeout: the value must be a positive number of seconds; got 'soon' "
+        2, "hf-zero train: argument --collective_timeout: the value must be a number of seconds from 1 to 2,592,000 "
+           "(30 days); got 'soon' "
            "(--help lists the flags)\n")

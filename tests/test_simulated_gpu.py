@@ -10,7 +10,8 @@ import hf_zero
 from hf_zero import simulated_gpu
 from hf_zero.comm import Communicator, Ledger
 from hf_zero.device import HOST, CommStream, copy_to_host, on_copy_stream, record_event, release_storage, to_host
-from hf_zero.simulated_gpu import COPY, SIMULATE_ENV, StreamOrderError
+from hf_zero.environment import SIMULATE_ENV
+from hf_zero.simulated_gpu import COPY, StreamOrderError
 from tests.helpers import GPU_PATH_CONFIGS, batch, config_id, make_optimizer, named_copy, tiny_model
 
 

@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from hf_zero.environment import EXTENSIONS_DIR_ENV, extensions_dir
+
 logger = logging.getLogger("hf_zero")
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -33,11 +35,6 @@ _built: dict[str, ModuleType | Exception] = {}
 # No contraction of a*b+c into FMAs behind our back: the kernels fuse exactly where ATen does.
 # -fopenmp: at::parallel_for is a header template; without it the loop runs on one thread.
 CFLAGS, LDFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp"), ("-fopenmp",)  # copied for torch, which appends to them
-EXTENSIONS_DIR_ENV = "HF_ZERO_EXTENSIONS_DIR"
-
-
-def extensions_root() -> Path:
-    return Path(os.environ.get(EXTENSIONS_DIR_ENV, Path.home() / ".cache" / "hf_zero" / "extensions"))
 
 
 def build_directory(name: str) -> Path:
@@ -46,7 +43,7 @@ def build_directory(name: str) -> Path:
     digest = hashlib.sha256(json.dumps([torch.__version__, *CFLAGS, *LDFLAGS]).encode())
     for source in [*KERNELS[name], *sorted(p.name for p in CSRC.glob("*.h"))]:
         digest.update(source.encode() + b"\0" + (CSRC / source).read_bytes())
-    return extensions_root() / f"torch-{torch.__version__}" / f"{name}-{digest.hexdigest()[:12]}"
+    return extensions_dir() / f"torch-{torch.__version__}" / f"{name}-{digest.hexdigest()[:12]}"
 
 
 def _check_not_writable_by_others(path: Path, what: str) -> None:

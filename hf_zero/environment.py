@@ -1,0 +1,154 @@
+"""Every environment variable hf_zero reads, parsed in one place. A value hf_zero cannot use is a ZeroConfigError
+naming the variable and what is allowed: the launchers (`hf-zero train`, `hf-zero run`) check them all before any
+rank starts (`check_environment`), and a rank that reads one raises the same error, which its launcher reports as
+one line (rank_main.run_rank), not a traceback per rank.
+
+hf_zero's own: HF_ZERO_COLLECTIVE_TIMEOUT, HF_ZERO_CHECK_COLLECTIVES, HF_ZERO_EXTENSIONS_DIR, HF_ZERO_CPU_ADAM_ISA
+(read by the C++ kernels too, csrc/isa.h), HF_ZERO_SIMULATE_ASYNC and HF_ZERO_CUDA_DELAY (tests). The launchers':
+torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE and RANK, and what `accelerate launch --use_deepspeed` hands its processes
+(ACCELERATE_DEEPSPEED_ZERO_STAGE, ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_GRADIENT_ACCUMULATION_STEPS).
+"""
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from pathlib import Path
+
+from hf_zero.config import ZeroConfigError
+
+COLLECTIVE_TIMEOUT_ENV = "HF_ZERO_COLLECTIVE_TIMEOUT"
+CHECK_COLLECTIVES_ENV = "HF_ZERO_CHECK_COLLECTIVES"
+EXTENSIONS_DIR_ENV = "HF_ZERO_EXTENSIONS_DIR"
+CPU_ADAM_ISA_ENV = "HF_ZERO_CPU_ADAM_ISA"
+SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
+CUDA_DELAY_ENV = "HF_ZERO_CUDA_DELAY"
+
+# A collective timeout below a second fails on any rank that is a moment late (the heartbeats that name a silent
+# rank are a second apart); above 30 days it is no timeout, and torch's millisecond count overflows long before
+# Python's timedelta does (1e300 s raised OverflowError inside every rank).
+TIMEOUT_BOUNDS = (1.0, 30 * 24 * 3600.0)
+CPU_ADAM_ISAS = ("avx512", "avx2", "scalar")
+SIMULATION_MODES = ("late", "early")
+DELAYED_STREAMS = ("compute", "comm", "copy")
+
+
+def seconds(text: str, name: str) -> float:
+    """A number of seconds a collective may wait, within TIMEOUT_BOUNDS; ZeroConfigError naming `name` otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    low, high = TIMEOUT_BOUNDS
+    if not low <= value <= high:  # nan too
+        raise ZeroConfigError(f"{name} must be a number of seconds from {low:.0f} to {high:,.0f} (30 days); "
+                              f"got {text!r}")
+    return value
+
+
+def collective_timeout(default: timedelta | None) -> timedelta | None:
+    """HF_ZERO_COLLECTIVE_TIMEOUT as a timedelta where it is set, else `default`."""
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    return default if text is None else timedelta(seconds=seconds(text, COLLECTIVE_TIMEOUT_ENV))
+
+
+def integer(name: str, default: int, minimum: int) -> int:
+    """Environment variable `name` as a whole number of at least `minimum`, `default` when unset."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ZeroConfigError(f"{name} must be a whole number of at least {minimum}; got {text!r}")
+    return value
+
+
+def number(name: str) -> float:
+    """Environment variable `name` (set) as a finite number of at least 0."""
+    text = os.environ[name]
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ZeroConfigError(f"{name} must be a finite number of at least 0; got {text!r}")
+    return value
+
+
+def choice(name: str, allowed: dict[str, str], aliases: dict[str, str | None] | None = None) -> str | None:
+    """Environment variable `name` as one of `allowed` (value: what it means) or an alias of one, None when unset or
+    empty."""
+    text = os.environ.get(name, "")
+    aliases = {"": None, **(aliases or {})}
+    if text in aliases:
+        return aliases[text]
+    if text not in allowed:
+        spelled = ", ".join(f"{value} ({meaning})" if meaning else value for value, meaning in allowed.items())
+        spelled += "".join(f"; {alias} means {meaning or 'off'}" for alias, meaning in aliases.items() if alias)
+        raise ZeroConfigError(f"{name} must be one of {spelled}; got {text!r}")
+    return text
+
+
+def check_collectives() -> bool:
+    """HF_ZERO_CHECK_COLLECTIVES: 1 (the default) compares every collective across the ranks, 0 does not."""
+    return choice(CHECK_COLLECTIVES_ENV, {"1": "compare every collective across the ranks, the default",
+                                          "0": "do not"}) != "0"
+
+
+def simulation() -> str | None:
+    """HF_ZERO_SIMULATE_ASYNC: "late", "early" or None (asynchronous work runs at once, as the CPU runs it)."""
+    return choice(SIMULATE_ENV, dict.fromkeys(SIMULATION_MODES, ""), {"0": None, "1": "late"})
+
+
+def extensions_dir() -> Path:
+    """Where the compiled kernels are cached: HF_ZERO_EXTENSIONS_DIR, else ~/.cache/hf_zero/extensions. Set but empty
+    is refused: it would build and cache them in whatever folder the process started in."""
+    text = os.environ.get(EXTENSIONS_DIR_ENV)
+    if text is None:
+        return Path.home() / ".cache" / "hf_zero" / "extensions"
+    if not text.strip():
+        raise ZeroConfigError(f"{EXTENSIONS_DIR_ENV} is set but empty: name a folder for the compiled kernels, or "
+                              f"unset it for the default (~/.cache/hf_zero/extensions)")
+    return Path(text).expanduser()
+
+
+def cuda_delay() -> tuple[str, int] | None:
+    """HF_ZERO_CUDA_DELAY, "STREAM:CYCLES" (tests/test_gpu.py): the stream to hold back and for how many cycles."""
+    text = os.environ.get(CUDA_DELAY_ENV, "")
+    if not text:
+        return None
+    stream, _, cycles = text.partition(":")
+    if stream not in DELAYED_STREAMS or not cycles.isdigit():
+        raise ZeroConfigError(f"{CUDA_DELAY_ENV} must be STREAM:CYCLES, STREAM one of {', '.join(DELAYED_STREAMS)} "
+                              f"and CYCLES a whole number; got {text!r}")
+    return stream, int(cycles)
+
+
+def world_size() -> int:
+    """torchrun's WORLD_SIZE: the processes in all (1 when not launched)."""
+    return integer("WORLD_SIZE", 1, 1)
+
+
+def processes_per_node(world: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE: the processes on this node (all `world` of them when it is not set)."""
+    return integer("LOCAL_WORLD_SIZE", world, 1)
+
+
+def check_environment() -> None:
+    """Checks every variable above that is set, so that a bad one is refused before any rank starts."""
+    collective_timeout(None)
+    check_collectives()
+    simulation()
+    cuda_delay()
+    extensions_dir()
+    choice(CPU_ADAM_ISA_ENV, dict.fromkeys(CPU_ADAM_ISAS, ""))
+    processes_per_node(world_size())
+    integer("RANK", 0, 0)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        integer("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2, 0)
+        integer("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1, 1)
+        if os.environ.get("ACCELERATE_GRADIENT_CLIPPING") not in (None, "none"):
+            number("ACCELERATE_GRADIENT_CLIPPING")
