@@ -455,12 +455,14 @@ def _manifest(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
 
 # ---- load ------------------------------------------------------------------------------------
 def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend",
-         comm: Communicator) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+         comm: Communicator, frozen_must_match: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Sets the backend's masters and optimizer state from a checkpoint saved at any data-parallel size and
     stage; returns the manifest (training state, client_state) and the module state for the caller to restore.
     Nothing changes unless every rank's checks passed: the whole manifest, every file's size and hash, and
-    every stored tensor this rank will read (present, fp32, of the size the manifest gives). What can still
-    fail after that is the disk itself; that too fails on every rank, never leaving one waiting."""
+    every stored tensor this rank will read (present, fp32, of the size the manifest gives), and with
+    `frozen_must_match` that the frozen weights are the model's already (a peft base that resumes must be the one its
+    adapter was trained on). What can still fail after that is the disk itself; that too fails on every rank, never
+    leaving one waiting."""
     folder = readable_folder(Path(directory), comm.rank == 0)
     manifest, index = read_manifest(folder)
     _check_tensor_parallel_size(layout, manifest, folder)
@@ -484,7 +486,7 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
                     for piece, kind in ((piece, kind) for piece in pieces for kind in kinds):
                         read_range(files, index, kind, piece.name, piece.param_lo, piece.param_hi, None)
             for piece in layout.frozen_pieces:
-                _read_frozen(files, index, manifest, piece, check_only=True)
+                _read_frozen(files, index, manifest, piece, "compare" if frozen_must_match else "check")
             _check_module_state(files[module_state_file(manifest)], manifest, layout)
 
         comm.agree(open_and_check, f"reading the shard headers under {folder}", CheckpointError)
@@ -510,7 +512,7 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
             # States on NVMe went to their files in load_chunk; the optimizer still takes the hyper-parameters.
             _load_optimizer(backend.optimizer, manifest, new_state if backend.states_in_optimizer else {})
             for piece in layout.frozen_pieces:
-                _read_frozen(files, index, manifest, piece, check_only=False)
+                _read_frozen(files, index, manifest, piece, "fill")
             loaded.update(_read_module_state(files, manifest, layout))
 
         comm.agree(read_and_set, f"reading {folder}", CheckpointError)
@@ -753,19 +755,25 @@ def _check_module_state(writer: Any, manifest: dict[str, Any], layout: ShardLayo
 
 
 def _read_frozen(files: dict[str, Any], index: dict, manifest: dict[str, Any], piece: FrozenPiece,
-                 check_only: bool) -> None:
-    """Fills the elements a frozen piece views from the checkpoint (with `check_only`, checks they are there). A
-    checkpoint saved before frozen weights were stored apart holds them whole in its module state."""
+                 mode: str) -> None:
+    """The elements a frozen piece views, from the checkpoint: "fill" copies them in, "check" checks they are there,
+    "compare" that they are the values the piece holds (the base a resumed adapter was trained on). A checkpoint
+    saved before frozen weights were stored apart holds them whole in its module state."""
     entry = manifest.get("frozen", {}).get(piece.name)
     if entry is None:
-        if not check_only:
-            whole = files[module_state_file(manifest)].get_tensor(f"module/{piece.name}")
-            piece.values.copy_(whole.reshape(-1)[piece.lo:piece.hi])
-        return
-    stored = None if check_only else torch.empty(piece.hi - piece.lo, dtype=TORCH_DTYPES[entry["dtype"]])
-    read_range(files, index, "frozen", piece.name, piece.lo, piece.hi, stored, entry["dtype"])
-    if stored is not None:
+        if mode == "check":
+            return
+        stored = files[module_state_file(manifest)].get_tensor(f"module/{piece.name}").reshape(-1)[piece.lo:piece.hi]
+    else:
+        stored = None if mode == "check" else torch.empty(piece.hi - piece.lo, dtype=TORCH_DTYPES[entry["dtype"]])
+        read_range(files, index, "frozen", piece.name, piece.lo, piece.hi, stored, entry["dtype"])
+    if mode == "fill":
         piece.values.copy_(stored)
+    elif mode == "compare" and not torch.equal(stored, piece.values.reshape(-1).to(stored.dtype)):
+        differs = (stored.double() - piece.values.reshape(-1).double()).abs().max().item()
+        raise CheckpointError(f"the frozen weight {piece.name} differs from the checkpoint's (by up to {differs:.3g}): "
+                              f"the adapter was trained on another base model. Resume with the base it was trained "
+                              f"on, or start a new run instead of resuming")
 
 
 def check_files(shards: list[dict[str, Any]], folder: Path) -> None:

@@ -480,12 +480,14 @@ class ZeroEngine(nn.Module):
                                self.module, training_state, client_state)
 
     @torch.no_grad()
-    def load_checkpoint(self, directory: str | os.PathLike) -> dict[str, Any] | None:
+    def load_checkpoint(self, directory: str | os.PathLike, frozen_must_match: bool = False) -> dict[str, Any] | None:
         """Loads a checkpoint saved at any data-parallel size and stage (with tensor parallelism: the same
-        tp size); returns its client_state."""
+        tp size); returns its client_state. `frozen_must_match`: refuse it, changing nothing, unless the frozen
+        weights it holds are the model's already (a peft adapter resuming on the base it was trained on)."""
         self.finish_pending_update()
         layout = self.checkpoint_layout()
-        manifest, module_state = checkpoint.load(directory, layout, self.sharded_optimizer.backend, self.world_comm)
+        manifest, module_state = checkpoint.load(directory, layout, self.sharded_optimizer.backend, self.world_comm,
+                                                 frozen_must_match)
         checkpoint.restore_module_state(layout, module_state)
         self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]
         self.skipped_steps = manifest["skipped_steps"]

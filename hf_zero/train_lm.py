@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -95,6 +96,27 @@ def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     check_tp_within_a_node(args.tensor_parallel_size, per_node, args.tensor_parallel_across_nodes)
     if args.dropout is not None and model_zoo.entry(args.model).family != "gpt2":
         raise ZeroConfigError(f"--dropout sets GPT-2's dropout; {args.model} is not a GPT-2 model")
+    _check_activations_fit(args, per_node)
+
+
+def _check_activations_fit(args: argparse.Namespace, per_node: int) -> None:
+    """Refuses a micro-batch whose activations cannot fit in the memory the ranks of this node share (the GPU's, or
+    the host's on CPU), by hf_zero.estimate's count: 12·hidden bytes per token and layer, a lower bound (no
+    attention scores, no logits), so that nothing that fits is refused. A billion sequences were OOM-killed 35 s
+    after launch instead."""
+    from hf_zero.estimate import activation_bytes
+
+    per_sequence = activation_bytes(args.model, 1, args.seq_len, False, args.dtype) / args.tensor_parallel_size
+    if torch.cuda.is_available():
+        memory, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
+    else:
+        memory = psutil.virtual_memory().available // per_node
+        where = f"the host memory available to each of the {per_node} ranks on this node"
+    if per_sequence * args.batch_size > memory:
+        raise ZeroConfigError(f"--batch_size {args.batch_size} of --seq_len {args.seq_len} needs at least "
+                              f"{per_sequence * args.batch_size / 2**30:,.1f} GiB of activations per rank for "
+                              f"{args.model} ({args.dtype}), more than {where}, {memory / 2**30:,.1f} GiB: use a "
+                              f"--batch_size below {max(1, int(memory // per_sequence))}, or a shorter --seq_len")
 
 
 TRAIN_FRACTION = 0.95  # of the text; the rest validates

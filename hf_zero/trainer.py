@@ -27,8 +27,10 @@ tensors) and takes every weight from the engine checkpoint.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
+import json
 import os
 import re
 from pathlib import Path
@@ -46,7 +48,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, _is_peft_mo
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_zero import pretrained
-from hf_zero.checkpoint import TRAINER_SUBFOLDER, newest_complete
+from hf_zero.checkpoint import TRAINER_SUBFOLDER, CheckpointError, newest_complete
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
@@ -126,6 +128,42 @@ def last_complete_checkpoint(output_dir: str, save_only_model: bool = False) -> 
             return str(folder)
         logger.warning(f"{folder} is incomplete (a save was interrupted); resuming from an earlier checkpoint")
     raise ValueError(f"no complete checkpoint in {output_dir} to resume from")
+
+
+# What an adapter's weights mean, in peft's configs: a resume whose adapter differs in any of these would load weights
+# of other shapes (a traceback per rank from peft), or silently scale or place them otherwise (lora_alpha).
+ADAPTER_IDENTITY = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "target_modules", "exclude_modules",
+                    "bias", "fan_in_fan_out", "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern",
+                    "modules_to_save", "num_virtual_tokens", "token_dim", "num_transformer_submodules")
+
+
+def check_adapter_matches(model: nn.Module, checkpoint_folder: Path) -> None:
+    """Refuses, before anything loads, to resume a peft model whose adapter is not the one the checkpoint's
+    adapter_config.json describes, naming the setting that differs."""
+    if not _is_peft_model(model):
+        return
+    saved_path = next((p for p in (checkpoint_folder / "adapter_config.json",
+                                   checkpoint_folder / TRAINER_SUBFOLDER / "adapter_config.json") if p.is_file()), None)
+    if saved_path is None:
+        return
+    try:
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{saved_path} is not valid JSON ({error}); the checkpoint is damaged") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{saved_path} must hold a JSON object; it holds a {type(saved).__name__}")
+    current = model.peft_config[model.active_adapter].to_dict()
+
+    def comparable(value: Any) -> Any:
+        if isinstance(value, enum.Enum):
+            return value.value
+        return sorted(value) if isinstance(value, (set, list, tuple)) else value
+
+    for key in ADAPTER_IDENTITY:
+        if key in saved and key in current and comparable(saved[key]) != comparable(current[key]):
+            raise CheckpointError(f"{saved_path} was saved with {key} {comparable(saved[key])!r}, and this model's "
+                                  f"adapter has {key} {comparable(current[key])!r}: build the adapter as it was "
+                                  f"trained, or start a new run instead of resuming")
 
 
 class ZeroTrainerMixin:
@@ -278,6 +316,7 @@ class ZeroTrainerMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        check_adapter_matches(self.model, Path(resume_from_checkpoint))
         # The engine checkpoint loaded next holds every weight. With tensor parallelism the model's parameters
         # are DTensors, which the whole tensors of model.safetensors cannot be copied into; a model built
         # partitioned holds its shards in the engine already.
@@ -296,7 +335,9 @@ class ZeroTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        self.engine.load_checkpoint(os.path.join(checkpoint, TRAINER_SUBFOLDER))
+        # A peft adapter resumes on the base the script built, as under stock, which must be the one it was trained on.
+        self.engine.load_checkpoint(os.path.join(checkpoint, TRAINER_SUBFOLDER),
+                                    frozen_must_match=_is_peft_model(self.model))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_best_model(self) -> None:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from hf_zero import train_lm
+from hf_zero.config import ZeroConfigError
 from hf_zero.launch import spawn_gloo
 
 # Dropout off: with tensor parallelism each rank draws masks for its own heads, so random masks differ.
@@ -45,6 +46,25 @@ def test_a_layout_the_processes_cannot_take_stops_before_they_start(refused_befo
     code, err = refused_before_launch("train", "--nproc_per_node", "2", *flags)
     assert code == 2
     assert message in err
+
+
+def test_a_micro_batch_whose_activations_cannot_fit_is_refused_before_launch_naming_the_flag(refused_before_launch):
+    """Issue 53, item 8: a billion sequences passed the check, and both ranks were OOM-killed 35 s later with only
+    torchrun's `exitcode: -9`. The bound is a lower one (hf_zero.estimate's 12 bytes per hidden unit, token and
+    layer), so what it suggests is not refused by it."""
+    code, err = refused_before_launch("train", "--nproc_per_node", "2", "--batch_size", "1000000000")
+    found = re.fullmatch(r"hf-zero train: --batch_size 1000000000 of --seq_len 128 needs at least [\d,.]+ GiB of "
+                         r"activations per rank for gpt2-demo \(fp32\), more than the host memory available to each "
+                         r"of the 2 ranks on this node, [\d,.]+ GiB: use a --batch_size below (\d+), or a shorter "
+                         r"--seq_len\n", err)
+    assert code == 2 and found, err
+    suggested = int(found.group(1))
+    parser = argparse.ArgumentParser()
+    train_lm.add_arguments(parser)
+    # Not refused (half of it: the host's available memory moves meanwhile)
+    train_lm.check_args(parser.parse_args(["--batch_size", str(suggested // 2)]), 2, 2)
+    with pytest.raises(ZeroConfigError, match="--batch_size"):
+        train_lm.check_args(parser.parse_args(["--batch_size", str(10 * suggested)]), 2, 2)
 
 
 def test_a_misspelt_flag_is_one_line_naming_the_nearest_one(refused_before_launch):

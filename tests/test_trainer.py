@@ -1,6 +1,8 @@
 """ZeroTrainer against the stock transformers Trainer with DDP: same data, seed and schedule on 2 gloo ranks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -331,3 +333,69 @@ def test_with_log_level_info_each_logging_step_says_what_the_rank_holds_after_th
     reports = [r for r in records if r.startswith("rank 0 holds")]
     assert len(reports) == 3, records  # logging steps 2 and 4, and the end-of-training log
     assert all("gradients 0.00 MiB" not in r for r in reports), reports  # after steps: gradients exist
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA (r 4, alpha 8) on a tiny GPT-2, trained 2 steps at stage 1 in this process, checkpoint-2 saved."""
+    from peft import LoraConfig, get_peft_model
+
+    from training_args import ZeroTrainingArguments
+
+    out = tmp_path_factory.mktemp("lora") / "run"
+    args = ZeroTrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=2, save_strategy="steps",
+                                 save_steps=2, per_device_train_batch_size=4, disable_tqdm=True, zero_stage=1)
+    model = get_peft_model(gpt2_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
+    ZeroTrainer(model=model, args=args, train_dataset=lm_examples(16, seed=1)).train()
+    return out
+
+
+def resume_lora(run_folder, tmp_path, base=None, **lora):
+    """A fresh Trainer resuming `run_folder`'s checkpoint-2 (copied) with this adapter and base, to step 3."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from training_args import ZeroTrainingArguments
+
+    out = tmp_path / "run"
+    shutil.copytree(run_folder, out)
+    args = ZeroTrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=3, save_strategy="no",
+                                 per_device_train_batch_size=4, disable_tqdm=True, zero_stage=1)
+    settings = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "lora_dropout": 0.0, **lora}
+    model = get_peft_model(base if base is not None else gpt2_model(), LoraConfig(**settings))
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=lm_examples(16, seed=1))
+    trainer.train(resume_from_checkpoint=True)
+    return trainer
+
+
+@pytest.mark.parametrize("changed, says", [
+    ({"lora_alpha": 32}, "was saved with lora_alpha 8, and this model's adapter has lora_alpha 32"),
+    ({"r": 8}, "was saved with r 4, and this model's adapter has r 8"),
+    ({"target_modules": ["c_attn", "c_proj"]}, "was saved with target_modules ['c_attn'], and this model's adapter "
+                                               "has target_modules ['c_attn', 'c_proj']"),
+])
+def test_a_lora_checkpoint_resumed_into_another_adapter_is_refused_naming_the_setting(lora_run, tmp_path, changed,
+                                                                                      says):
+    """Issue 53, item 2: alpha 32 against a checkpoint of alpha 8 loaded without a word, and another r gave a
+    traceback per rank from peft's load, before the engine's own check."""
+    from hf_zero.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=re.escape(says)) as refused:
+        resume_lora(lora_run, tmp_path, **changed)
+    assert "adapter_config.json" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_lora_checkpoint_resumed_onto_another_base_is_refused_and_the_same_base_resumes(lora_run, tmp_path):
+    """Issue 53, item 2: a base of the same shapes but other values got the checkpoint's old base put back, where
+    stock keeps the base the script built. Here the adapter must resume on the base it was trained on."""
+    from hf_zero.checkpoint import CheckpointError
+
+    other = gpt2_model()
+    with torch.no_grad():
+        other.transformer.h[0].mlp.c_fc.weight.add_(0.01)
+    with pytest.raises(CheckpointError, match=r"the frozen weight \S*transformer.h.0.mlp.c_fc.weight differs from the "
+                                              r"checkpoint's \(by up to 0.01\)"):
+        resume_lora(lora_run, tmp_path / "other", base=other)
+    trainer = resume_lora(lora_run, tmp_path / "same")
+    assert trainer.state.global_step == 3
