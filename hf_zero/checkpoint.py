@@ -313,13 +313,17 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     partial, _ = save_folders(final)
     check_name_length(final)
     layout = _with_whole_module_state(layout)
-    lock = FileLock(final.with_name(final.name + ".lock"), timeout=0)
+    lock_path = final.with_name(final.name + ".lock")
+    lock = FileLock(lock_path, timeout=0)
+    made_lock = False  # whether this save created the lock file, which it then removes (none of a user's)
 
     def fresh_partial() -> None:
         # Rank 0 alone settles and creates it, and the others wait for that (agree gathers): a rank
         # creating it while rank 0 removes an interrupted save's folder would lose its files or fail.
         if comm.rank == 0:
+            nonlocal made_lock
             final.parent.mkdir(parents=True, exist_ok=True)
+            made_lock = not lock_path.exists()
             try:  # held until the save ends: another process's save of the same folder would mix their files
                 lock.acquire()
             except Timeout:
@@ -351,6 +355,8 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
         raise
     finally:
         if lock.is_locked:
+            if made_lock:  # before the release: another save then finds no file, or a new one of its own
+                lock_path.unlink(missing_ok=True)
             lock.release()
     return final
 

@@ -184,7 +184,7 @@ def in_host_memory(src: torch.Tensor, dtype: torch.dtype | None = None) -> torch
         return src.to(HOST, dtype).contiguous()
     if sim.checker is not None:  # synchronous: the host waits for the stream, which reads the source
         sim.checker.access(sim.stream_now(), [src], [], "a synchronous copy to the host")
-        sim.checker.wait(HOST_STREAM, sim.checker.record(sim.stream_now()))
+        sim.checker.wait_stream(HOST_STREAM, sim.stream_now())
     return sim.in_host_memory(lambda: src.to(HOST, dtype, copy=True).contiguous())
 
 

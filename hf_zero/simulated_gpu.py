@@ -436,13 +436,15 @@ class StreamChecker:
                 self.syncs.stream_wait_for_event(self.stream(stream), event)
 
     def wait_stream(self, waiting: str, waited: str) -> None:
-        """Stream `waiting` waits on the work queued so far on stream `waited` (an event made and waited on)."""
+        """Stream `waiting` waits on the work queued so far on stream `waited`, as on an event recorded there now
+        (HOST: the host does, and so everything it issues later)."""
         with self.lock:
             state = self.syncs.current_sync_states
             waited_id, waiting_id = self.stream(waited), self.stream(waiting)
             if waited_id != self.host and not getattr(_current, "issued_earlier", False):
                 self.syncs._state_wait_for_other(state[waited_id], state[self.host])
-            self.syncs._state_wait_for_other(state[waiting_id], state[waited_id])
+            for stream in state if waiting_id == self.host else (waiting_id,):
+                self.syncs._state_wait_for_other(state[stream], state[waited_id])
 
     def forget(self, event: int) -> None:
         """An event no one can wait on any more (its holder was collected)."""
@@ -564,7 +566,7 @@ class _Dispatch(TorchDispatchMode):
                     host_storages.add(tensor)
         checker.access(stream, reads, writes, func._schema.name, fresh)
         if (any(on_host) and stream != HOST) or func._schema.name in _SYNCHRONIZING_OPS:
-            checker.wait(HOST, checker.record(stream))  # a synchronous copy, or a value read back: the host waited
+            checker.wait_stream(HOST, stream)  # a synchronous copy, or a value read back: the host waited
         return out
 
 
