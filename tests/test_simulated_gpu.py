@@ -8,7 +8,7 @@ import torch
 
 import hf_zero
 from hf_zero import simulated_gpu
-from hf_zero.comm import Communicator, Ledger
+from hf_zero.comm import Communicator, Ledger, _Done
 from hf_zero.device import HOST, CommStream, copy_to_host, on_copy_stream, record_event, release_storage, to_host
 from hf_zero.environment import SIMULATE_ENV
 from hf_zero.simulated_gpu import COPY, StreamOrderError
@@ -132,19 +132,11 @@ def test_a_one_rank_gather_keeps_nccls_contract_its_wait_orders_the_waiting_stre
     assert torch.equal(gathered, shard)
 
 
-class _Finished:
-    def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
 def test_a_bucket_written_again_before_its_reduction_is_waited_on_is_refused(checker):
     """A reduction on the communication stream is ordered after the compute work queued before its submit only."""
     bucket, shard = torch.ones(4), torch.zeros(4)
     comm_stream = CommStream(HOST)
-    reduction = comm_stream.submit(lambda: _Finished(), lambda: shard.add_(bucket))
+    reduction = comm_stream.submit(_Done, lambda: shard.add_(bucket))
     bucket.zero_()  # reused too early
     with pytest.raises(StreamOrderError, match="on the comm stream reads 4 float32 elements that aten::zero_"):
         comm_stream.wait(reduction)
@@ -155,7 +147,7 @@ def test_the_host_writing_what_a_reduction_will_copy_to_the_host_before_waiting_
     between is not ordered before it."""
     chunk, landing = torch.ones(4), simulated_gpu.as_if_pinned(4, torch.float32)
     comm_stream = CommStream(HOST)
-    reduction = comm_stream.submit(lambda: _Finished(), lambda: copy_to_host(landing, chunk, "the reduced chunk"))
+    reduction = comm_stream.submit(_Done, lambda: copy_to_host(landing, chunk, "the reduced chunk"))
     landing.fill_(7)  # the host writes the landing buffer while the reduction's copy may still fill it
     with pytest.raises(StreamOrderError, match="the copy of the reduced chunk .* on the comm stream writes 4 float32 "
                                                "elements that aten::fill_ .* on the host wrote"):
