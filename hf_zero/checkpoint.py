@@ -362,11 +362,11 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
 
 
 def check_name_length(final: Path) -> None:
-    """Refuses a folder name whose save folders (`<name>.partial`, `<name>.lock`) the file system cannot name."""
+    """Refuses a folder name whose save folders and lock (`<name>.partial`, `.old`, `.lock`) the file system cannot
+    name."""
     existing = next(p for p in (final.parent, *final.parent.parents) if p.exists())
     limit = os.pathconf(existing, "PC_NAME_MAX")
-    longest = max(len(os.fsencode(name)) for name in (final.name + ".partial", final.name + ".lock"))
-    if longest > limit:
+    if len(os.fsencode(final.name + ".partial")) > limit:  # the longest of the save's names (".lock", ".old")
         raise CheckpointError(f"the checkpoint folder name {final.name!r} is {len(os.fsencode(final.name))} bytes; a "
                               f"save also writes {final.name + '.partial'!r}, which this file system cannot name "
                               f"(names are at most {limit} bytes): use a name of at most {limit - len('.partial')} "
@@ -535,6 +535,17 @@ def readable_folder(final: Path, report: bool = True) -> Path:
         logger.warning(f"{final}: a save was interrupted; loading the newest complete checkpoint, {found} (the next "
                        f"save to {final} puts it in place first)")
     return found
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON side file (config.json, adapter_config.json), as the object it must hold."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}); the checkpoint is damaged") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object; it holds a {type(value).__name__}")
+    return value
 
 
 def read_manifest(folder: Path) -> tuple[dict[str, Any], dict[str, list[tuple[int, int, str]]]]:

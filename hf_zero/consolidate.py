@@ -152,7 +152,7 @@ def _consolidate_adapter(source: Path, manifest: dict, index: dict, output: Path
 
     base_class = _base_model_class(config_path, config_json)
     adapter_path = source / ADAPTER_CONFIG
-    _json_object(checkpoint.inside(source, ADAPTER_CONFIG))
+    checkpoint.read_json_object(checkpoint.inside(source, ADAPTER_CONFIG))
     try:
         config = transformers.AutoConfig.from_pretrained(source)
         adapter_config = PeftConfig.from_pretrained(source)
@@ -283,17 +283,6 @@ def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str
         return whole.view(entry["shape"])
 
 
-def _json_object(path: Path) -> dict:
-    """A side file of the checkpoint, as the JSON object it must hold."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise checkpoint.CheckpointError(f"{path} is not valid JSON ({error}); the checkpoint is damaged") from None
-    if not isinstance(value, dict):
-        raise checkpoint.CheckpointError(f"{path} must hold a JSON object; it holds a {type(value).__name__}")
-    return value
-
-
 def _model_config(source: Path) -> tuple[Path, dict]:
     """The checkpoint's config.json (in its folder or, for a Trainer checkpoint, the checkpoint-N folder around it)
     and what it holds."""
@@ -303,7 +292,7 @@ def _model_config(source: Path) -> tuple[Path, dict]:
         raise checkpoint.CheckpointError(
             f"no config.json in {' or '.join(map(str, folders))}: the checkpoint was saved from a model that is "
             f"not a transformers PreTrainedModel, so there is no config to load it with")
-    return config_from / "config.json", _json_object(config_from / "config.json")
+    return config_from / "config.json", checkpoint.read_json_object(config_from / "config.json")
 
 
 def _base_model_class(config_path: Path, config: dict) -> type:
@@ -331,9 +320,9 @@ def _check_adapter_shapes(model: torch.nn.Module, manifest: dict, wanted: list[l
             continue
         shape = checkpoint.whole_shape(manifest, stored) if kind == "master" else manifest["frozen"][stored]["shape"]
         if list(built[name].shape) != list(shape):
-            raise checkpoint.CheckpointError(f"{adapter_path} builds {name} of shape {list(built[name].shape)}, but the "
-                                             f"checkpoint holds it as {list(shape)}: the adapter config is not the "
-                                             f"one the adapter was trained with")
+            raise checkpoint.CheckpointError(f"{adapter_path} builds {name} of shape {list(built[name].shape)}, but "
+                                             f"the checkpoint holds it as {list(shape)}: the adapter config is not "
+                                             f"the one the adapter was trained with")
 
 
 def _model_file_folders(source: Path) -> list[Path]:

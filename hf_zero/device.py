@@ -36,8 +36,8 @@ from hf_zero.simulated_gpu import COMM, COMPUTE, COPY, HOST as HOST_STREAM, simu
 
 HOST = torch.device("cpu")
 # HF_ZERO_CUDA_DELAY, on a GPU (tests/test_gpu.py): "STREAM:CYCLES" queues CYCLES of `torch.cuda._sleep` on one
-# side, so that a missing wait reads or writes a buffer too early and shows as a wrong number, the GPU's own version of the
-# simulation. STREAM "compute": before every asynchronous copy and every reduction's hand-over, so copies
+# side, so that a missing wait reads or writes a buffer too early and shows as a wrong number, the GPU's own version
+# of the simulation. STREAM "compute": before every asynchronous copy and every reduction's hand-over, so copies
 # land late and backward writes its buckets late (a reduction that does not wait on the compute stream reads a
 # bucket too early; a host that does not wait on a copy reads or writes its buffer too early). STREAM "comm":
 # before every reduction on the communication stream (compute that does not wait on it reads its result early).

@@ -519,6 +519,9 @@ class _Dispatch(TorchDispatchMode):
 
     def start(self) -> None:
         if not self.active:
+            from torch.cuda._sanitizer import zip_arguments  # a private module: imported only to check
+
+            self.zip_arguments = zip_arguments
             self.__enter__()
             self.active = True
 
@@ -534,10 +537,8 @@ class _Dispatch(TorchDispatchMode):
         factory = _FACTORY.match(func._schema.name) is not None  # reads its inputs' metadata only
         if not check and not self.listeners:
             return func(*args, **kwargs)
-        from torch.cuda._sanitizer import zip_arguments
-
         reads, writes, inputs = [], [], set()
-        for argument, value in zip_arguments(func._schema, args, kwargs):
+        for argument, value in self.zip_arguments(func._schema, args, kwargs):
             writing = argument.alias_info is not None and argument.alias_info.is_write
             metadata = factory or argument.alias_info is not None and not writing
             for leaf in tree_leaves(value):

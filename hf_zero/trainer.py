@@ -30,7 +30,6 @@ import contextlib
 import enum
 import functools
 import inspect
-import json
 import os
 import re
 from pathlib import Path
@@ -48,7 +47,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, _is_peft_mo
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_zero import pretrained
-from hf_zero.checkpoint import TRAINER_SUBFOLDER, CheckpointError, newest_complete
+from hf_zero.checkpoint import TRAINER_SUBFOLDER, CheckpointError, newest_complete, read_json_object
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
@@ -146,12 +145,7 @@ def check_adapter_matches(model: nn.Module, checkpoint_folder: Path) -> None:
                                    checkpoint_folder / TRAINER_SUBFOLDER / "adapter_config.json") if p.is_file()), None)
     if saved_path is None:
         return
-    try:
-        saved = json.loads(saved_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{saved_path} is not valid JSON ({error}); the checkpoint is damaged") from None
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"{saved_path} must hold a JSON object; it holds a {type(saved).__name__}")
+    saved = read_json_object(saved_path)
     current = model.peft_config[model.active_adapter].to_dict()
 
     def comparable(value: Any) -> Any:
