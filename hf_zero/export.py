@@ -25,7 +25,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 
-from hf_zero.device import bytes_of
+from hf_zero.device import bytes_of, in_host_memory
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -99,7 +99,8 @@ class ShardedWeightsWriter:
         if tuple(tensor.shape) != tuple(want.shape):
             raise ValueError(f"{name}: got shape {list(tensor.shape)}, planned {list(want.shape)}")
         f, start = self.place[name]
-        data = tensor.detach().to(device="cpu", dtype=want.dtype).contiguous()
+        # Through the device layer: a synchronous copy into host memory, after the stream that computed it.
+        data = in_host_memory(tensor.detach(), want.dtype)
         f.seek(start)
         f.write(bytes_of(data, writing=False))
         self.written.add(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import hf_zero
 from hf_zero import simulated_gpu
@@ -174,7 +175,7 @@ ONE_RANK_CONFIGS = GPU_PATH_CONFIGS + [
 def test_every_gpu_path_configuration_on_one_rank_trains_as_plain_torch_under_the_stream_checker(
         checker, config, tmp_path):
     """The GPU tests' configurations on one rank, where a collective is a local copy, as on a one-GPU box: trained,
-    read whole (gathered_parameters, trainable_weights: the save and export path) and saved, with every access
+    read whole (gathered_parameters, trainable_weights), exported as save_model writes it and saved, with every access
     checked for stream order. Stage 3 with its parameters offloaded failed here before the one-rank gather kept
     NCCL's contract: `aten::embedding ... on the compute stream reads ... that aten::copy_ (comm.py ... in
     _copy_locally) on the copy stream wrote` (the race seen on an H100, 1.004 away from plain torch)."""
@@ -189,10 +190,13 @@ def test_every_gpu_path_configuration_on_one_rank_trains_as_plain_torch_under_th
         engine.step()
     weights = engine.trainable_weights()
     engine.save_checkpoint(tmp_path / "ckpt")
+    engine.save_weights(tmp_path / "saved", write=True)  # save_model's path: the host writes what was gathered
     with engine.gathered_parameters():
         got = named_copy(model)
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
     assert max((weights[k] - expected[k]).abs().max().item() for k in weights) < 1e-5
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert max((saved[k] - expected[k]).abs().max().item() for k in expected if k in saved) < 1e-5
     streams = {checker.names[a.stream] for r in checker.records.values() for a in r.accesses}
     assert "compute" in streams and checker.seq > 1000  # the checker saw the run
     if config.get("offload_param") == "cpu" or config.get("cpu_checkpointing"):
