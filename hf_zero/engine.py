@@ -198,14 +198,16 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, params: ParamHolder, confi
                     scaler: LossScaler, tp_comm: Communicator | None) -> ShardedOptimizer:
     """5. The user's optimizer, re-targeted at this rank's chunks through the update backend of where its
     states live; stage 3 with parameters on NVMe reads its shards from that backend from now on."""
-    grad_chunks = params.grad_chunks()
-    backend = update_backend(optimizer, params.param_chunks, grad_chunks, params.take_fp32_init(), config,
+    backend = update_backend(optimizer, params.param_chunks, params.grad_chunks(), params.take_fp32_init(), config,
                              global_rank(), params.chunks_lent, grads_partitioned=params.reduces_every_backward)
     params.attach(backend)
     delayed = DelayedUpdate(config.delayed_param_update_warmup) if config.delayed_param_update else None
     tp_replicated = tp_replicated_ranges(params) if tp_comm is not None else None
-    return ShardedOptimizer(backend, grad_chunks, comm, scaler, config, grads_replicated=params.replicated,
-                            delayed=delayed, tp_comm=tp_comm, tp_replicated=tp_replicated)
+    sharded = ShardedOptimizer(backend, params.grads, params.grad_chunks, comm, scaler, config,
+                               grads_replicated=params.replicated, delayed=delayed, tp_comm=tp_comm,
+                               tp_replicated=tp_replicated)
+    params.grads.measure_with(params.chunk_keys(), sharded.chunk_square_sum)
+    return sharded
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ZeroConfig,

@@ -4,7 +4,7 @@ rank starts (`check_environment`), and a rank that reads one raises the same err
 one line (rank_main.run_rank), not a traceback per rank.
 
 hf_zero's own: HF_ZERO_COLLECTIVE_TIMEOUT, HF_ZERO_CHECK_COLLECTIVES, HF_ZERO_EXTENSIONS_DIR, HF_ZERO_CPU_ADAM_ISA
-(read by the C++ kernels too, csrc/isa.h), HF_ZERO_SIMULATE_ASYNC and HF_ZERO_CUDA_DELAY (tests). The launchers':
+(read by the C++ kernels too, csrc/isa.h), HF_ZERO_CPU_ADAM_THREADS, HF_ZERO_SIMULATE_ASYNC and HF_ZERO_CUDA_DELAY (tests). The launchers':
 torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE and RANK, and what `accelerate launch --use_deepspeed` hands its processes
 (ACCELERATE_DEEPSPEED_ZERO_STAGE, ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_GRADIENT_ACCUMULATION_STEPS).
 """
@@ -21,6 +21,7 @@ COLLECTIVE_TIMEOUT_ENV = "HF_ZERO_COLLECTIVE_TIMEOUT"
 CHECK_COLLECTIVES_ENV = "HF_ZERO_CHECK_COLLECTIVES"
 EXTENSIONS_DIR_ENV = "HF_ZERO_EXTENSIONS_DIR"
 CPU_ADAM_ISA_ENV = "HF_ZERO_CPU_ADAM_ISA"
+CPU_ADAM_THREADS_ENV = "HF_ZERO_CPU_ADAM_THREADS"
 SIMULATE_ENV = "HF_ZERO_SIMULATE_ASYNC"
 CUDA_DELAY_ENV = "HF_ZERO_CUDA_DELAY"
 
@@ -137,6 +138,18 @@ def processes_per_node(world: int) -> int:
     return integer("LOCAL_WORLD_SIZE", world, 1)
 
 
+def cpu_adam_threads() -> tuple[int, str]:
+    """The threads the offloaded update's CPU Adam runs on, and why: HF_ZERO_CPU_ADAM_THREADS where it is set, else
+    the cores this process may run on shared by the processes on this node. Not OMP_NUM_THREADS: torchrun sets it
+    to 1 whenever several processes share a node, which would leave each rank's update on one core."""
+    threads = integer(CPU_ADAM_THREADS_ENV, 0, 1)
+    if threads:
+        return threads, CPU_ADAM_THREADS_ENV
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = processes_per_node(world_size())
+    return max(1, cores // local), f"{cores} cores / {local} processes on this node"
+
+
 def check_environment() -> None:
     """Checks every variable above that is set, so that a bad one is refused before any rank starts."""
     collective_timeout(None)
@@ -145,6 +158,7 @@ def check_environment() -> None:
     cuda_delay()
     extensions_dir()
     choice(CPU_ADAM_ISA_ENV, dict.fromkeys(CPU_ADAM_ISAS, ""))
+    cpu_adam_threads()
     processes_per_node(world_size())
     integer("RANK", 0, 0)
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":

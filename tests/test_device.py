@@ -273,7 +273,8 @@ def test_only_buffers_that_copies_reuse_are_pinned_and_a_save_pins_nothing(simul
     """Seen on an H100 (docs/BENCHMARKS.md, GPT-2 1.3B, one rank): the offloaded fp32 masters were pinned
     (12.2 GiB page-locked, never copied to the device), and a stage-2 save left 23.5 GiB pinned for the rest of
     the run (its 12Ψ pieces in pinned buffers, kept by the caching host allocator). Against the formula: masters
-    are 4 bytes a parameter, a save's pieces 12; what copies reuse is at most the bf16 parameters, 2."""
+    are 4 bytes a parameter, a save's pieces 12; what copies reuse is at most the bf16 parameters and, with the
+    optimizer offloaded, the bf16 gradient shard the reduced chunks land in (issue 51), 2 bytes each."""
     import gc
 
     import hf_zero
@@ -288,7 +289,7 @@ def test_only_buffers_that_copies_reuse_are_pinned_and_a_save_pins_nothing(simul
     engine.step()
     gc.collect()
     kept = device.pinned_host_bytes()[0] - start
-    assert kept <= 2 * psi + 4096, f"{kept} bytes pinned after a step, for {psi} parameters"
+    assert kept <= 4 * psi + 4096, f"{kept} bytes pinned after a step, for {psi} parameters"
     device.reset_pinned_peak()
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     during_save = device.pinned_host_bytes()[1] - start - kept

@@ -10,12 +10,30 @@ on the host masters.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Iterator
 
 import torch
 
 from hf_zero.device import HOST, LatestCopy, copy_to_device, host_empty, host_memory_empty
+from hf_zero.environment import cpu_adam_threads
 from hf_zero.ops import CPUAdam, adam_step_with_state, cpu_adam_kernel
 from hf_zero.zero.update import UpdateBackend
+
+logger = logging.getLogger("hf_zero")
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's (OpenMP's) threads for the calling thread, for the duration: the C++ Adam's parallel_for and the
+    fallback's fused AdamW split their work over as many."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def adamw_mode_of(optimizer: torch.optim.Optimizer) -> dict[int, bool] | None:
@@ -37,6 +55,8 @@ class HostAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, adamw_mode: dict[int, bool]) -> None:
         self.optimizer, self.adamw_mode = optimizer, adamw_mode
         self.kernel = cpu_adam_kernel()
+        self.threads, why = cpu_adam_threads()
+        logger.info("the offloaded optimizer step runs the CPU Adam on %d threads (%s)", self.threads, why)
 
     @torch.no_grad()
     def step_chunk(self, g: int, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
@@ -65,11 +85,15 @@ class StagedOutputs:
 
     def publish(self) -> None:
         """Queues the copies of the staged values into the parameter chunks."""
-        for g, (outs, chunks) in enumerate(zip(self.outs, self.param_chunks)):
-            for k, (out, chunk) in enumerate(zip(outs, chunks)):
-                if out is not chunk:
-                    self.published.add(copy_to_device(chunk, out, f"the staged new values of chunk {k} of "
-                                                                  f"param group {g}"))
+        for g, chunks in enumerate(self.param_chunks):
+            for k in range(len(chunks)):
+                self.publish_chunk(g, k)
+
+    def publish_chunk(self, g: int, k: int) -> None:
+        """Queues the copy of chunk k of param group g's staged values into the parameter chunk."""
+        out, chunk = self.outs[g][k], self.param_chunks[g][k]
+        if out is not chunk:
+            self.published.add(copy_to_device(chunk, out, f"the staged new values of chunk {k} of param group {g}"))
 
 
 class HostUpdate(UpdateBackend):
@@ -77,10 +101,12 @@ class HostUpdate(UpdateBackend):
     reduced and partitioned, the new parameters go back in the compute dtype. Adam and AdamW run the C++
     kernel (HostAdam); any other optimizer runs its own step() on the host masters.
     `staged`: the new values go to host buffers first (the parameters are on a device, or a delayed update
-    writes while the model reads), copied over by publish()."""
+    writes while the model reads), copied over by publish(). `publish_as_stepped`: each chunk's copy is queued
+    as soon as its update is done, overlapping the next chunk's (not while a delayed update's model reads them)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
-                 fp32_init: list[list[torch.Tensor]] | None, staged: bool, chunks_lent: LatestCopy | None) -> None:
+                 fp32_init: list[list[torch.Tensor]] | None, staged: bool, chunks_lent: LatestCopy | None,
+                 publish_as_stepped: bool = False) -> None:
         super().__init__(optimizer, param_chunks, chunks_lent)
         adamw_mode = adamw_mode_of(optimizer)
         self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
@@ -88,15 +114,21 @@ class HostUpdate(UpdateBackend):
         # the device reads them, and page-locked memory is taken from what the host can swap or cache.
         self.masters = self._own_masters(fp32_init or param_chunks, host_memory_empty, consume=fp32_init is not None)
         self.staged = staged
+        self.publish_as_stepped = staged and publish_as_stepped and self.host_adam is not None
         self.outputs = StagedOutputs(param_chunks, staged)
         self._retarget()
 
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
         outs = self.outputs.writable() if self.staged else self._writable_chunks()
+        if self.publish_as_stepped:
+            self._writable_chunks()
         for g, (masters, grads) in enumerate(zip(self.masters, grad_chunks)):
             for k, (master, grad) in enumerate(zip(masters, grads)):
                 if self.host_adam is not None:
-                    self.host_adam.step_chunk(g, master, grad.to(HOST), outs[g][k], coef)
+                    with intra_op_threads(self.host_adam.threads):
+                        self.host_adam.step_chunk(g, master, grad.to(HOST), outs[g][k], coef)
+                    if self.publish_as_stepped:
+                        self.outputs.publish_chunk(g, k)
                 else:
                     master.grad = grad.to(HOST, torch.float32).mul_(coef)
         if self.host_adam is None:
@@ -107,6 +139,6 @@ class HostUpdate(UpdateBackend):
                     master.grad = None
 
     def publish(self) -> None:
-        if self.staged:
+        if self.staged and not self.publish_as_stepped:
             self._writable_chunks()
             self.outputs.publish()

@@ -49,10 +49,9 @@ class FlatParams(ParamHolder):
         for flat in self.flats:
             flat.pack_and_bind()
         if stage == 2:
-            # With offload_optimizer the grad shards live in host memory, next to the optimizer that reads them.
             self.grads = PartitionedGradients(self.flats, comm, config.overlap_comm, position,
-                                              config.torch_reduce_dtype,
-                                              offloaded=config.offload_optimizer != "none")
+                                              config.torch_reduce_dtype, offload=config.offload_optimizer,
+                                              double_buffered=config.delayed_param_update)
         else:
             self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, position, config.torch_reduce_dtype,
                                              partitioned=stage == 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,7 @@ from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HostUpdate, adamw_mode_of
 from hf_zero.offload.nvme import NvmeUpdate
 from hf_zero.precision import LossScaler
+from hf_zero.zero.reducer import GradientReducer
 from hf_zero.zero.update import DeviceUpdate, UpdateBackend, is_elementwise
 
 
@@ -43,24 +45,29 @@ def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[tor
         # The update writes straight into the parameter chunks when they are in host memory and nothing reads
         # them meanwhile; a delayed update runs while the next forward reads them.
         staged = config.delayed_param_update or any(c.device != HOST for cs in param_chunks for c in cs)
-        return HostUpdate(optimizer, param_chunks, fp32_init, staged, chunks_lent)
+        return HostUpdate(optimizer, param_chunks, fp32_init, staged, chunks_lent,
+                          publish_as_stepped=not config.delayed_param_update)
     return DeviceUpdate(optimizer, param_chunks, grad_chunks, fp32_init, chunks_lent)
 
 
 class ShardedOptimizer:
     """Steps the backend's masters from the reduced gradient chunks.
 
+    grads: the gradient reducer, which measures the gradients as they settle where it can, and double-buffers them
+      for a delayed update where it can; grad_chunks() the reduced gradient chunks now, per param group.
     grads_replicated: every rank holds the same whole gradient (stage 0), so the norm needs no all-reduce.
     delayed: overlaps a host backend's update with the next step (hf_zero/offload/delayed.py).
     tp_comm, tp_replicated[g][k]: with tensor parallelism, the tp group and the element ranges of chunk k
       of group g that every tp rank holds alike (counted once in the gradient norm).
     """
 
-    def __init__(self, backend: UpdateBackend, grad_chunks: list[list[torch.Tensor]], comm: Communicator,
-                 scaler: LossScaler, config: ZeroConfig, grads_replicated: bool, delayed: DelayedUpdate | None = None,
+    def __init__(self, backend: UpdateBackend, grads: GradientReducer,
+                 grad_chunks: Callable[[], list[list[torch.Tensor]]], comm: Communicator, scaler: LossScaler,
+                 config: ZeroConfig, grads_replicated: bool, delayed: DelayedUpdate | None = None,
                  tp_comm: Communicator | None = None, tp_replicated: list[list[list[tuple[int, int]]]] | None = None
                  ) -> None:
-        self.backend, self.optimizer, self.grad_chunks = backend, backend.optimizer, grad_chunks
+        self.backend, self.optimizer = backend, backend.optimizer
+        self.grads, self.grad_chunks = grads, grad_chunks
         self.comm, self.scaler = comm, scaler
         self.tp_comm, self.tp_replicated = tp_comm, tp_replicated
         self.gradient_clipping = config.gradient_clipping
@@ -75,8 +82,12 @@ class ShardedOptimizer:
         """The unscaled global gradient norm (one all-reduce), kept for the step that follows.
         inf or NaN when any rank's shard overflowed. Squares are summed in fp64 on the gradients' own device
         (fp32 sums over millions of elements drift by 1e-4 relative, which moves clipping), and reach the
-        collective's device once."""
-        local_sq = sum(self.backend.grad_square_sums(self.grad_chunks), torch.zeros((), dtype=torch.float64))
+        collective's device once. At stages 2-3 the reducer measured each chunk as it settled (on the device,
+        before an offloaded chunk went to the host): the sum is read, not taken again."""
+        local_sq = self.grads.measured_square_sum()
+        if local_sq is None:  # one fp64 sum per chunk, summed in chunk order as the reducer's are
+            sums = self.backend.grad_square_sums(self.grad_chunks())
+            local_sq = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
         local_sq = local_sq.reshape(1).to(self.comm.device)
         if not self.grads_replicated:
             self.comm.all_reduce_(local_sq)
@@ -113,12 +124,15 @@ class ShardedOptimizer:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         self.finish_pending()
         if self.delayed is not None and self.delayed.overlaps(step_number):
-            # The next backward refills the gradient shards while this update runs: it keeps its own.
-            grads = self.backend.take_grads(self.grad_chunks, keep=True)
+            # The next backward refills the gradient shards while this update runs: it lands in the other set of
+            # shards where the reducer keeps two, else the update keeps a copy of its own.
+            grads = self.grad_chunks()
+            if not self.grads.hand_over():
+                grads = self.backend.take_grads(grads, keep=True)
             self.delayed.launch(lambda: self.backend.step(coef, grads))
         else:
             kept = self._copy_ranges(untouched or [])
-            self.backend.step(coef, self.backend.take_grads(self.grad_chunks, keep=False))
+            self.backend.step(coef, self.backend.take_grads(self.grad_chunks(), keep=False))
             self.backend.publish()
             for tensor, lo, hi, values in kept:
                 tensor[lo:hi].copy_(values)

@@ -116,6 +116,18 @@ class GradientReducer:
         """Communication buffers held now (stages 2-3: bucket buffers, C_B)."""
         return 0
 
+    def measure_with(self, chunk_keys: list[list[BucketKey]],
+                     square_sum: Callable[[int, int, torch.Tensor], torch.Tensor]) -> None:
+        """How the gradients would be measured as they settle (stages 2-3); stages 0-1 are measured at the step."""
+
+    def measured_square_sum(self) -> torch.Tensor | None:
+        """The fp64 sum of squares of the reduced gradients, measured as they settled, or None (measure them)."""
+        return None
+
+    def hand_over(self) -> bool:
+        """Whether a delayed update may keep the gradients as they are, the next backward writing elsewhere."""
+        return False
+
     def begin(self, reduce: bool) -> None:
         """Called before each backward; `reduce` says whether this backward's buckets are reduced."""
         self.active, self.reducing = True, reduce

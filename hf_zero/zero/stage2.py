@@ -4,17 +4,28 @@ No rank keeps a whole gradient. During every backward each parameter's gradient 
 fixed-size buffer of its bucket (C_B) and dropped; when a bucket is full it is reduce-scattered in
 place, asynchronously, while backward goes on, and this rank's chunk is added into `grad_shards`,
 the one preallocated buffer per param group that holds this rank's gradients across accumulation
-steps (M_D); with offload_optimizer that buffer is in host memory, and each bucket's reduced chunk goes
-there by a non-blocking copy while backward goes on, added in when the next chunk comes. Stage 3 reuses
-this path with one bucket per unit.
+steps (M_D). Stage 3 reuses this path with one bucket per unit.
+
+The gradient norm is taken where the gradients are, as they settle: each reduced chunk's fp64 sum of squares,
+as accumulated so far, goes into its slot of one device vector on the communication stream (`square_sums`), so
+the step reads one number (one host synchronisation) and never walks the shards again.
 
 The grad shards take memory only from the moment their first reduced chunk lands until the step has
 used them (`zero_grad` gives it back, as torch's set_to_none does): a model built shard by shard at
 stage 3 does not pay for its gradients while it is constructed or evaluated, and during a forward and
 most of a backward a rank holds only the shards of the units backward has reached. At stage 3 that
 is what leaves room for the root's backward, the first to come, where the gathered vocabulary weight
-and its whole gradient meet. With the optimizer states on NVMe they take none at all: each landed chunk
-is added into the NVMe files (`write_to`) by an I/O thread while backward goes on, one write in flight.
+and its whole gradient meet.
+
+With the optimizer in host memory (offload_optimizer cpu) the grad shards are pinned host memory, kept for good
+as DeepSpeed keeps its pinned gradient buffer: each reduced chunk goes straight into its place by an
+asynchronous copy on the communication stream, and the host waits once, at the step (`allocate`). A chunk that
+already holds this window's earlier micro-batches comes to the device, is added there, and goes back: no host
+pass per micro-batch, no zero fill per step. With a delayed update the shards are double: the update of step i
+reads one set on the host while the backward of step i+1 lands in the other.
+
+With the optimizer states on NVMe the shards take no memory at all: each landed chunk is added into the NVMe
+files (`write_to`) by an I/O thread while backward goes on, one write in flight.
 """
 from __future__ import annotations
 
@@ -25,7 +36,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.device import host_memory_empty, to_host
+from hf_zero.device import LatestCopy, copy_to_host, host_empty, host_memory_empty, to_device, to_host
 from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
 from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, BucketReduction, GradientReducer
 
@@ -39,9 +50,10 @@ EARLY_SHARE = 16  # a bucket takes memory once its pieces would fill 1/EARLY_SHA
 class PartitionedGradients(GradientReducer):
     def __init__(self, flat_params: list[FlatParamBuffer], comm: Communicator, overlap_comm: bool,
                  position: dict[nn.Parameter, int], reduce_dtype: torch.dtype, reuse_buffers: bool = True,
-                 offloaded: bool = False, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        """Buckets are reduced, and micro-batches accumulated into the gradient shards, in `reduce_dtype`;
-        `offloaded` (offload_optimizer): the gradient shards live in host memory, next to the optimizer."""
+                 offload: str = "none", double_buffered: bool = False, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        """Buckets are reduced, and micro-batches accumulated into the gradient shards, in `reduce_dtype`.
+        `offload` (offload_optimizer): "cpu" keeps the gradient shards in pinned host memory, next to the optimizer;
+        "nvme" sends them to its files. `double_buffered` (a delayed update, offload cpu): two sets of shards."""
         super().__init__(flat_params, comm, overlap_comm, position, max_in_flight)
         # Stage 2's buckets share one size, so reduced buffers are kept for the next bucket (M_D).
         # Stage 3's buckets are units of many sizes: keeping one of each (the root's is vocabulary
@@ -52,28 +64,30 @@ class PartitionedGradients(GradientReducer):
         self.reduce_scatter: Callable[[torch.Tensor, torch.Tensor], Any] = \
             lambda output, input: comm.reduce_scatter_(output, input, async_op=True)
         self.dtype = reduce_dtype
-        self.offloaded = offloaded
-        self.landing: tuple | None = None  # offload: the last reduced chunk on its way to the host
+        self.offload = offload
+        self.landing: tuple | None = None  # offload nvme: the last reduced chunk on its way to the host
+        # offload cpu: the copies of reduced chunks into the pinned shards, and the chunks written since the step
+        # last took the shards (a chunk not among them holds an older window's values).
+        self.landings = LatestCopy()
+        self.landed: set[BucketKey] = set()
         # Optimizer states on NVMe: where landed chunks go instead of grad_shards (NvmeAdamStates), the
         # (param group, chunk) of each bucket there, and the write in flight with the bucket it reads.
         self.grad_files: NvmeAdamStates | None = None
         self.file_chunk: dict[BucketKey, tuple[int, int]] = {}
         self.writing: tuple[Future, torch.Tensor | None] | None = None
-        # Each bucket's owned chunk: a view into its group's grad shard.
-        self.owned_grads: dict[BucketKey, torch.Tensor] = {}
-        self.grad_shards: list[torch.Tensor] = []
-        for fi, flat in enumerate(flat_params):
-            # torch.empty touches no pages; the views are taken before the storage is released, and keep
-            # the storage object, so they see it once allocated.
-            numel = sum(b.chunk_numel for b in flat.buckets)
-            grad_shard = host_memory_empty(numel, self.dtype) if self.offloaded else \
-                torch.empty(numel, dtype=self.dtype, device=flat.data.device)
-            offset = 0
-            for b in flat.buckets:
-                self.owned_grads[(fi, b.index)] = grad_shard[offset:offset + b.chunk_numel]
-                offset += b.chunk_numel
-            release_storage(grad_shard)
-            self.grad_shards.append(grad_shard)
+        # The gradient norm as the chunks settle: the fp64 sum of squares of each chunk's gradient as accumulated
+        # so far, one slot per chunk in chunk order, on the buckets' device, and how a chunk is measured into its
+        # slot (measure_with).
+        device = flat_params[0].data.device if flat_params else comm.device
+        self.square_sums = torch.zeros(len(self.expected), dtype=torch.float64, device=device)
+        self.measure: Callable[[BucketKey, torch.Tensor], None] | None = None
+        self.shard_sets = [self._new_grad_shards() for _ in range(2 if double_buffered and offload == "cpu" else 1)]
+        self._use_grad_shards(0)
+        if offload != "cpu":
+            # torch.empty touched no pages; the views, taken before the storage is released, keep the storage
+            # object, so they see it once allocated.
+            for shard in self.grad_shards:
+                release_storage(shard)
         self.bucket_buffers: dict[BucketKey, torch.Tensor] = {}
         self.early_pieces: dict[BucketKey, list[tuple[int, torch.Tensor]]] = {}  # (offset, gradient) before a buffer
         self.kept_contributions: set[BucketKey] = set()  # buckets whose early pieces hold a tied use's gradient
@@ -83,6 +97,66 @@ class PartitionedGradients(GradientReducer):
         self.spare_buffers: dict[int, list[torch.Tensor]] = {}
         self.peak_buffer_bytes = 0
 
+    def _new_grad_shards(self) -> list[torch.Tensor]:
+        """One gradient shard per flat buffer: pinned host memory for good with offload cpu, else where the
+        buckets are (released at once: it takes memory when its first chunk lands, `_grad_shard`)."""
+        shards = []
+        for flat in self.flat_params:
+            numel = sum(b.chunk_numel for b in flat.buckets)
+            if self.offload == "cpu":
+                shards.append(host_empty(numel, self.dtype))
+                continue
+            shards.append(host_memory_empty(numel, self.dtype) if self.offload == "nvme" else
+                          torch.empty(numel, dtype=self.dtype, device=flat.data.device))
+        return shards
+
+    def _use_grad_shards(self, index: int) -> None:
+        """Each bucket's owned chunk becomes a view into set `index` of the grad shards."""
+        self.shard_set = index
+        self.grad_shards = self.shard_sets[index]
+        self.owned_grads: dict[BucketKey, torch.Tensor] = {}
+        for fi, flat in enumerate(self.flat_params):
+            offset = 0
+            for b in flat.buckets:
+                self.owned_grads[(fi, b.index)] = self.grad_shards[fi][offset:offset + b.chunk_numel]
+                offset += b.chunk_numel
+
+    def hand_over(self) -> bool:
+        """A delayed update takes the gradient shards as they are: the next backward lands in the other set.
+        False when there is no other set (the update must copy what it keeps)."""
+        if len(self.shard_sets) == 1:
+            return False
+        self.allocate()
+        self._use_grad_shards(1 - self.shard_set)
+        self.landed.clear()
+        return True
+
+    def measure_with(self, chunk_keys: list[list[BucketKey]],
+                     square_sum: Callable[[int, int, torch.Tensor], torch.Tensor]) -> None:
+        """How each bucket's reduced chunk is measured for the gradient norm: `square_sum(g, k, values)`, the
+        optimizer's (which knows tensor parallelism's replicas), for the chunk k of param group g that
+        `chunk_keys[g][k]` names."""
+        slots = [(key, g, k) for g, keys in enumerate(chunk_keys) for k, key in enumerate(keys)]
+        chunk_of = {key: (slot, g, k) for slot, (key, g, k) in enumerate(slots)}
+
+        def measure(key: BucketKey, values: torch.Tensor) -> None:
+            slot, g, k = chunk_of[key]
+            self.square_sums[slot].copy_(square_sum(g, k, values))
+
+        self.measure = measure
+
+    def measured_square_sum(self) -> torch.Tensor | None:
+        """The fp64 sum of squares of the gradient shards as the last backward left them, summed over the chunks in
+        chunk order, on the device (None with NVMe states, whose files keep their own, and before `measure_with`)."""
+        if self.grad_files is not None or self.measure is None:
+            return None
+        return self.square_sums.sum()
+
+    def _measured(self, key: BucketKey, values: torch.Tensor) -> None:
+        """Bucket `key`'s reduced chunk, as accumulated so far, measured into its slot of `square_sums`."""
+        if self.measure is not None and self.grad_files is None:
+            self.measure(key, values)
+
     def write_to(self, grad_files: NvmeAdamStates, chunk_keys: list[list[BucketKey]]) -> None:
         """From now on the reduced chunks go to `grad_files`; `chunk_keys[g][k]`: the bucket of its chunk k of
         param group g. The grad shards never take memory."""
@@ -90,8 +164,16 @@ class PartitionedGradients(GradientReducer):
         self.file_chunk = {key: (g, k) for g, keys in enumerate(chunk_keys) for k, key in enumerate(keys)}
 
     def allocate(self) -> None:
-        """Every grad shard has its memory (zeros where no chunk has landed): the step and the norm read them."""
+        """Every grad shard has its memory and this window's values (zeros where no chunk has come): the step and
+        the norm read them. With offload cpu the host waits here for the copies in flight, once a step."""
         if self.grad_files is not None:
+            return
+        if self.offload == "cpu":
+            self.landings.wait()
+            for key, owned in self.owned_grads.items():
+                if key not in self.landed:  # nothing came in this window: the chunk holds an older one's values
+                    owned.zero_()
+                    self.landed.add(key)
             return
         for fi in range(len(self.grad_shards)):
             self._grad_shard(fi)
@@ -107,6 +189,7 @@ class PartitionedGradients(GradientReducer):
     def begin(self, reduce: bool) -> None:
         self.early_pieces.clear()  # left by a backward that raised
         self.kept_contributions.clear()
+        self.square_sums.zero_()  # every chunk is measured again as this backward settles it
         super().begin(reduce)
 
     def _buffer(self, key: BucketKey) -> torch.Tensor:
@@ -216,14 +299,36 @@ class PartitionedGradients(GradientReducer):
             buf.div_(self.comm.world_size)  # average as DDP does; dividing first keeps fp16 in range
             return self.reduce_scatter(owned, buf)
 
-        if self.offloaded:  # the bucket goes back once its chunk has landed in host memory (_add_landed)
+        if self.offload == "cpu":
+            return BucketReduction(launch, lambda: self._land_in_pinned_shard(key, owned), lambda: self._recycle(buf))
+        if self.offload == "nvme":  # the bucket goes back once its chunk has landed in host memory (_add_landed)
             return BucketReduction(launch, lambda: self._land_in_host_memory(key, owned, buf))
         self._grad_shard(key[0])
-        return BucketReduction(launch, lambda: self.owned_grad(*key).add_(owned), lambda: self._recycle(buf))
+        return BucketReduction(launch, lambda: self._add_to_shard(key, owned), lambda: self._recycle(buf))
+
+    def _add_to_shard(self, key: BucketKey, owned: torch.Tensor) -> None:
+        """Settles a reduction on the device: this rank's chunk is added into its grad shard, and measured."""
+        shard_chunk = self.owned_grad(*key)
+        shard_chunk.add_(owned)
+        self._measured(key, shard_chunk)
+
+    def _land_in_pinned_shard(self, key: BucketKey, owned: torch.Tensor) -> None:
+        """offload cpu, settling a reduction on the communication stream: this rank's reduced chunk, plus what its
+        place in the pinned shard holds from this window's earlier micro-batches (brought to the device and added
+        there), is measured and copied into that place, asynchronously. The bucket goes back once the compute
+        stream has waited on the reduction, which comes after the copy on this stream."""
+        shard_chunk = self.owned_grad(*key)
+        name = f"the reduced gradient chunk of bucket {key}"
+        if key in self.landed:
+            earlier, _ = to_device(shard_chunk, owned.device, name)
+            owned.add_(earlier)
+        self.landed.add(key)
+        self._measured(key, owned)
+        self.landings.add(copy_to_host(shard_chunk, owned, name))
 
     def _land_in_host_memory(self, key: BucketKey, owned: torch.Tensor, buf: torch.Tensor) -> None:
-        """offload_optimizer: this rank's reduced chunk goes to the host without blocking the backward hook (a
-        non-blocking copy into pinned memory); it is added into the host grad shard when the next chunk comes,
+        """offload nvme: this rank's reduced chunk goes to the host without blocking the backward hook (a
+        non-blocking copy into pinned memory); it is added into the NVMe files when the next chunk comes,
         or at the end of backward, once its copy has landed. The bucket stays lent to the copy until then."""
         host, copy = to_host(owned, f"the reduced gradient chunk of bucket {key}")
         if self.landing:
@@ -234,11 +339,6 @@ class PartitionedGradients(GradientReducer):
         host, copy, key, buf = self.landing
         self.landing = None
         copy.wait()
-        if self.grad_files is None:
-            self._grad_shard(key[0])
-            self.owned_grad(*key).add_(host)
-            self._recycle(buf)
-            return
         self._wait_for_write()
         write = self.grad_files.accumulate_grad(*self.file_chunk[key], host)
         if host.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
@@ -273,10 +373,14 @@ class PartitionedGradients(GradientReducer):
         return self.owned_grads[(fi, bi)]
 
     def zero_grad(self) -> None:
+        self.square_sums.zero_()
         if self.grad_files is not None:
             self.grad_files.clear_grads()
+        if self.offload == "cpu":  # pinned for good: the next window's first landings overwrite them
+            self.landed.clear()
+            return
         for grad_shard in self.grad_shards:
             release_storage(grad_shard)
 
     def held_bytes(self) -> int:
-        return sum(g.untyped_storage().nbytes() for g in self.grad_shards)
+        return sum(g.untyped_storage().nbytes() for shards in self.shard_sets for g in shards)

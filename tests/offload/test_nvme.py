@@ -151,6 +151,7 @@ def gradients_after_two_micro_batches(config: dict) -> dict:
                                 {**config, "gradient_accumulation_steps": 2, **SMALL_BUCKETS})
     for micro_batch in range(2):
         engine.backward(engine(**batch("gpt2", micro_batch, 4)).loss)
+    norm = engine.compute_grad_norm()  # the gradients as the step reads them: landed in host memory
     backend = engine.sharded_optimizer.backend
     if config["offload_optimizer"] == "nvme":
         states = backend.states
@@ -162,7 +163,7 @@ def gradients_after_two_micro_batches(config: dict) -> dict:
                 grads.append(grad)
     else:
         grads = [grad.clone() for grads in engine.params.grad_chunks() for grad in grads]
-    return {"grads": grads, "norm": engine.compute_grad_norm(),
+    return {"grads": grads, "norm": norm,
             "shard_bytes": sum(g.untyped_storage().nbytes() for g in engine.params.grads.grad_shards),
             "ledger_gradients": engine.ledger.state_bytes["gradients"]}
 

@@ -15,7 +15,7 @@ def test_the_gradient_norm_is_the_fp64_norm_of_the_reduced_gradients():
     model = tiny_model("gpt2")
     engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2, "reduce_bucket_size": 3000})
     engine.backward(engine(**batch("gpt2", 0, 4)).loss)
-    grads = torch.cat([g.reshape(-1) for grads in engine.sharded_optimizer.grad_chunks for g in grads])
+    grads = torch.cat([g.reshape(-1) for grads in engine.sharded_optimizer.grad_chunks() for g in grads])
     expected = torch.linalg.vector_norm(grads.double()).item() / engine.scaler.scale
     norm = engine.compute_grad_norm()
     assert math.isclose(norm, expected, rel_tol=1e-13), (norm, expected)

@@ -33,10 +33,10 @@ class Stage3Gradients(PartitionedGradients):
     in launch order."""
 
     def __init__(self, units: list[Unit], position: dict[nn.Parameter, int], comm: Communicator, overlap_comm: bool,
-                 reduce_dtype: torch.dtype, offloaded: bool) -> None:
+                 reduce_dtype: torch.dtype, offload: str, double_buffered: bool) -> None:
         """`units` as Stage3Params holds them, their flat buffers in that order; `position`: see GradientReducer."""
         super().__init__([f for u in units for f in u.trained_flats], comm, overlap_comm, position, reduce_dtype,
-                         reuse_buffers=False, offloaded=offloaded, max_in_flight=1)
+                         reuse_buffers=False, offload=offload, double_buffered=double_buffered, max_in_flight=1)
         self.units = units
         self.unit_of_flat = [u for u in units for _ in u.trained_flats]
         self.unit_of_param = {s.param: unit for unit in units for flat in unit.trained_flats for s in flat.slices}

@@ -75,7 +75,8 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         # compute dtype (partition.set_data): the gradient hooks attach to the wrapper the model keeps.
         self.position = model_order(model)
         self.grads = Stage3Gradients(self.units, self.position, comm, config.overlap_comm,
-                                     config.torch_reduce_dtype, offloaded=config.offload_optimizer != "none")
+                                     config.torch_reduce_dtype, offload=config.offload_optimizer,
+                                     double_buffered=config.delayed_param_update)
         if config.quantized_gradients and comm.world_size > comm.ranks_per_node:
             self.grads.reduce_scatter = QuantizedReduceScatter(comm, config.quantized_gradients_bits,
                                                                config.quantization_block_size)
