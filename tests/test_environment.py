@@ -19,6 +19,7 @@ BAD = [
     ("HF_ZERO_SIMULATE_ASYNC", "junk", "must be one of late, early; 0 means off; 1 means late", {}),
     ("HF_ZERO_EXTENSIONS_DIR", "", "is set but empty: name a folder for the compiled kernels", {}),
     ("HF_ZERO_CPU_ADAM_ISA", "avx9", "must be one of avx512, avx2, scalar", {}),
+    ("HF_ZERO_CPU_ADAM_THREADS", "0", "must be a whole number of at least 1", {}),
     ("HF_ZERO_CUDA_DELAY", "compute", "must be STREAM:CYCLES", {}),
     ("LOCAL_WORLD_SIZE", "abc", "must be a whole number of at least 1", {}),
     ("WORLD_SIZE", "abc", "must be a whole number of at least 1", {}),
