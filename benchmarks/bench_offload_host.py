@@ -1,0 +1,131 @@
+"""The host's part of an offloaded step (ZeRO-Offload, issue 51), in nanoseconds per parameter of the rank's shard,
+beside the floor this host's memory sets and DeepSpeed's CPU Adam on the same shard.
+
+  python -m benchmarks.bench_offload_host --numel 5e7 --repeats 5
+
+A shard of `numel` parameters as a rank offloading bf16 training with fp32 masters holds it: a bf16 gradient shard,
+fp32 masters and Adam moments, bf16 parameters out. Per phase, what the host did per step before issue 51 and what
+it does now, each timed here (medians of `repeats`, round-robin after a warm-up):
+  norm      before: the fp64 sum of squares of the host gradient shard, 2 MiB pieces converted to fp64
+            (hf_zero.zero.optimizer._square_sum, which the step ran over every chunk); now: nothing on the host, the
+            device measures each chunk as it settles.
+  landing   before: each bucket's chunk added into the host shard, which was zero-filled every step; now: nothing
+            on the host, the chunks are copied into place by DMA.
+  Adam      the CPU Adam over the shard, bf16 gradient in and bf16 parameter out in one pass (hf_zero's kernel,
+            as the engine calls it, on the engine's thread count: cores / local processes).
+  copy back DMA either way; before it started after the last chunk's Adam, now after each chunk's. Not a host cost,
+            and not measurable without a device: the GPU evidence run shows it (benchmarks/gpu_evidence.py).
+The floor: an Adam step must read and write 28 bytes per parameter (p, m, v in fp32 read and written, a bf16
+gradient read and a bf16 parameter written), at the bandwidth of a STREAM-like triad done in place as Adam updates
+(a += s*c in fp32: 12 bytes an element, and no write-allocate read that would go uncounted) measured here on the
+same threads. DeepSpeed's CPU Adam (DeepSpeedCPUAdam, built by DeepSpeed's own op builder)
+steps the same shard with fp32 gradients, as its ZeRO-Offload does (its gradient buffer is fp32), when DeepSpeed is
+installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_zero.environment import cpu_adam_threads  # noqa: E402
+from hf_zero.ops import adam_step, cpu_adam_kernel  # noqa: E402
+from hf_zero.zero.optimizer import _square_sum  # noqa: E402
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+ADAM_BYTES = 28  # per parameter: p, m, v read and written in fp32, a bf16 gradient read, a bf16 parameter written
+TRIAD_BYTES = 12  # a += s*c in fp32: two reads, one write
+BUCKET = 1 << 23  # elements of a bucket's chunk for the landing before (the engine's default reduce bucket)
+
+
+def phases(numel: int) -> dict[str, Callable[[], None]]:
+    """Each timed phase, on one shard."""
+    gen = torch.Generator().manual_seed(0)
+    masters = torch.randn(numel, generator=gen)
+    grad = (torch.randn(numel, generator=gen) * 1e-2).to(torch.bfloat16)
+    incoming = grad.clone()
+    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    a, c = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    kernel = cpu_adam_kernel()
+    step = [0]
+
+    def hf_zero_adam() -> None:
+        step[0] += 1
+        adam_step(masters, grad, exp_avg, exp_avg_sq, out, step[0], **HYPER, adamw_mode=True, grad_scale=1.0,
+                  kernel=kernel)
+
+    def landing_before() -> None:
+        grad.zero_()
+        for lo in range(0, numel, BUCKET):
+            grad[lo:lo + BUCKET].add_(incoming[lo:lo + BUCKET])
+
+    found = {"norm before (host)": lambda: _square_sum(grad).item(),
+             "landing before (host)": landing_before,
+             "Adam: hf_zero (bf16 in, bf16 out)": hf_zero_adam,
+             "triad": lambda: a.add_(c, alpha=1e-3)}
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        ds_param = torch.nn.Parameter(masters.clone())
+        ds_param.grad = grad.float()
+        ds_opt = DeepSpeedCPUAdam([ds_param], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], adamw_mode=True)
+        found["Adam: DeepSpeedCPUAdam (fp32 in, fp32 out)"] = ds_opt.step
+    except Exception as error:  # the reference is optional: say why it is missing
+        print(f"DeepSpeed's CPU Adam is not available: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=float, default=5e7)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args()
+    numel = int(args.numel)
+    threads, why = cpu_adam_threads()
+    torch.set_num_threads(threads)
+    runs = phases(numel)
+    for run in runs.values():  # warm-up: first-touch page faults, thread pools, DeepSpeed's build
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    ns = {name: statistics.median(t) / numel * 1e9 for name, t in times.items()}
+    triad_bandwidth = TRIAD_BYTES / ns.pop("triad")  # bytes per ns = GB/s
+    floor = ADAM_BYTES / triad_bandwidth
+    ours = ns["Adam: hf_zero (bf16 in, bf16 out)"]
+    before = ns["norm before (host)"] + ns["landing before (host)"] + ours
+    report = {"numel": numel, "threads": threads, "threads_why": why, "isa": cpu_adam_kernel().isa(),
+              "triad_GBps": triad_bandwidth, "adam_floor_ns_per_param": floor, "ns_per_param": ns,
+              "host_step_before_ns_per_param": before, "host_step_now_ns_per_param": ours}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"\n{numel:.0e} parameters, {threads} threads ({why}), {report['isa']}; triad {triad_bandwidth:.1f} GB/s, "
+          f"so an Adam step's floor is {floor:.2f} ns a parameter")
+    print("| phase | host ns / parameter | x the Adam floor |")
+    print("|---|---|---|")
+    for name, value in ns.items():
+        print(f"| {name} | {value:.2f} | {value / floor:.2f} |")
+    print(f"| host step before (norm + landing + Adam) | {before:.2f} | {before / floor:.2f} |")
+    print(f"| host step now (Adam) | {ours:.2f} | {ours / floor:.2f} |")
+    ds = ns.get("Adam: DeepSpeedCPUAdam (fp32 in, fp32 out)")
+    if ds is not None:
+        print(f"\nhf_zero's Adam takes {ours / ds:.2f}x DeepSpeedCPUAdam's time on the same shard")
+
+
+if __name__ == "__main__":
+    main()
