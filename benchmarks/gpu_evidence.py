@@ -8,9 +8,12 @@ What it runs, each part in a fresh process so that one part's allocator state is
   sanitizer  its stream tests again under TORCH_CUDA_SANITIZER=1 (CUDA's stream sanitizer): every stage and
              offload configuration with each stream delayed, and NVMe offload
   systems    a GPT-2 of about 1.3B (width 2048, 24 blocks; `--dry`: the zoo's tiny one) trained by plain
-             PyTorch (fp32 weights, bf16 autocast, torch AdamW) and by the engine at stages 2 and 3, with and
-             without CPU offload, each inside a one-rank NCCL process group so that the communication stream
-             and the NCCL call shapes really run. Per system: device memory allocated by `initialize` at its
+             PyTorch (fp32 weights, bf16 autocast), by the engine at stages 2 and 3, with and without CPU offload
+             (and the delayed update), and by FSDP2 and DeepSpeed (stages 2, 3, and 2 with its CPU offload) as
+             references, each inside a one-rank NCCL process group so that the communication stream and the NCCL
+             call shapes really run; every system's AdamW is the fused one where it runs on the GPU (DeepSpeed
+             takes torch's AdamW as given). An offloaded system's extra step is timed phase by phase
+             (forward and backward, the norm, the host update, the copies back and the all-gather). Per system: device memory allocated by `initialize` at its
              peak (torch.cuda.max_memory_allocated) beside the formula's model states, the per-step peak,
              pinned host bytes before and after a save (torch.cuda.host_memory_stats), host synchronisations
              per step (torch.cuda.set_sync_debug_mode counts the implicit ones), tokens per second and model
@@ -29,6 +32,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -38,8 +42,18 @@ sys.path.insert(0, str(ROOT))
 SYSTEMS = {"torch": None,
            "stage2": {"zero_stage": 2},
            "stage2+cpu": {"zero_stage": 2, "offload_optimizer": "cpu"},
+           # warm-up 0: every timed step runs delayed
+           "stage2+cpu+delayed": {"zero_stage": 2, "offload_optimizer": "cpu", "delayed_param_update": True,
+                                  "delayed_param_update_warmup": 0},
            "stage3": {"zero_stage": 3},
            "stage3+cpu": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}
+# The references, in the same invocation (issue 51): FSDP2 (bf16 parameters, fp32 reduction, fused AdamW) and
+# DeepSpeed (bf16, torch's AdamW; with offload its own DeepSpeedCPUAdam, as it requires), when it imports.
+REFERENCES = {"fsdp2": None, "deepspeed2": {"stage": 2}, "deepspeed3": {"stage": 3},
+              "deepspeed2+cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+# Where each reference keeps its model states, as the formula counts them.
+REFERENCE_STATES = {"fsdp2": {"zero_stage": 3}, "deepspeed2": {"zero_stage": 2}, "deepspeed3": {"zero_stage": 3},
+                    "deepspeed2+cpu": {"zero_stage": 2, "offload_optimizer": "cpu"}}
 # Under CUDA's stream sanitizer (TORCH_CUDA_SANITIZER=1, which reports any kernel that touches memory another
 # stream uses without an ordering between them): every stage and offload configuration in a one-rank NCCL group,
 # with each stream delayed in turn (compute, comm, copy), and NVMe offload.
@@ -95,7 +109,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     zoo_name, overrides = ("gpt2-tiny", {}) if dry else ("gpt2-xl", GPT2_1_3B)
     cfg = model_zoo.config(zoo_name, **overrides)
     psi = model_zoo.parameter_count(zoo_name, **overrides)
-    config = SYSTEMS[name]
+    config = SYSTEMS.get(name)
 
     def allocated() -> int:
         return torch.cuda.memory_allocated() if cuda else 0
@@ -119,7 +133,10 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     before_init = allocated()
     reset_peak()
     start = time.perf_counter()
-    if config is None:
+    engine = None
+    if name in REFERENCES:
+        train_step = reference_system(name, model, batch, cuda)
+    elif config is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
 
         def train_step(ids: torch.Tensor) -> None:
@@ -129,7 +146,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     else:
-        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5),
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda),
                                     {**config, "dtype": "bf16"}, init_from=init_from)
 
         def train_step(ids: torch.Tensor) -> None:
@@ -157,21 +174,95 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
     step_peak = peak()
     pinned = {}
-    if config is not None and cuda and hasattr(torch.cuda, "host_memory_stats"):
+    if engine is not None and cuda and hasattr(torch.cuda, "host_memory_stats"):
         pinned["before_save"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
         with tempfile.TemporaryDirectory() as folder:
             engine.save_checkpoint(folder)
         pinned["after_save"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    phases = offloaded_step_phases(engine, ids, cuda) if engine is not None and \
+        engine.config.offload_optimizer != "none" and not engine.config.delayed_param_update else {}
     if profile:
         write_profile(train_step, ids, cuda, workdir / f"profile-{name}.txt")
     median = sorted(step_seconds)[len(step_seconds) // 2]
     tokens = batch * seq
     dist.destroy_process_group()
-    return {"system": name, "psi": psi, "formula_device_bytes": formula_device_bytes(config, psi),
+    return {"system": name, "psi": psi,
+            "formula_device_bytes": formula_device_bytes(config or REFERENCE_STATES.get(name), psi),
             "init_seconds": init_seconds, "init_peak_bytes": init_peak,
             "step_peak_bytes": step_peak, "median_step_seconds": median, "tokens_per_second": tokens / median,
             "model_tflops": model_flops_per_token(psi, cfg.n_layer, cfg.n_embd, seq) * tokens / median / 1e12,
-            "host_syncs_per_step": sorted(syncs)[len(syncs) // 2], "pinned_bytes": pinned}
+            "host_syncs_per_step": sorted(syncs)[len(syncs) // 2], "pinned_bytes": pinned,
+            "offloaded_step_seconds": phases}
+
+
+def reference_system(name: str, model: torch.nn.Module, batch: int, cuda: bool) -> Callable[[torch.Tensor], None]:
+    """A training step of FSDP2 or DeepSpeed on `model` (built in fp32 on the device), bf16 with fp32 masters."""
+    if name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+
+        def fsdp_step(ids: torch.Tensor) -> None:
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return fsdp_step
+    if not cuda:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asks for its launcher's variable; this is a one-rank group
+    import deepspeed
+
+    zero = REFERENCES[name]
+    config = {"train_micro_batch_size_per_gpu": batch, "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": dict(zero)}
+    if "offload_optimizer" in zero:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-5)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def deepspeed_step(ids: torch.Tensor) -> None:
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    return deepspeed_step
+
+
+def offloaded_step_phases(engine, ids: torch.Tensor, cuda: bool) -> dict[str, float]:
+    """One more step of an offloaded engine, timed phase by phase with the device synchronised between them (so
+    the phases' sum exceeds a step, whose phases overlap): forward and backward with the chunks' landing, the
+    gradient norm, the host update (the CPU Adam, the copies back queued chunk by chunk), and the rest of the step
+    (the copies back landing, the all-gather)."""
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    backend = engine.sharded_optimizer.backend
+    real_step, host_update = backend.step, []
+
+    def timed_step(coef: float, grads) -> None:
+        start = time.perf_counter()
+        real_step(coef, grads)
+        host_update.append(time.perf_counter() - start)
+
+    backend.step = timed_step
+    try:
+        start = now()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        backward = now()
+        engine.compute_grad_norm()
+        norm = now()
+        engine.step()
+        end = now()
+    finally:
+        backend.step = real_step
+    return {"forward_backward": backward - start, "norm": norm - backward, "host_update": host_update[0],
+            "copies_back_and_all_gather": end - norm - host_update[0]}
 
 
 def in_fresh_process(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -185,11 +276,11 @@ def main() -> None:
     p.add_argument("--dry", action="store_true", help="tiny sizes on CPU under the simulation, gloo")
     p.add_argument("--parts", nargs="+", default=["tests", "sanitizer", "systems"],
                    choices=["tests", "sanitizer", "systems"])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", default=[*SYSTEMS, *REFERENCES], choices=[*SYSTEMS, *REFERENCES])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--profile", nargs="*", default=[], choices=list(SYSTEMS),
+    p.add_argument("--profile", nargs="*", default=[], choices=[*SYSTEMS, *REFERENCES],
                    help="systems whose extra step runs under torch.profiler (profile-<system>.txt)")
     p.add_argument("--one_system", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -254,6 +345,15 @@ def markdown(evidence: dict) -> str:
                          f"| {r['init_peak_bytes'] / gib:.2f} "
                          f"| {r['step_peak_bytes'] / gib:.2f} | {r['tokens_per_second']:.0f} | {r['model_tflops']:.1f} "
                          f"| {r['host_syncs_per_step']} | {pinned_text} |")
+    phased = [r for r in rows if r.get("offloaded_step_seconds")]
+    if phased:
+        lines += ["", "An offloaded step, phase by phase (seconds; the device synchronised between phases):", "",
+                  "| system | forward and backward | norm | host update | copies back and all-gather |",
+                  "|---|---|---|---|---|"]
+        for r in phased:
+            s = r["offloaded_step_seconds"]
+            lines.append(f"| {r['system']} | {s['forward_backward']:.3f} | {s['norm']:.3f} | {s['host_update']:.3f} "
+                         f"| {s['copies_back_and_all_gather']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

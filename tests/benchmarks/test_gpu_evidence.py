@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
-    systems = ["stage3+cpu"]  # the path with the most device-layer work; each system is a fresh process
+    # The path with the most device-layer work, and FSDP2 as the reference beside it; each is a fresh process.
+    systems = ["stage3+cpu", "fsdp2"]
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_evidence", "--dry", "--out", str(tmp_path),
                            "--systems", *systems, "--steps", "1", "--profile", "stage3+cpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -30,3 +31,6 @@ def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
     table = (tmp_path / "evidence.md").read_text()
     assert all(f"| {system} |" in table for system in systems)
     assert "aten::" in (tmp_path / "profile-stage3+cpu.txt").read_text()
+    phases = rows[0]["offloaded_step_seconds"]  # the offloaded step's breakdown
+    assert set(phases) == {"forward_backward", "norm", "host_update", "copies_back_and_all_gather"}
+    assert phases["host_update"] > 0 and "An offloaded step, phase by phase" in table
