@@ -283,7 +283,13 @@ class ZeroTrainerMixin:
             logger.info(self.engine.ledger.report(self.engine.comm.rank))
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        return self.engine if training else self.model
+        if training:
+            # Where stock has accelerate prepare the model for training. The engine placed it (create_optimizer marked
+            # it prepared, so accelerate only records it): an evaluation after training then measures no preparation
+            # and logs no eval_model_preparation_time, as under stock, which logs it for an evaluation before training.
+            self.accelerator.prepare_model(self.model)
+            return self.engine
+        return self.model
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

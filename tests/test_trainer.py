@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -413,3 +414,28 @@ def test_each_logging_step_gives_the_callbacks_the_bytes_held_and_sent_per_link_
         others = [logs for logs in zero["received"] if "loss" not in logs]  # the end of training, the evaluation
         assert len(others) == 2 and not any(key.startswith("zero/") for logs in others for key in logs), others
 
+
+@pytest.mark.parametrize("evaluate_first", [False, True])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_evaluate_and_predict_report_the_stock_trainers_metrics_before_and_after_training(tmp_path, stage,
+                                                                                           evaluate_first):
+    """Stock reports eval_model_preparation_time (and predict_...) once accelerate prepared the model for an
+    evaluation, which it does only when training has not prepared it yet: after training alone, never."""
+    def metric_names(trainer_class: type[Trainer], arguments: type[TrainingArguments], **zero: Any) -> list[list[str]]:
+        args = arguments(output_dir=str(tmp_path / trainer_class.__name__), use_cpu=True, report_to=[], max_steps=2,
+                         per_device_train_batch_size=4, per_device_eval_batch_size=4, save_strategy="no",
+                         disable_tqdm=True, **zero)
+        trainer = trainer_class(model=gpt2_model(), args=args, train_dataset=lm_examples(8, seed=1),
+                                eval_dataset=lm_examples(8, seed=2))
+        def evaluate_and_predict() -> list[list[str]]:
+            return [sorted(trainer.evaluate()), sorted(trainer.predict(lm_examples(4, seed=3)).metrics)]
+
+        before = evaluate_and_predict() if evaluate_first else []
+        trainer.train()
+        return before + evaluate_and_predict()
+
+    from training_args import ZeroTrainingArguments
+
+    stock = metric_names(Trainer, TrainingArguments)
+    assert ("eval_model_preparation_time" in stock[-2]) == evaluate_first  # the case each parameter stands for
+    assert metric_names(ZeroTrainer, ZeroTrainingArguments, zero_stage=stage) == stock
