@@ -25,39 +25,15 @@ from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArg
 from transformers.utils import logging
 
 from hf_zero import deepspeed_config, environment, pretrained
-from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, did_you_mean, flag_rows, help_of,
-                            read_settings_file, trainer_flag)
+from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, flag_rows, help_of, read_settings_file,
+                            trainer_flag)
 from hf_zero.device import has_accelerator
-from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, processes_per_node
-from hf_zero.launch import DEFAULT_COLLECTIVE_TIMEOUT, collective_timeout
+from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, processes_per_node
+from hf_zero.flag_names import DDP_TIMEOUT_FLAG, ENGINE_FLAGS, EXTRA_FLAGS, TRAINER_OWNED, check_flag_names
+from hf_zero.launch import collective_timeout
 from hf_zero.tensor_parallel import check_tp_within_a_node
 
 logger = logging.get_logger(__name__)
-
-# The engine settings the Trainer already has a flag for (dtype: --bf16/--fp16, ...); a --zero_config file
-# may not repeat them.
-TRAINER_OWNED = {s.name: s.metadata["trainer_flag"] for s in described_settings() if s.metadata["trainer_flag"]}
-# Every other engine setting is a --zero_* flag: the flag's field name -> the setting.
-ENGINE_FLAGS = {trainer_flag(s.name).removeprefix("--"): s.name for s in described_settings()
-                if s.name not in TRAINER_OWNED}
-# Flags of the Trainer integration that are not engine settings: default, help, metavar, what it replaces.
-EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
-    "zero_config": (None, "JSON file of engine settings: hf_zero.ZeroConfig keys, or a DeepSpeed configuration "
-                          "(ds_config.json, also taken by --deepspeed) read as it is; flags win over it", "FILE.json",
-                    "the whole DeepSpeed configuration (docs/deepspeed.md)"),
-    "tensor_parallel_size": (1, "ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
-                             "is split over them and ZeRO runs over the remaining data-parallel dimension", "N",
-                             "Megatron's model parallel size (`mpu`)"),
-    "zero_init_partitioned": (True, "stage 3: from_pretrained and from_config, called once these arguments are parsed "
-                              "and until a ZeroTrainer given them takes its model, build the model partitioned (each "
-                              "rank reads only its slices of the safetensors files, or initialises only its shards); "
-                              "false builds the whole model on every rank first",
-                              "[BOOL]", "DeepSpeed's `zero.Init` (accelerate's `zero3_init_flag`)"),
-    "tensor_parallel_across_nodes": (False, "let a tensor-parallel group span nodes (its all-reduces in every layer "
-                                     "then cross the network); refused otherwise", "[BOOL]",
-                                     "Megatron's model parallel size larger than a node"),
-}
-
 
 def _flag_field(name: str, setting: Any, hint: Any) -> tuple[str, Any, Any]:
     """The --zero_* dataclass field for an engine setting: optional, None when not given."""
@@ -170,7 +146,7 @@ def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:
 
 # The Trainer's --ddp_timeout (torch's 30 minutes by default) with hf_zero's default instead, so that a rank
 # that stopped answering is an error within minutes under the Trainer too; resolved in _post_init.
-DDP_TIMEOUT = ("ddp_timeout", int | None, field(default=None, metadata={
+DDP_TIMEOUT = (DDP_TIMEOUT_FLAG, int | None, field(default=None, metadata={
     "help": f"seconds a rank waits in one collective before it fails (default {COLLECTIVE_TIMEOUT_ENV}, else "
             f"{DEFAULT_COLLECTIVE_TIMEOUT.total_seconds():.0f})"}))
 
@@ -209,13 +185,7 @@ def check_script_flags(script_args: list[str], world_size: int, per_node: int | 
     """Resolves the --zero_* flags (and --zero_config, --tensor_parallel_size) among a script's arguments as the
     script's TrainingArguments will, so a launcher can refuse a bad one before any process starts; the
     script's other flags are its own. Raises ZeroConfigError in one line, naming the flag."""
-    ours = {f"--{f.name}" for f in fields(ZeroArgumentsMixin)}
-    for arg in script_args:
-        flag = "--" + arg.split("=", 1)[0].removeprefix("--").replace("-", "_")
-        # A flag near one of ours is a misspelling; one that is not may be the script's own (--zero_shot).
-        if arg.startswith("--zero") and flag not in ours and (near := did_you_mean(flag, ours)):
-            raise ZeroConfigError(f"unknown flag {arg.split('=', 1)[0]}{near} (the README's flag table lists every "
-                                  f"--zero_* flag)")
+    check_flag_names(script_args)
     trainer_hints = typing.get_type_hints(TrainingArguments)
     trainer_fields = make_dataclass("TrainerFlags", [
         (f.name, trainer_hints[f.name], field(default=f.default)) for f in fields(TrainingArguments)

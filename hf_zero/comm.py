@@ -332,6 +332,15 @@ class Ledger:
         self.events.clear()
         self.peaks = Counter(self.held)  # the next step's peak starts from what is held across the step
 
+    def scalars(self) -> dict[str, int]:
+        """The model states this rank holds and the bytes it sent over each span of links in the last step, in
+        bytes, under keys for a metrics logger (the Trainer's logs, hence tensorboard and the rest of --report_to):
+        zero/held_bytes/<category> and zero/sent_bytes/<span>. Every key is present, zero when nothing was sent,
+        so that each makes one unbroken curve."""
+        held = {f"zero/held_bytes/{k}": self.state_bytes.get(k, 0) for k in MODEL_STATE_CATEGORIES}
+        sent = {f"zero/sent_bytes/{span}": self.last_step_span_bytes.get(span, 0) for span in SPANS}
+        return held | sent
+
     def report(self, rank_id: int | None = None) -> str:
         mib = 2**20
         who = f"rank {rank() if rank_id is None else rank_id}"

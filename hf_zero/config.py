@@ -9,11 +9,35 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+class _TorchDtypes(Mapping):
+    """The dtype names settings take -> torch's dtypes. torch is imported at the first lookup of a dtype, not with
+    this module: `hf-zero run` checks its flags' names before importing torch (1 s), and these names are all that
+    check needs."""
+
+    _NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self._NAMES[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._NAMES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._NAMES)
+
+    def __len__(self) -> int:
+        return len(self._NAMES)
+
+
+DTYPES = _TorchDtypes()
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 

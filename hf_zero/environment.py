@@ -18,6 +18,10 @@ from pathlib import Path
 from hf_zero.config import ZeroConfigError
 
 COLLECTIVE_TIMEOUT_ENV = "HF_ZERO_COLLECTIVE_TIMEOUT"
+# How long a rank waits in one collective by default: long enough for a rank that saves or loads a large
+# shard, or compiles the kernels, while the others wait; short enough that a rank that stopped answering
+# is an error within minutes (torch's own default is 30).
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 CHECK_COLLECTIVES_ENV = "HF_ZERO_CHECK_COLLECTIVES"
 EXTENSIONS_DIR_ENV = "HF_ZERO_EXTENSIONS_DIR"
 CPU_ADAM_ISA_ENV = "HF_ZERO_CPU_ADAM_ISA"

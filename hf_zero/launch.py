@@ -25,15 +25,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_zero import environment
+from hf_zero.environment import DEFAULT_COLLECTIVE_TIMEOUT
 from hf_zero.device import has_accelerator, use_local_accelerator
 
 logger = logging.getLogger("hf_zero")
-
-
-# How long a rank waits in one collective by default: long enough for a rank that saves or loads a large
-# shard, or compiles the kernels, while the others wait; short enough that a rank that stopped answering
-# is an error within minutes (torch's own default is 30).
-DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def collective_timeout(default: timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT) -> timedelta | None:

@@ -19,10 +19,8 @@ import runpy
 import sys
 from pathlib import Path
 
-from hf_zero.arguments import check_script_flags
 from hf_zero.config import ZeroConfigError
 from hf_zero.environment import check_environment, processes_per_node, world_size
-from hf_zero.launch import say_once
 
 # (defining module, class name) -> hf_zero's replacement, as "module:attribute".
 REPLACEMENTS = {
@@ -36,10 +34,11 @@ REPLACEMENTS = {
 
 def patch_transformers() -> None:
     """Makes `from transformers import TrainingArguments, Trainer` (and the Seq2Seq pair) give hf_zero's."""
+    # Import the replacements first: they subclass the original classes, and importing them may put a new top-level
+    # transformers module in sys.modules (see above), the one that must get them.
+    replacements = {key: _load(target) for key, target in REPLACEMENTS.items()}
     import transformers
 
-    # Import the replacements first: they subclass the original classes.
-    replacements = {key: _load(target) for key, target in REPLACEMENTS.items()}
     for (module_name, name), replacement in replacements.items():
         setattr(importlib.import_module(module_name), name, replacement)
         setattr(transformers, name, replacement)
@@ -55,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    # Imported here, not with this module: `hf-zero run` reads this module's help and checks the flags' names before
+    # it imports torch and transformers.
+    from hf_zero.arguments import check_script_flags
+    from hf_zero.launch import say_once
+
     script = Path(argv[0])
     if not script.is_file():
         print(f"hf-zero run: no such script: {script}", file=sys.stderr)

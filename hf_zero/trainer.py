@@ -270,14 +270,26 @@ class ZeroTrainerMixin:
         return super().create_scheduler(num_training_steps, optimizer)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """With --log_level info, every logging step also says what this rank holds and sent in the last step
-        (--log_level_replica info for the other ranks)."""
+        """At every logging step (--logging_steps; the logs that carry the training "loss") the logs also get what
+        this rank holds and sent over its links in the last step, as zero/held_bytes/* and zero/sent_bytes/* scalars
+        that --report_to's integrations record beside the loss; with --log_level info the same figures are said in
+        a line (--log_level_replica info for the other ranks). Evaluation and the end of training describe no
+        step, and log none of it."""
+        training_step = "loss" in logs and self.engine is not None and self.engine.global_steps > 0
+        if training_step:
+            logs.update(self.engine.ledger.scalars())
         super().log(logs, start_time)
-        if self.engine is not None and self.engine.global_steps > 0:
+        if training_step:
             logger.info(self.engine.ledger.report(self.engine.comm.rank))
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        return self.engine if training else self.model
+        if training:
+            # Where stock has accelerate prepare the model for training. The engine placed it (create_optimizer marked
+            # it prepared, so accelerate only records it): an evaluation after training then measures no preparation
+            # and logs no eval_model_preparation_time, as under stock, which logs it for an evaluation before training.
+            self.accelerator.prepare_model(self.model)
+            return self.engine
+        return self.model
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

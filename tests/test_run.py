@@ -336,3 +336,34 @@ def test_hf_zero_run_help_lists_every_flag_hf_zero_adds_to_the_scripts_arguments
     assert re.search(r"^  --nproc_per_node ", shown, re.MULTILINE)  # the launch flags stay
     for flag in [*ENGINE_FLAGS, *EXTRA_FLAGS, "ddp_timeout"]:
         assert re.search(rf"^  --{flag}[ ,\n]", shown, re.MULTILINE), flag
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc_per_nodes", "2", str(SCRIPT)],
+     "hf-zero run: unrecognized arguments: --nproc_per_nodes; did you mean --nproc_per_node?"),
+    (["--nproc_per_node", "2", str(SCRIPT), "--zero_stgae", "2"],
+     "hf-zero run: unknown flag --zero_stgae; did you mean --zero_stage?"),
+])
+def test_a_misspelt_flag_is_said_before_torch_or_transformers_is_imported(args, message):
+    """Importing them takes 3-4 s on a 2-core machine (benchmarks/bench_startup.py times the whole start)."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "hf_zero", "run", *args], capture_output=True,
+                         text=True, timeout=120)
+    said = [line for line in run.stderr.splitlines() if not line.startswith("import time:")]
+    assert run.returncode == 2 and len(said) == 1 and said[0].startswith(message), run.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "hf_zero.cli" in imported  # what -X importtime lists is read
+    assert not {name for name in imported if name.split(".")[0] in ("torch", "transformers")}
+
+
+def test_the_flag_names_checked_before_any_import_are_those_the_scripts_parser_takes():
+    """hf_zero.flag_names is what `hf-zero run` checks a script's --zero_* flags against before transformers exists;
+    the script's parser is HfArgumentParser over ZeroTrainingArguments, whose flags hf_zero adds are the mixin's."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from hf_zero.arguments import ZeroArgumentsMixin
+    from hf_zero.flag_names import flag_names
+
+    stock = set(HfArgumentParser(TrainingArguments)._option_string_actions)
+    mixin = {f"--{action.dest}" for action in HfArgumentParser(ZeroArgumentsMixin)._actions if action.dest != "help"}
+    assert flag_names() == mixin
+    assert flag_names() - stock == flag_names() - {"--ddp_timeout"}  # the one Trainer flag hf_zero gives a default

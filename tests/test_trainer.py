@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
 from tests.hub_stand_in import HubStandIn, hub_env
 from tests.test_deepspeed_config import TRANSFORMERS_ZERO3
 from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf16_saving_runs, gpt2_model,
-                                    lm_examples, pushing_run, resume_runs, run_trainers, saving_run,
+                                    lm_examples, logging_runs, pushing_run, resume_runs, run_trainers, saving_run,
                                     tensor_parallel_arguments, tensor_parallel_resume_runs, tensor_parallel_runs)
 
 STAGES = (0, 1, 2, 3)
@@ -311,30 +312,6 @@ def test_resuming_a_tensor_parallel_run_from_its_checkpoint_equals_the_uninterru
     assert (tmp_path / "straight" / "checkpoint-3" / "zero_checkpoint" / "manifest.json").is_file()
 
 
-def test_with_log_level_info_each_logging_step_says_what_the_rank_holds_after_the_first_step(tmp_path):
-    import logging
-
-    from transformers.trainer import logger as trainer_logger
-
-    from training_args import ZeroTrainingArguments
-
-    args = ZeroTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4, logging_steps=2,
-                                 per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True,
-                                 log_level="info", zero_stage=2)
-    trainer = ZeroTrainer(model=gpt2_model(), args=args, train_dataset=lm_examples(16, seed=1))
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    trainer_logger.addHandler(handler)
-    try:
-        trainer.train()
-    finally:
-        trainer_logger.removeHandler(handler)
-    reports = [r for r in records if r.startswith("rank 0 holds")]
-    assert len(reports) == 3, records  # logging steps 2 and 4, and the end-of-training log
-    assert all("gradients 0.00 MiB" not in r for r in reports), reports  # after steps: gradients exist
-
-
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA (r 4, alpha 8) on a tiny GPT-2, trained 2 steps at stage 1 in this process, checkpoint-2 saved."""
@@ -399,3 +376,66 @@ def test_a_lora_checkpoint_resumed_onto_another_base_is_refused_and_the_same_bas
         resume_lora(lora_run, tmp_path / "other", base=other)
     trainer = resume_lora(lora_run, tmp_path / "same")
     assert trainer.state.global_step == 3
+
+
+@pytest.fixture(scope="module")
+def logging_runs_on_two_ranks(tmp_path_factory):
+    return spawn_gloo(logging_runs, 2, str(tmp_path_factory.mktemp("logging")))
+
+
+@pytest.mark.slow
+def test_what_each_rank_holds_and_sends_is_said_at_the_stock_trainers_logging_steps_only(logging_runs_on_two_ranks):
+    """30 steps at --logging_steps 10, then evaluate: a line at each of the 3 steps the stock Trainer logs a loss at,
+    on rank 0 (--log_level info); none at the end of training or for the evaluation, none on rank 1
+    (--log_level_replica is warning)."""
+    stock, zero = logging_runs_on_two_ranks[0]["stock"], logging_runs_on_two_ranks[0]["zero2"]
+    assert zero["loss_steps"] == stock["loss_steps"] == [10, 20, 30]
+    reports = [line for line in zero["said"] if line.startswith("rank 0 holds")]
+    assert len(reports) == len(stock["loss_steps"]), zero["said"]
+    assert not any("holds" in line for line in stock["said"] + logging_runs_on_two_ranks[1]["zero2"]["said"])
+
+
+@pytest.mark.slow
+def test_each_logging_step_gives_the_callbacks_the_bytes_held_and_sent_per_link_beside_the_loss(
+        logging_runs_on_two_ranks):
+    """Stage 2 in fp32 on 2 ranks of one node: each rank holds the whole fp32 parameters (4Ψ bytes), half the
+    gradients (2Ψ) and half of Adam's two moments (4Ψ), and sends each step to the next rank half of the gradients'
+    reduce-scatter and half of the parameters' all-gather (2Ψ + 2Ψ), within the flat buffers' padding."""
+    for rank, runs in enumerate(logging_runs_on_two_ranks):
+        zero, psi = runs["zero2"], runs["zero2"]["psi"]
+        with_loss = [logs for logs in zero["received"] if "loss" in logs]
+        assert len(with_loss) == len(runs["stock"]["loss_steps"]) == 3
+        for logs in with_loss:
+            assert 4 * psi <= logs["zero/held_bytes/parameters"] <= 4 * psi + 64, (rank, logs)
+            assert abs(logs["zero/held_bytes/gradients"] - 2 * psi) <= 64, (rank, logs)
+            assert abs(logs["zero/held_bytes/optimizer_states"] - 4 * psi) <= 64, (rank, logs)
+            assert abs(logs["zero/sent_bytes/intra-node"] - 4 * psi) <= 64, (rank, logs)
+            assert logs["zero/sent_bytes/inter-node"] == 0
+        others = [logs for logs in zero["received"] if "loss" not in logs]  # the end of training, the evaluation
+        assert len(others) == 2 and not any(key.startswith("zero/") for logs in others for key in logs), others
+
+
+@pytest.mark.parametrize("evaluate_first", [False, True])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_evaluate_and_predict_report_the_stock_trainers_metrics_before_and_after_training(tmp_path, stage,
+                                                                                           evaluate_first):
+    """Stock reports eval_model_preparation_time (and predict_...) once accelerate prepared the model for an
+    evaluation, which it does only when training has not prepared it yet: after training alone, never."""
+    def metric_names(trainer_class: type[Trainer], arguments: type[TrainingArguments], **zero: Any) -> list[list[str]]:
+        args = arguments(output_dir=str(tmp_path / trainer_class.__name__), use_cpu=True, report_to=[], max_steps=2,
+                         per_device_train_batch_size=4, per_device_eval_batch_size=4, save_strategy="no",
+                         disable_tqdm=True, **zero)
+        trainer = trainer_class(model=gpt2_model(), args=args, train_dataset=lm_examples(8, seed=1),
+                                eval_dataset=lm_examples(8, seed=2))
+        def evaluate_and_predict() -> list[list[str]]:
+            return [sorted(trainer.evaluate()), sorted(trainer.predict(lm_examples(4, seed=3)).metrics)]
+
+        before = evaluate_and_predict() if evaluate_first else []
+        trainer.train()
+        return before + evaluate_and_predict()
+
+    from training_args import ZeroTrainingArguments
+
+    stock = metric_names(Trainer, TrainingArguments)
+    assert ("eval_model_preparation_time" in stock[-2]) == evaluate_first  # the case each parameter stands for
+    assert metric_names(ZeroTrainer, ZeroTrainingArguments, zero_stage=stage) == stock

@@ -347,3 +347,42 @@ def tensor_parallel_resume_runs(root: str) -> dict[str, dict[str, torch.Tensor]]
         with trainer.engine.gathered_parameters():
             params[mode] = named_copy(trainer.model)
     return params
+
+
+def logging_runs(root: str) -> dict[str, dict[str, Any]]:
+    """The stock Trainer (DDP) and ZeroTrainer at stage 2, 30 steps at --logging_steps 10 with --log_level info, then
+    evaluate: the steps each logged a loss at, the lines the Trainer's logger said on this rank, and the logs its
+    callbacks (where --report_to's integrations read them) received."""
+    import logging
+
+    from transformers import TrainerCallback
+    from transformers.trainer import logger as trainer_logger
+
+    class Received(TrainerCallback):
+        def __init__(self) -> None:
+            self.logs: list[dict[str, float]] = []
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any):
+            self.logs.append(dict(logs or {}))
+
+    results = {}
+    for run in (TrainerRun("stock", None), TrainerRun("zero2", 2)):
+        run.args.update(max_steps=30, logging_steps=10, log_level="info", eval_on_start=False,
+                        gradient_accumulation_steps=1)
+        received, said = Received(), []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        trainer_logger.addHandler(handler)
+        try:
+            trainer = _trainer_class(run)(model=gpt2_model(), args=_arguments(run, f"{root}/{run.name}"),
+                                          train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
+                                          eval_dataset=lm_examples(EVAL_EXAMPLES, seed=2), callbacks=[received])
+            trainer.train()
+            trainer.evaluate()
+        finally:
+            trainer_logger.removeHandler(handler)
+        results[run.name] = {"loss_steps": [h["step"] for h in trainer.state.log_history if "loss" in h],
+                             "said": said, "received": received.logs}
+        if run.zero_stage is not None:
+            results[run.name]["psi"] = sum(p.numel() for p in trainer.model.parameters())
+    return results

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
 import pickle
+from pathlib import Path
 
 import pytest
 from transformers import HfArgumentParser
@@ -165,3 +167,43 @@ def test_accelerate_launchs_dynamo_backend_is_refused_instead_of_compiling_nothi
 def test_torch_compile_is_refused_instead_of_compiling_nothing(flags):
     with pytest.raises(ZeroConfigError, match="--torch_compile is not supported with hf_zero's ZeRO engine yet"):
         parse("--zero_stage", "2", *flags)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# A page's claim that Trainer flags are refused whatever else is given: a sentence (or list item) whose subject is the
+# flags alone ("`--a` (and `--b`, `--c`) is refused: ...", "`--a` and `--b` are refused whatever the stage");
+# refusals under a condition ("is refused with tp > 1") are the tests of that condition's.
+REFUSAL_CLAIM = re.compile(r"^((?:`--[\w-]+`|[\s,()]|and\b|or\b)+)(?:is|are) refused(?=[:.;]| whatever)")
+# Values for the refused flags that take one, as a user would give them.
+FLAG_VALUES = {"--fsdp": "full_shard", "--torch_compile_mode": "max-autotune", "--torch_compile_backend": "inductor"}
+# `--zero_*` names the pages write that are not hf_zero's flags, and why.
+NOT_FLAGS = {"--zero_X": "the README's placeholder for any setting X", "--zero_shot": "a script's own flag",
+             "--zero_stgae": "a misspelling, in the example of its error", "--zero_stge": "the same"}
+
+
+def doc_sentences() -> list[tuple[str, str]]:
+    """(page, sentence) for every sentence, list item and table cell of the README and docs/, whitespace collapsed."""
+    return [(page.name, " ".join(sentence.split())) for page in DOCS
+            for sentence in re.split(r"(?<=[.!?])\s+(?:[-*]\s+)?|\n\s*[-*]\s+|\|", page.read_text())]
+
+
+def test_each_flag_the_docs_say_is_refused_is_refused_by_the_parser():
+    claims = [(page, flag) for page, sentence in doc_sentences() if (claim := REFUSAL_CLAIM.match(sentence))
+              for flag in re.findall(r"`(--[\w-]+)`", claim.group(1))]
+    assert {flag for _, flag in claims} >= {"--fsdp", "--torch_compile"}, claims  # the claims are read
+    actions = HfArgumentParser(ZeroTrainingArguments)._option_string_actions
+    for page, flag in claims:
+        assert flag in actions, f"{page} says {flag} is refused, and the Trainer has no such flag"
+        takes_value = actions[flag].nargs != "?"  # the Trainer's switches are given bare or with a value
+        assert not takes_value or flag in FLAG_VALUES, f"give FLAG_VALUES a value for {flag}"
+        with pytest.raises(ZeroConfigError):
+            parse(flag, *([FLAG_VALUES[flag]] if takes_value else []))
+            pytest.fail(f"{page} says {flag} is refused, and the parser takes it")
+
+
+def test_every_zero_flag_the_docs_name_is_one_the_parser_takes():
+    actions = HfArgumentParser(ZeroTrainingArguments)._option_string_actions
+    named = {(page, flag) for page, sentence in doc_sentences() for flag in re.findall(r"(--zero_\w+)", sentence)}
+    assert len(named) > 30  # the pages are read
+    assert not {(page, flag) for page, flag in named if flag not in actions and flag not in NOT_FLAGS}
