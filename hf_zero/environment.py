@@ -142,15 +142,20 @@ def processes_per_node(world: int) -> int:
     return integer("LOCAL_WORLD_SIZE", world, 1)
 
 
-def cpu_adam_threads() -> tuple[int, str]:
+def cpu_adam_threads(beside_the_device: bool = False) -> tuple[int, str]:
     """The threads the offloaded update's CPU Adam runs on, and why: HF_ZERO_CPU_ADAM_THREADS where it is set, else
-    the cores this process may run on shared by the processes on this node. Not OMP_NUM_THREADS: torchrun sets it
-    to 1 whenever several processes share a node, which would leave each rank's update on one core."""
+    the cores this process may run on shared by the processes on this node, less one when the update runs beside
+    the thread that drives the device (a delayed update, during the next forward and backward: an OpenMP team
+    sharing its cores with that thread waits for its slowest member). Not OMP_NUM_THREADS: torchrun sets it to 1
+    whenever several processes share a node, which would leave each rank's update on one core."""
     threads = integer(CPU_ADAM_THREADS_ENV, 0, 1)
     if threads:
         return threads, CPU_ADAM_THREADS_ENV
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = processes_per_node(world_size())
+    if beside_the_device:
+        return max(1, cores // local - 1), f"{cores} cores / {local} processes on this node, less one for the " \
+                                           f"thread that drives the device meanwhile"
     return max(1, cores // local), f"{cores} cores / {local} processes on this node"
 
 

@@ -52,10 +52,11 @@ def adamw_mode_of(optimizer: torch.optim.Optimizer) -> dict[int, bool] | None:
 class HostAdam:
     """Steps the masters of an Adam/AdamW with the C++ kernel, keeping torch's state layout."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, adamw_mode: dict[int, bool]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, adamw_mode: dict[int, bool], beside_the_device: bool) -> None:
+        """`beside_the_device`: the steps run while another thread drives the device (a delayed update)."""
         self.optimizer, self.adamw_mode = optimizer, adamw_mode
         self.kernel = cpu_adam_kernel()
-        self.threads, why = cpu_adam_threads()
+        self.threads, why = cpu_adam_threads(beside_the_device)
         logger.info("the offloaded optimizer step runs the CPU Adam on %d threads (%s)", self.threads, why)
 
     @torch.no_grad()
@@ -101,20 +102,22 @@ class HostUpdate(UpdateBackend):
     reduced and partitioned, the new parameters go back in the compute dtype. Adam and AdamW run the C++
     kernel (HostAdam); any other optimizer runs its own step() on the host masters.
     `staged`: the new values go to host buffers first (the parameters are on a device, or a delayed update
-    writes while the model reads), copied over by publish(). `publish_as_stepped`: each chunk's copy is queued
-    as soon as its update is done, overlapping the next chunk's (not while a delayed update's model reads them)."""
+    writes while the model reads), copied over by publish(). `delayed`: the steps run in the background during the
+    next forward and backward; otherwise each chunk's copy is queued as soon as its update is done, overlapping
+    the next chunk's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  fp32_init: list[list[torch.Tensor]] | None, staged: bool, chunks_lent: LatestCopy | None,
-                 publish_as_stepped: bool = False) -> None:
+                 delayed: bool = False) -> None:
         super().__init__(optimizer, param_chunks, chunks_lent)
         adamw_mode = adamw_mode_of(optimizer)
-        self.host_adam = HostAdam(optimizer, adamw_mode) if adamw_mode is not None else None
+        self.host_adam = HostAdam(optimizer, adamw_mode, beside_the_device=delayed) if adamw_mode is not None \
+            else None
         # Never pinned: the masters stay in host memory (the step reads and writes them there), no copy to
         # the device reads them, and page-locked memory is taken from what the host can swap or cache.
         self.masters = self._own_masters(fp32_init or param_chunks, host_memory_empty, consume=fp32_init is not None)
         self.staged = staged
-        self.publish_as_stepped = staged and publish_as_stepped and self.host_adam is not None
+        self.publish_as_stepped = staged and not delayed and self.host_adam is not None
         self.outputs = StagedOutputs(param_chunks, staged)
         self._retarget()
 

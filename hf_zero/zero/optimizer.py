@@ -45,8 +45,7 @@ def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[tor
         # The update writes straight into the parameter chunks when they are in host memory and nothing reads
         # them meanwhile; a delayed update runs while the next forward reads them.
         staged = config.delayed_param_update or any(c.device != HOST for cs in param_chunks for c in cs)
-        return HostUpdate(optimizer, param_chunks, fp32_init, staged, chunks_lent,
-                          publish_as_stepped=not config.delayed_param_update)
+        return HostUpdate(optimizer, param_chunks, fp32_init, staged, chunks_lent, delayed=config.delayed_param_update)
     return DeviceUpdate(optimizer, param_chunks, grad_chunks, fp32_init, chunks_lent)
 
 

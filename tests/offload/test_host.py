@@ -14,9 +14,10 @@ from hf_zero.offload.host import HostUpdate
 from tests.helpers import batch, make_optimizer, tiny_model
 
 
-def threads_seen_by_the_cpu_adam(monkeypatch) -> list[int]:
+def threads_seen_by_the_cpu_adam(monkeypatch, delayed: bool = False) -> list[int]:
     """One offloaded step of a tiny GPT-2 with torch on one thread, as torchrun leaves every process of a node
-    shared by several (OMP_NUM_THREADS=1): the intra-op threads each chunk's CPU Adam ran on."""
+    shared by several (OMP_NUM_THREADS=1): the intra-op threads each chunk's CPU Adam ran on (`delayed`: in the
+    background, from the first step)."""
     seen: list[int] = []
     real_step = host.adam_step_with_state
 
@@ -29,9 +30,12 @@ def threads_seen_by_the_cpu_adam(monkeypatch) -> list[int]:
     torch.set_num_threads(1)
     try:
         model = tiny_model("gpt2")
-        engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2, "offload_optimizer": "cpu"})
+        engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2, "offload_optimizer": "cpu",
+                                                                   "delayed_param_update": delayed,
+                                                                   "delayed_param_update_warmup": 0})
         engine.backward(engine(**batch("gpt2", 0, 4)).loss)
         engine.step()
+        engine.finish_pending_update()
         assert torch.get_num_threads() == 1  # given back after the step
     finally:
         torch.set_num_threads(before)
@@ -52,6 +56,17 @@ def test_the_cpu_adam_runs_on_the_cores_shared_by_the_processes_of_the_node(monk
         assert set(seen) == {expected}
         assert f"CPU Adam on {expected} threads ({cores} cores / {local_processes} processes on this node)" \
             in caplog.text
+
+
+def test_a_delayed_update_leaves_one_core_to_the_thread_that_drives_the_device(monkeypatch, caplog):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("HF_ZERO_CPU_ADAM_THREADS", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with caplog.at_level(logging.INFO, logger="hf_zero"):
+        seen = threads_seen_by_the_cpu_adam(monkeypatch, delayed=True)
+    assert set(seen) == {max(1, cores - 1)}
+    assert f"CPU Adam on {max(1, cores - 1)} threads ({cores} cores / 1 processes on this node, less one" in caplog.text
 
 
 def test_hf_zero_cpu_adam_threads_sets_the_cpu_adams_threads(monkeypatch, caplog):
@@ -80,7 +95,7 @@ def test_each_updated_chunk_starts_back_to_the_device_as_soon_as_its_update_is_d
     chunks = [torch.zeros(n) for n in (3, 5, 7)]
     grads = [torch.full((n,), 0.5) for n in (3, 5, 7)]
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    update = HostUpdate(optimizer, [chunks], fp32_init=None, staged=True, chunks_lent=None, publish_as_stepped=True)
+    update = HostUpdate(optimizer, [chunks], fp32_init=None, staged=True, chunks_lent=None)
     update.step(1.0, [grads])
     update.publish()  # nothing left to queue
     assert events == ["update 3", "copy 3", "update 5", "copy 5", "update 7", "copy 7"]
@@ -110,6 +125,7 @@ def test_a_delayed_update_reads_gradients_the_next_backward_does_not_write(monke
         engine.backward(engine(**batch("gpt2", step, 4)).loss)
         landed_in = {s.untyped_storage().data_ptr() for s in engine.params.grads.grad_shards}
         engine.step()
+        engine.sharded_optimizer.delayed.pending.result()  # the update has run (and recorded what it read)
         read_from = {g.untyped_storage().data_ptr() for grads in handed[-1] for g in grads}
         assert read_from == landed_in and read_from in sets  # the shards themselves, not a copy
         assert {s.untyped_storage().data_ptr() for s in engine.params.grads.grad_shards} != read_from
