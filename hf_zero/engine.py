@@ -346,9 +346,12 @@ class ZeroEngine(nn.Module):
         average of its gradients and the others' zeros, as under DDP."""
         params = list(self.params.grads.param_pieces)
         unused_here = set(self.params.grads.take_unused())
-        used = torch.tensor([p not in unused_here for p in params], dtype=torch.uint8, device=self.comm.device)
-        self.comm.any_rank_(used)
-        unused = {p for p, was_used in zip(params, used.tolist()) if not was_used}
+        used = [p not in unused_here for p in params]
+        if self.comm.world_size > 1:  # a round trip through the device, which the host waits for: not on one rank
+            flags = torch.tensor(used, dtype=torch.uint8).to(self.comm.device)
+            self.comm.any_rank_(flags)
+            used = flags.tolist()
+        unused = {p for p, was_used in zip(params, used) if not was_used}
         if unused and (self.config.delayed_param_update or self.config.offload_optimizer == "nvme"):
             names = sorted(self.params.managed[id(p)].name for p in unused)
             raise ValueError(f"no rank computed a gradient for {', '.join(names[:5])}"
