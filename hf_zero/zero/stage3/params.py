@@ -49,6 +49,11 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         self.offload_param = config.offload_param
         self.reader: ParamReader | None = None
         self.reshard_root_after_forward = config.reshard_root_after_forward
+        self.generation_max_live_parameters = config.generation_max_live_parameters
+        # Inside model.generate(): the elements the units kept gathered may still take (None: not generating),
+        # and those units.
+        self.generation_budget: int | None = None
+        self.kept_for_generation: set[int] = set()
         self.trim_host_heap = config.trim_host_heap
         self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.trained_flats]
@@ -291,8 +296,9 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
                 unit.free()
 
     def _free_all_but_root(self) -> None:
+        """Frees every unit but the root, and but those kept gathered for the rest of a generate() call."""
         for unit in self.units:
-            if not unit.is_root:
+            if not unit.is_root and id(unit) not in self.kept_for_generation:
                 unit.free()
 
     def free_all(self) -> None:

@@ -69,7 +69,10 @@ class Schedule:
     def _gather_root_around(self, model: nn.Module, method: str) -> None:
         """Runs model.<method> with the root unit gathered, as a forward would be. generate() calls parts
         of the model directly (an encoder-decoder's encoder), outside the root's forward hooks; FSDP2's
-        register_fsdp_forward_method exists for the same reason."""
+        register_fsdp_forward_method exists for the same reason. Meanwhile the units it uses stay gathered after
+        their first forward, up to `generation_max_live_parameters` elements (`_keep_for_generation`): it runs a
+        forward per token, and would gather every unit again for each (FSDP2's reshard_after_forward=False, for
+        the duration of the call)."""
         root = self.root
         if root is None:
             return
@@ -77,14 +80,32 @@ class Schedule:
 
         @functools.wraps(original)
         def with_root_gathered(*args, **kwargs):
+            if self.generation_budget is not None:  # a generate() inside another: the outer one keeps and frees
+                return original(*args, **kwargs)
             self._fetch(root, backward=False)
+            self.generation_budget = self.generation_max_live_parameters
             try:
                 return original(*args, **kwargs)
             finally:
+                self.generation_budget = None
+                self.kept_for_generation.clear()
                 self._free_all_but_root()
                 root.free()
 
         setattr(model, method, with_root_gathered)
+
+    def _keep_for_generation(self, unit: Unit) -> bool:
+        """Inside generate(): whether `unit`, just used by a forward, stays gathered for the next tokens' (while the
+        budget has room for it; the root, gathered for the whole call, always does)."""
+        if self.generation_budget is None or unit.persistent:
+            return False
+        if unit.is_root or id(unit) in self.kept_for_generation:
+            return True
+        if unit.numel > self.generation_budget:
+            return False
+        self.generation_budget -= unit.numel
+        self.kept_for_generation.add(id(unit))
+        return True
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # A forward inside backward is activation checkpointing recomputing the unit: its gradients come next,
@@ -111,7 +132,8 @@ class Schedule:
         backward_follows = torch.is_grad_enabled() and bool(tensors)
         if backward_follows:
             unit.keep_secondary()  # the root too: it stays gathered into this backward, not the next forward's
-        if not (unit.is_root and backward_follows and not self.reshard_root_after_forward):
+        if not (unit.is_root and backward_follows and not self.reshard_root_after_forward) and \
+                not (not backward_follows and self._keep_for_generation(unit)):
             unit.free()
         if backward_follows:
             register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, backward=True), mode="any")

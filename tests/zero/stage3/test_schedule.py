@@ -504,3 +504,62 @@ def test_generate_on_one_rank_at_stage3_fails_within_seconds_naming_synced_gpus(
                                         r"every rank must run each forward: generate\(\) on some ranks only \(rank 0, "
                                         r"say\) needs synced_gpus=True"):
         spawn_gloo(rank_0_generates_alone, 2)
+
+
+def generate_at_stage3(limit: int | None, max_new_tokens: int = 6) -> dict[str, Any]:
+    """Greedy generation of a tiny GPT-2 at stage 3 (`limit`: generation_max_live_parameters, None: the default),
+    beside the same model's stock generate(): the tokens, the unit all-gathers it took, the units (and elements)
+    gathered at most, and what stays gathered after."""
+    stock = tiny_model("gpt2")
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    expected = stock.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    model = tiny_model("gpt2")
+    config = {"zero_stage": 3} if limit is None else {"zero_stage": 3, "generation_max_live_parameters": limit}
+    engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    ledger = engine.ledger
+    ledger.close_step()
+    blocks = [u for u in engine.params.units if not u.is_root and not u.persistent]
+    tokens = engine.module.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return {"same_tokens": torch.equal(tokens, expected), "gathers": ledger.events["unit all-gathers"],
+            "blocks": len(blocks), "block_numel": blocks[0].numel,
+            "peak_bytes": ledger.peaks["bytes of gathered units"], "block_bytes": blocks[0].nbytes,
+            "root_bytes": next(u.nbytes for u in engine.params.units if u.is_root),
+            "left_gathered": ledger.held["units gathered"]}
+
+
+def test_generate_gathers_each_unit_once_per_call_within_its_live_parameter_limit():
+    """Issue 52: generate() runs a forward per token; at stage 3 each unit is gathered once per call and kept
+    until it returns, as FSDP2 without resharding after forward, so long as the units kept stay within
+    generation_max_live_parameters; beyond, units are gathered per forward again. The tokens are stock's."""
+    tokens = 6
+    kept = generate_at_stage3(None, tokens)
+    per_forward = generate_at_stage3(0, tokens)
+    one_block = generate_at_stage3(kept["block_numel"], tokens)
+    for run in (kept, per_forward, one_block):
+        assert run["same_tokens"] and run["left_gathered"] == 0
+    blocks = kept["blocks"]
+    assert kept["gathers"] == blocks + 1  # each block once, and the root
+    assert per_forward["gathers"] == tokens * blocks + 1  # every block for every token's forward
+    assert one_block["gathers"] == 1 + (tokens * (blocks - 1) + 1)  # the first block stays; the rest come again
+    # The limit holds: at most the root, the kept block and the block in use (with the one prefetched) at once.
+    assert one_block["peak_bytes"] <= one_block["root_bytes"] + 3 * one_block["block_bytes"]
+
+
+def generate_own_prompt(limit: int) -> bool:
+    """Each rank generates from a prompt of its own (synced_gpus: the ranks run forwards together until all are
+    done, as the Trainer's predict_with_generate does at stage 3): whether its tokens are stock's."""
+    rank = torch.distributed.get_rank()
+    prompt = torch.tensor([[1, 2, 3, 4, 5][: 2 + rank]])
+    stock = tiny_model("gpt2")
+    expected = stock.generate(prompt, max_new_tokens=5 + 3 * rank, do_sample=False, pad_token_id=0)
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                {"zero_stage": 3, "generation_max_live_parameters": limit})
+    tokens = engine.module.generate(prompt, max_new_tokens=5 + 3 * rank, do_sample=False, pad_token_id=0,
+                                    synced_gpus=True)
+    return torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("limit", [0, 1_000_000_000])
+def test_ranks_generating_different_lengths_stay_in_step_whatever_they_keep(limit):
+    assert spawn_gloo(generate_own_prompt, 2, limit) == [True, True]
