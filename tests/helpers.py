@@ -7,14 +7,17 @@ tests assert on. The references (single process, DDP) are computed from the same
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
@@ -83,6 +86,26 @@ def tiny_converted_model(kind: str) -> nn.Module:
             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=24,
             shared_expert_intermediate_size=24, num_experts=4, **sizes))
     raise ValueError(f"no tiny converted model {kind!r}; there are {', '.join(CONVERTED_TENSORS)}")
+
+
+def saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved folder's safetensors file or shards."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    return {name: t for file in files for name, t in load_file(folder / file).items()}
+
+
+def assert_saved_as_stock_saves(ours: Path, stock: Path) -> None:
+    """The same tensor names, dtypes, shapes and bits, split into the same files."""
+    mine, theirs = saved_tensors(ours), saved_tensors(stock)
+    assert mine.keys() == theirs.keys(), (f"{ours} holds {len(mine)} tensors, stock's {len(theirs)}; only in "
+                                          f"ours: {sorted(mine.keys() - theirs.keys())[:3]}, only in stock's: "
+                                          f"{sorted(theirs.keys() - mine.keys())[:3]}")
+    for name, tensor in theirs.items():
+        assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), f"{ours}: {name}"
+    if (stock / "model.safetensors.index.json").is_file():
+        assert json.loads((ours / "model.safetensors.index.json").read_text())["weight_map"] == \
+            json.loads((stock / "model.safetensors.index.json").read_text())["weight_map"], f"{ours}: files"
 
 
 def batch(kind: str, step: int, size: int) -> dict[str, torch.Tensor]:

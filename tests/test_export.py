@@ -18,7 +18,8 @@ import hf_zero
 from hf_zero.export import SavedLayout, ShardedWeightsWriter, meta_like, weights_to_save
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import rank_world, train
-from tests.helpers import CONVERTED_TENSORS, named_copy, tiny_converted_model, tiny_model
+from tests.helpers import (CONVERTED_TENSORS, assert_saved_as_stock_saves, named_copy, saved_tensors,
+                           tiny_converted_model, tiny_model)
 
 
 def mixed_tensors() -> dict[str, torch.Tensor]:
@@ -88,24 +89,6 @@ def test_weights_to_save_names_what_save_pretrained_writes(tmp_path):
         saved = set(f.keys())
     assert set(weights_to_save(model)) == saved
     assert "lm_head.weight" not in saved  # tied to transformer.wte.weight
-
-
-def saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a saved folder's safetensors file or shards."""
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    return {name: t for file in files for name, t in load_file(folder / file).items()}
-
-
-def assert_saved_as_stock_saves(ours: Path, stock: Path) -> None:
-    """The same tensor names, dtypes, shapes and bits, split into the same files."""
-    mine, theirs = saved_tensors(ours), saved_tensors(stock)
-    assert sorted(mine) == sorted(theirs)
-    for name, tensor in theirs.items():
-        assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), name
-    if (stock / "model.safetensors.index.json").is_file():
-        assert json.loads((ours / "model.safetensors.index.json").read_text())["weight_map"] == \
-            json.loads((stock / "model.safetensors.index.json").read_text())["weight_map"]
 
 
 SHARD = "8KB"  # every tiny converted model in several files
