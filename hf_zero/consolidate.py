@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from hf_zero import checkpoint
 from hf_zero.config import DTYPES
-from hf_zero.export import TORCH_DTYPES, ShardedWeightsWriter, meta_like
+from hf_zero.export import TORCH_DTYPES, SavedLayout, ShardedWeightsWriter, meta_like
 from hf_zero.memory import peak_rss, reset_peak_rss
 from hf_zero.tensor_parallel import join_parts
 
@@ -106,14 +106,17 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
             shape, stored_dtype = module_meta[key]
             stored = TORCH_DTYPES[stored_dtype]
             planned[name] = meta_like(shape, out_dtype if stored.is_floating_point else stored)
+    layout = SavedLayout(_model_on_meta(config_path, config), planned)
     rss_before = psutil.Process().memory_info().rss
     reset_peak_rss()
 
     def write(staging: Path) -> list[str]:
-        writer = ShardedWeightsWriter(staging, planned, max_shard_size)
+        writer = ShardedWeightsWriter(staging, layout.saved, max_shard_size)
         try:
             for name, key in tqdm(manifest["weights"], desc="Consolidating", unit="tensor", disable=not progress):
-                writer.write(name, _read_tensor(source, manifest, index, key))
+                for saved_name, tensor in layout.convert({name: _read_tensor(source, manifest, index, key)}):
+                    writer.write(saved_name, tensor)
+            layout.check_complete()
             written = writer.close()
         except BaseException:
             writer.abort()
@@ -121,7 +124,7 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
         return written + _copy_model_files(source, config, staging, dtype)
 
     written = _write_staged(output, provenance, write)
-    weight_bytes = sum(t.numel() * t.element_size() for t in planned.values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in layout.saved.values())
     return ConsolidationReport(written, weight_bytes, rss_before, peak_rss())
 
 
@@ -293,6 +296,33 @@ def _model_config(source: Path) -> tuple[Path, dict]:
             f"no config.json in {' or '.join(map(str, folders))}: the checkpoint was saved from a model that is "
             f"not a transformers PreTrainedModel, so there is no config to load it with")
     return config_from / "config.json", checkpoint.read_json_object(config_from / "config.json")
+
+
+def _model_on_meta(config_path: Path, config_json: dict) -> torch.nn.Module:
+    """The checkpoint's model built on meta from its config.json (no memory): what save_pretrained looks up the
+    conversions to revert on. A class transformers does not have (a script's own PreTrainedModel) is a plain module,
+    whose names are saved as they are, unless its model type is one transformers converts."""
+    import transformers
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    try:
+        model_class = _base_model_class(config_path, config_json)
+    except checkpoint.CheckpointError as error:
+        model_type = config_json.get("model_type")
+        if get_checkpoint_conversion_mapping(model_type) is not None:
+            raise checkpoint.CheckpointError(f"{error}, and transformers saves {model_type} models in another layout "
+                                             f"than it holds them in, which only the model's class can revert: load the "
+                                             f"checkpoint into the model (engine.load_checkpoint) and save it with "
+                                             f"engine.save_weights or the Trainer's save_model") from None
+        return torch.nn.Module()
+    try:
+        config = transformers.AutoConfig.from_pretrained(config_path.parent)
+    except (ValueError, TypeError, KeyError, OSError) as error:
+        raise checkpoint.CheckpointError(f"{config_path} does not describe a model transformers "
+                                         f"{transformers.__version__} can build: "
+                                         f"{str(error).strip().splitlines()[0]}") from None
+    with torch.device("meta"):
+        return model_class._from_config(config)
 
 
 def _base_model_class(config_path: Path, config: dict) -> type:

@@ -460,7 +460,7 @@ class ZeroEngine(nn.Module):
                 yield {name_of_slice[name]: w.to(saved_dtype(w)) for name, w in part.items() if name in name_of_slice}
             yield {name: t.to(saved_dtype(t)) for name, t in weights.items() if id(t) not in held}  # buffers, frozen
 
-        error = export.write_as_they_arrive(folder, planned, arrivals(), write, max_shard_size)
+        error = export.write_as_they_arrive(folder, self.module, planned, arrivals(), write, max_shard_size)
 
         def raise_error() -> None:
             if error is not None:

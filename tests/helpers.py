@@ -7,14 +7,17 @@ tests assert on. The references (single process, DDP) are computed from the same
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
@@ -55,10 +58,60 @@ def tiny_model(kind: str) -> nn.Module:
     return BertForSequenceClassification(cfg)
 
 
+# How many tensors each converted model holds (its state dict, a tied weight once) and how many stock save_pretrained
+# writes of it: transformers converts their checkpoints while loading and reverts the conversions when saving.
+CONVERTED_TENSORS = {"mixtral": (21, 41), "qwen2_moe": (35, 55), "lara_mini": (33, 30)}
+
+
+def tiny_converted_model(kind: str) -> nn.Module:
+    """A tiny causal LM of a type transformers converts while loading, of vocabulary VOCAB:
+    - "mixtral": experts stored one tensor per expert and projection (`block_sparse_moe.experts.0.w1.weight`),
+      merged into one 3-D `mlp.experts.gate_up_proj` (w1 and w3) and `down_proj` (w2) per layer;
+    - "qwen2_moe": the same merge of `mlp.experts.0.gate_proj.weight`, `up_proj` and `down_proj`;
+    - "lara_mini": the other way round, one stored `linear_attn.in_proj.weight` split into four projections (saving
+      concatenates them again), and `linear_attn.out_norm` renamed `norm`; its embeddings tied to its head."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    sizes = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                 max_position_embeddings=32, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if kind == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=48, num_local_experts=4, **sizes))
+    if kind == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                                        shared_expert_intermediate_size=48, **sizes))
+    if kind == "lara_mini":
+        return tf.LaraMiniForCausalLM(tf.LaraMiniConfig(
+            layer_types=["linear_attention", "full_attention"], head_dim=8, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=24,
+            shared_expert_intermediate_size=24, num_experts=4, **sizes))
+    raise ValueError(f"no tiny converted model {kind!r}; there are {', '.join(CONVERTED_TENSORS)}")
+
+
+def saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved folder's safetensors file or shards."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    return {name: t for file in files for name, t in load_file(folder / file).items()}
+
+
+def assert_saved_as_stock_saves(ours: Path, stock: Path) -> None:
+    """The same tensor names, dtypes, shapes and bits, split into the same files."""
+    mine, theirs = saved_tensors(ours), saved_tensors(stock)
+    assert mine.keys() == theirs.keys(), (f"{ours} holds {len(mine)} tensors, stock's {len(theirs)}; only in "
+                                          f"ours: {sorted(mine.keys() - theirs.keys())[:3]}, only in stock's: "
+                                          f"{sorted(theirs.keys() - mine.keys())[:3]}")
+    for name, tensor in theirs.items():
+        assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), f"{ours}: {name}"
+    if (stock / "model.safetensors.index.json").is_file():
+        assert json.loads((ours / "model.safetensors.index.json").read_text())["weight_map"] == \
+            json.loads((stock / "model.safetensors.index.json").read_text())["weight_map"], f"{ours}: files"
+
+
 def batch(kind: str, step: int, size: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
-    if kind.startswith(("gpt2", "llama")):
+    if kind.startswith(("gpt2", "llama")) or kind in CONVERTED_TENSORS:
         return {"input_ids": ids, "labels": ids}
     return {"input_ids": ids, "labels": torch.randint(0, 3, (size,), generator=g)}
 

@@ -20,6 +20,7 @@ import hf_zero
 from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits, consolidation_runs, save_large_checkpoint
+from tests.helpers import tiny_converted_model, tiny_model
 from tests.hub_stand_in import HubStandIn, hub_env
 
 
@@ -370,3 +371,30 @@ def test_a_manifest_shape_its_files_do_not_hold_is_refused_before_any_memory_is_
     assert code == 2 and len(said) == 1, err
     assert re.search(rf"the manifest's piece is F32 of shape \[{2 ** 38}\]", said[0]), err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def engine_checkpoint(model: torch.nn.Module, folder: Path, architecture: str) -> Path:
+    """A stage-3 checkpoint of `model` on this one process, its config.json naming `architecture` as its class."""
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
+    engine.save_checkpoint(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+    return folder
+
+
+def test_a_class_transformers_lacks_is_refused_when_its_model_type_is_saved_in_another_layout(tmp_path):
+    """Which of transformers' conversions save_pretrained reverts is found from the model's class."""
+    ckpt = engine_checkpoint(tiny_converted_model("mixtral"), tmp_path / "ckpt", "MyMixtralForCausalLM")
+    with pytest.raises(hf_zero.checkpoint.CheckpointError,
+                       match=r"names 'MyMixtralForCausalLM', which is not a model class of transformers .*, and "
+                             r"transformers saves mixtral models in another layout than it holds them in"):
+        consolidate(ckpt, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_class_transformers_lacks_of_a_model_type_it_does_not_convert_is_written_under_its_own_names(tmp_path):
+    model = tiny_model("gpt2")
+    ckpt = engine_checkpoint(model, tmp_path / "ckpt", "MyGPT2LMHeadModel")
+    consolidate(ckpt, tmp_path / "out", progress=False)
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(hf_zero.export.weights_to_save(model))

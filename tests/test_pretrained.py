@@ -18,7 +18,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageCla
 
 from hf_zero import pretrained
 from hf_zero.launch import spawn_gloo
-from tests.helpers import max_diff, named_copy
+from tests.helpers import assert_saved_as_stock_saves, max_diff, named_copy
 
 SCRIPT = Path(__file__).parent / "scripts" / "hf_style_clm.py"
 SEED = 7
@@ -60,7 +60,7 @@ CONVERTED = {"mixtral": AutoModelForCausalLM, "vit": AutoModelForImageClassifica
 
 def build_converted(folders: dict[str, Path], output_dir: Path) -> dict:
     """Each converted checkpoint from_pretrained under stage-3 arguments, handed to ZeroTrainer: the values the
-    engine then holds, gathered."""
+    engine then holds, gathered; then saved by save_model into output_dir/kind."""
     from hf_zero import ZeroTrainer
 
     results = {}
@@ -69,13 +69,16 @@ def build_converted(folders: dict[str, Path], output_dir: Path) -> dict:
         args = arguments(output_dir)
         model = auto.from_pretrained(folders[kind])
         results[f"{kind}_on_meta"] = all(p.is_meta for p in model.parameters())
-        results[kind] = gathered(ZeroTrainer(model=model, args=args))
+        trainer = ZeroTrainer(model=model, args=args)
+        results[kind] = gathered(trainer)
+        trainer.save_model(str(output_dir / kind))
     return results
 
 
 def test_checkpoints_transformers_converts_while_loading_build_partitioned_with_the_whole_builds_values(tmp_path):
     """transformers' conversion mapping, applied per unit: Mixtral's experts merged from their one-by-one tensors,
-    ViT's legacy names renamed. Refused before ("is not stored as one tensor of that shape")."""
+    ViT's legacy names renamed. Refused before ("is not stored as one tensor of that shape"). save_model reverts
+    the conversions as save_pretrained does: the checkpoint comes back as it was."""
     folders = {kind: tmp_path / kind for kind in CONVERTED}
     save_converted(folders)
     expected = {kind: named_copy(auto.from_pretrained(folders[kind])) for kind, auto in CONVERTED.items()}
@@ -85,6 +88,8 @@ def test_checkpoints_transformers_converts_while_loading_build_partitioned_with_
             assert result[f"{kind}_on_meta"]
             assert result[kind].keys() == expected[kind].keys()
             assert max_diff(result[kind], expected[kind]) == 0, kind
+    for kind in CONVERTED:
+        assert_saved_as_stock_saves(tmp_path / "out" / kind, folders[kind])
 
 
 def arguments(output_dir: Path, partitioned: bool = True, **more):

@@ -13,6 +13,7 @@ from hf_zero import ZeroTrainer
 from hf_zero.consolidate import consolidate
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
+from tests.helpers import assert_saved_as_stock_saves, tiny_converted_model
 from tests.hub_stand_in import HubStandIn, hub_env
 from tests.test_deepspeed_config import TRANSFORMERS_ZERO3
 from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf16_saving_runs, gpt2_model,
@@ -216,6 +217,30 @@ def test_a_trainer_checkpoint_consolidates_to_its_saved_weights_with_tokenizer(s
         assert set(ours.keys()) == set(saved.keys())
         for key in saved.keys():
             assert torch.equal(ours.get_tensor(key), saved.get_tensor(key)), key
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "lara_mini"])
+def test_a_converted_models_checkpoint_saved_model_and_consolidation_are_what_stock_save_pretrained_writes(
+        kind, tmp_path):
+    """Trained 2 steps at stage 3 in this process: checkpoint-2's weights, save_model's and `hf-zero consolidate`'s
+    of checkpoint-2 are stock save_pretrained's of the trained weights, in the checkpoint layout transformers loads
+    Mixtral's experts (one tensor each) and LaraMini's `in_proj` (four projections in one tensor) from."""
+    from training_args import ZeroTrainingArguments
+
+    args = ZeroTrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], max_steps=2,
+                                 save_strategy="steps", save_steps=2, per_device_train_batch_size=4, disable_tqdm=True,
+                                 zero_stage=3, learning_rate=1e-2)
+    trainer = ZeroTrainer(model=tiny_converted_model(kind), args=args, train_dataset=lm_examples(16, seed=1))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    with trainer.engine.gathered_parameters():
+        trained = {name: t.clone() for name, t in trainer.model.state_dict().items()}
+    stock = tiny_converted_model(kind)
+    stock.load_state_dict(trained)
+    stock.save_pretrained(tmp_path / "stock")
+    consolidate(tmp_path / "run" / "checkpoint-2", tmp_path / "consolidated", progress=False)
+    for folder in ("run/checkpoint-2", "final", "consolidated"):
+        assert_saved_as_stock_saves(tmp_path / folder, tmp_path / "stock")
 
 
 @pytest.mark.slow
