@@ -5,8 +5,9 @@ rank generating its own batch, as the Trainer's predict_with_generate does.
 
 Models: small T5 (encoder-decoder, whose generate() calls the encoder outside the model's forward) and GPT-2 from
 transformers' configs, 4 blocks each. Systems: "stock" (the model alone on each rank, no engine), stage 3 with the
-default generation_max_live_parameters (each unit gathered once per generate() call), and stage 3 with it at 0
-(each unit gathered for every token's forward, as before issue 52). Round-robin, medians; the ratio is to stock.
+default generation_max_live_parameters (each unit gathered once per generate() call, and no synced_gpus, as
+ZeroSeq2SeqTrainer decides when every unit fits), and stage 3 with it at 0 (each unit gathered for every token's
+forward with synced_gpus's all-reduce per token, as before issue 52). Round-robin, medians; the ratio is to stock.
 """
 from __future__ import annotations
 
@@ -43,12 +44,14 @@ def build(kind: str) -> torch.nn.Module:
 def time_generate(kind: str, system: str) -> float:
     model = build(kind)
     config = SYSTEMS[system]
+    synced = False
     if config is not None:
-        model = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config).module
+        engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+        model, synced = engine.module, not engine.params.generation_keeps_every_unit()  # as ZeroSeq2SeqTrainer
     model.eval()
     ids = torch.randint(1, 512, (BATCH, PROMPT), generator=torch.Generator().manual_seed(dist.get_rank()))
     kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                  synced_gpus=config is not None)
+                  synced_gpus=synced)
     model.generate(ids, **kwargs)  # warm-up
     dist.barrier()
     start = time.perf_counter()

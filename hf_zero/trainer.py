@@ -416,10 +416,11 @@ class ZeroSeq2SeqTrainer(ZeroTrainerMixin, Seq2SeqTrainer):
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, **gen_kwargs: Any) -> Any:
-        # At stage 3 each forward gathers parameters from every rank, so a rank whose sequences are
-        # finished must keep stepping until all are: generate's synced_gpus does exactly that.
+        # At stage 3 a forward may gather parameters from every rank, so a rank whose sequences are finished must
+        # keep stepping until all are (generate's synced_gpus, an all-reduce per token), unless generate() keeps
+        # every unit gathered after its first use: then only the first forward gathers, on every rank alike.
         if not gen_kwargs:
             gen_kwargs = dict(getattr(self, "_gen_kwargs", {}))
-        gen_kwargs.setdefault("synced_gpus", self.args.zero_engine_config.zero_stage == 3
-                              and self.args.world_size > 1)
+        gen_kwargs.setdefault("synced_gpus", self.args.zero_engine_config.zero_stage == 3 and self.args.world_size > 1
+                              and not self.engine.params.generation_keeps_every_unit())
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)

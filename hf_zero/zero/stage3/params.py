@@ -295,6 +295,13 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             for unit in units:
                 unit.free()
 
+    def generation_keeps_every_unit(self) -> bool:
+        """Whether generate() keeps every unit gathered from its first use to its end (they fit within
+        generation_max_live_parameters): then each rank's collectives in a generate() call are the first forward's
+        gathers, whatever the number of tokens it generates, and ranks need not step together (synced_gpus)."""
+        return sum(u.numel for u in self.units if not u.is_root and not u.persistent) \
+            <= self.generation_max_live_parameters
+
     def _free_all_but_root(self) -> None:
         """Frees every unit but the root, and but those kept gathered for the rest of a generate() call."""
         for unit in self.units:

@@ -546,8 +546,10 @@ def test_generate_gathers_each_unit_once_per_call_within_its_live_parameter_limi
 
 
 def generate_own_prompt(limit: int) -> bool:
-    """Each rank generates from a prompt of its own (synced_gpus: the ranks run forwards together until all are
-    done, as the Trainer's predict_with_generate does at stage 3): whether its tokens are stock's."""
+    """Each rank generates from a prompt of its own, twice, then runs a forward: whether its tokens are stock's. With
+    every unit kept (ZeroSeq2SeqTrainer's case for leaving synced_gpus off) each rank goes its own way, its only
+    collectives the first forward's gathers; else with synced_gpus the ranks run forwards together until all are
+    done."""
     rank = torch.distributed.get_rank()
     prompt = torch.tensor([[1, 2, 3, 4, 5][: 2 + rank]])
     stock = tiny_model("gpt2")
@@ -555,9 +557,14 @@ def generate_own_prompt(limit: int) -> bool:
     model = tiny_model("gpt2")
     engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                 {"zero_stage": 3, "generation_max_live_parameters": limit})
-    tokens = engine.module.generate(prompt, max_new_tokens=5 + 3 * rank, do_sample=False, pad_token_id=0,
-                                    synced_gpus=True)
-    return torch.equal(tokens, expected)
+    synced = not engine.params.generation_keeps_every_unit()
+    same = []
+    for _ in range(2):
+        tokens = engine.module.generate(prompt, max_new_tokens=5 + 3 * rank, do_sample=False, pad_token_id=0,
+                                        synced_gpus=synced)
+        same.append(torch.equal(tokens, expected))
+    loss = engine(input_ids=prompt, labels=prompt).loss  # a forward after, as the Trainer's evaluation runs one
+    return all(same) and torch.allclose(loss, stock(input_ids=prompt, labels=prompt).loss)
 
 
 @pytest.mark.parametrize("limit", [0, 1_000_000_000])
