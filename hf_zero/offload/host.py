@@ -64,9 +64,10 @@ class HostAdam:
                    grad_scale: float, state: dict[str, torch.Tensor] | None = None) -> None:
         """One update of `master` (fp32, host) from `grad` (any float dtype, host) times grad_scale;
         `out` (host) receives the new values in its dtype. `state` defaults to optimizer.state[master]."""
-        adam_step_with_state(self.optimizer.param_groups[g], self.adamw_mode[g],
-                             self.optimizer.state[master] if state is None else state, master, grad, out,
-                             grad_scale, self.kernel)
+        with intra_op_threads(self.threads):
+            adam_step_with_state(self.optimizer.param_groups[g], self.adamw_mode[g],
+                                 self.optimizer.state[master] if state is None else state, master, grad, out,
+                                 grad_scale, self.kernel)
 
 
 class StagedOutputs:
@@ -128,8 +129,7 @@ class HostUpdate(UpdateBackend):
         for g, (masters, grads) in enumerate(zip(self.masters, grad_chunks)):
             for k, (master, grad) in enumerate(zip(masters, grads)):
                 if self.host_adam is not None:
-                    with intra_op_threads(self.host_adam.threads):
-                        self.host_adam.step_chunk(g, master, grad.to(HOST), outs[g][k], coef)
+                    self.host_adam.step_chunk(g, master, grad.to(HOST), outs[g][k], coef)
                     if self.publish_as_stepped:
                         self.outputs.publish_chunk(g, k)
                 else:

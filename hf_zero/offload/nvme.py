@@ -276,12 +276,15 @@ class NvmeUpdate(UpdateBackend):
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  fp32_init: list[list[torch.Tensor]] | None, nvme_path: str, rank: int, tile_numel: int,
-                 params_on_nvme: bool, chunks_lent: LatestCopy | None, grad_dtype: torch.dtype | None) -> None:
-        """`grad_dtype`: the reduced gradients live in the files too, in that dtype (stages 2-3)."""
+                 params_on_nvme: bool, chunks_lent: LatestCopy | None, grad_dtype: torch.dtype | None,
+                 delayed: bool = False) -> None:
+        """`grad_dtype`: the reduced gradients live in the files too, in that dtype (stages 2-3). `delayed`: the steps
+        run in the background during the next forward and backward."""
         super().__init__(optimizer, param_chunks, chunks_lent)
         param_dtype = param_chunks[0][0].dtype if params_on_nvme else None
         self.states = NvmeAdamStates(nvme_path, rank, [[c.numel() for c in cs] for cs in param_chunks],
-                                     fp32_init or param_chunks, HostAdam(optimizer, adamw_mode_of(optimizer)),
+                                     fp32_init or param_chunks,
+                                     HostAdam(optimizer, adamw_mode_of(optimizer), beside_the_device=delayed),
                                      tile_numel, param_dtype, grad_dtype)
         if params_on_nvme:
             for g, chunks in enumerate(param_chunks):

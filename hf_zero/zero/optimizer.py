@@ -40,7 +40,7 @@ def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[tor
         grad_dtype = next((g.dtype for grads in grad_chunks for g in grads), None) if grads_partitioned else None
         return NvmeUpdate(optimizer, param_chunks, fp32_init, config.nvme_path, rank, config.nvme_tile_numel,
                           params_on_nvme=config.offload_param == "nvme", chunks_lent=chunks_lent,
-                          grad_dtype=grad_dtype)
+                          grad_dtype=grad_dtype, delayed=config.delayed_param_update)
     if config.offload_optimizer == "cpu":
         # The update writes straight into the parameter chunks when they are in host memory and nothing reads
         # them meanwhile; a delayed update runs while the next forward reads them.
