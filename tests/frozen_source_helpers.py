@@ -74,3 +74,30 @@ def continue_lora(folder: str, base: str, config: dict[str, Any]) -> dict[str, A
     loaded_frozen = frozen_whole(engine)
     train(engine, SAVE_AT, STOP)
     return {"loaded_frozen": loaded_frozen, "params": whole_params(engine)}
+
+
+def lora_trainer(base: Path, out: Path, max_steps: int, zero: dict[str, Any] | None, resume: bool = False) -> Any:
+    """A LoRA run of the Trainer on the base from `base`, checkpointing every 2 steps: ZeroTrainer with the
+    engine settings `zero`, or with None the stock Trainer (no hf_zero)."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_zero import ZeroTrainer
+    from tests.trainer_helpers import lm_examples
+    from training_args import ZeroTrainingArguments
+
+    torch.manual_seed(1)
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(base),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0))
+    settings = dict(output_dir=str(out), use_cpu=True, report_to=[], max_steps=max_steps, save_strategy="steps",
+                    save_steps=2, per_device_train_batch_size=4, disable_tqdm=True, learning_rate=1e-2)
+    if zero is None:
+        trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=lm_examples(16, seed=1))
+    else:
+        trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(**settings, **zero),
+                              train_dataset=lm_examples(16, seed=1))
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return trainer
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

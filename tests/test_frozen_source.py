@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import SAVE_AT, train, whole_params
-from tests.frozen_source_helpers import (continue_lora, frozen_whole, lora_engine, read_base, resume_runs,
-                                         save_base)
+from tests.frozen_source_helpers import (continue_lora, folder_bytes, frozen_whole, lora_engine, lora_trainer, read_base,
+                                         resume_runs, save_base)
 from tests.helpers import hf_zero_messages
 
 
@@ -154,3 +154,69 @@ def test_a_crafted_source_file_name_is_refused_as_damage(base, tmp_path):
     engine = lora_engine({"zero_stage": 1}, base)
     with pytest.raises(CheckpointError, match="is not a plain safetensors file name"):
         engine.load_checkpoint(tmp_path / "ckpt")
+
+
+# ---- through the Trainer, against the stock Trainer with peft ----------------------------------------------------
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer")
+    base = save_base(root / "base")
+    for name, zero in (("stock", None), ("by_source", {"zero_stage": 1}),
+                       ("stored", {"zero_stage": 1, "zero_checkpoint_frozen_weights": "stored"})):
+        lora_trainer(base, root / name, 4, zero)
+    return root, base
+
+
+def test_a_lora_trainer_checkpoint_is_the_size_of_stocks_and_stored_it_holds_the_base(trainer_runs):
+    root, base = trainer_runs
+    size = {name: folder_bytes(root / name / "checkpoint-2") for name in ("stock", "by_source", "stored")}
+    base_bytes = (base / "model.safetensors").stat().st_size
+    # Stock holds the adapter and its Adam moments; ours the adapter, its fp32 masters and moments, and a manifest.
+    assert size["by_source"] < 1.6 * size["stock"]
+    assert size["stored"] - size["by_source"] > 0.99 * base_bytes  # the base's tensors, without the file's header
+
+
+def test_a_lora_trainer_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(trainer_runs, tmp_path):
+    import shutil
+
+    root, base = trainer_runs
+    shutil.copytree(root / "by_source", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "checkpoint-4")
+    resumed = lora_trainer(base, tmp_path / "run", 4, {"zero_stage": 1}, resume=True)
+    assert resumed.state.global_step == 4
+    straight = read_adapter(root / "by_source" / "checkpoint-4")
+    again = read_adapter(tmp_path / "run" / "checkpoint-4")
+    assert straight.keys() == again.keys() and all(torch.equal(t, again[n]) for n, t in straight.items())
+
+
+def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
+def test_consolidation_merges_the_base_read_from_its_folder_and_refuses_a_changed_one(trainer_runs, tmp_path):
+    import shutil
+
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel
+
+    from hf_zero.consolidate import consolidate
+
+    root, base = trainer_runs
+    consolidate(root / "by_source" / "checkpoint-4", tmp_path / "merged", merge=True, progress=False)
+    merged = GPT2LMHeadModel.from_pretrained(tmp_path / "merged").state_dict()
+    peft_merged = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base),
+                                            root / "by_source" / "checkpoint-4").merge_and_unload().state_dict()
+    assert merged.keys() == peft_merged.keys() and all(torch.equal(t, peft_merged[n]) for n, t in merged.items())
+    # The base changed: merging is refused naming its file; the adapter alone needs no base.
+    shutil.copy(base / "model.safetensors", tmp_path / "original.safetensors")
+    tensors = read_base(base)
+    tensors["transformer.wte.weight"][0, 0] += 1.0
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        with pytest.raises(CheckpointError, match=rf"{base / 'model.safetensors'} changed since the checkpoint"):
+            consolidate(root / "by_source" / "checkpoint-4", tmp_path / "merged_again", merge=True, progress=False)
+        consolidate(root / "by_source" / "checkpoint-4", tmp_path / "adapter", progress=False)
+        assert read_adapter(tmp_path / "adapter").keys() == read_adapter(root / "by_source" / "checkpoint-4").keys()
+    finally:
+        shutil.copy(tmp_path / "original.safetensors", base / "model.safetensors")
