@@ -22,6 +22,8 @@ Parameters every tp rank holds whole are written by tp rank 0 alone.
 Frozen weights (a LoRA base) are stored the same way, by name and offset (`frozen/<name>/<lo>`), in the dtype the
 model holds them: at stage 3 each rank writes the elements it holds of them, at stages 0-2 rank 0 writes them
 whole, and any stage reads its own. Buffers and frozen tp parts are the module state, written whole by rank 0.
+A frozen weight that is a tensor of the pretrained folder the model was loaded from is not stored: the manifest records
+that source (`frozen_source`), and loading re-reads it from there.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from hf_zero import frozen_source
 from hf_zero.comm import Communicator
 from hf_zero.config import DTYPES
 from hf_zero.device import in_host_memory
@@ -303,9 +306,11 @@ def _remove(folder: Path) -> None:
 
 
 def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
-         module: nn.Module, training_state: dict[str, Any], client_state: Any = None) -> Path:
+         module: nn.Module, training_state: dict[str, Any], client_state: Any = None,
+         source: dict[str, Any] | None = None) -> Path:
     """Every rank of `comm` (all ranks holding part of the model's state) writes its partition, rank 0 the
-    manifest; `training_state` (step counters, loss scale) goes into the manifest as it is."""
+    manifest; `training_state` (step counters, loss scale) goes into the manifest as it is. With `source` (a
+    `frozen_source` entry), the frozen weights are recorded by it instead of stored."""
     final = Path(directory)
     if final.name in ("", ".", ".."):  # every rank refuses alike, before any collective
         raise CheckpointError(f"save_checkpoint needs a folder to create or replace, such as 'ckpt' or "
@@ -313,6 +318,8 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     partial, _ = save_folders(final)
     check_name_length(final)
     layout = _with_whole_module_state(layout)
+    if source is not None:
+        layout = replace(layout, frozen_pieces=[replace(p, written=False) for p in layout.frozen_pieces])
     lock_path = final.with_name(final.name + ".lock")
     lock = FileLock(lock_path, timeout=0)
     made_lock = False  # whether this save created the lock file, which it then removes (none of a user's)
@@ -337,6 +344,8 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
         if comm.rank == 0:
             write_model_files(module, partial)
             manifest = _manifest(layout, backend, comm, training_state, shards, client_state)
+            if source is not None:
+                manifest["frozen_source"] = source
             written = partial / (MANIFEST + ".tmp")
             written.write_text(json.dumps(manifest, indent=1))
             _rename(written, partial / MANIFEST)  # from here on the new checkpoint is complete
@@ -475,11 +484,18 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
     _check_model(layout, backend, manifest, folder)
     # Each rank hashes its share of the files; any failure stops every rank before any state changes.
     shards = manifest["shards"]
-    comm.agree(lambda: check_files(shards[comm.rank::comm.world_size], folder), f"checking {folder}",
-               CheckpointError)
+    source = manifest.get("frozen_source")
+
+    def check_all_files() -> None:
+        check_files(shards[comm.rank::comm.world_size], folder)
+        if source is not None:  # the base the frozen weights are read from must be the one they were saved from
+            frozen_source.check_files(source, source["files"][comm.rank::comm.world_size])
+
+    comm.agree(check_all_files, f"checking {folder}", CheckpointError)
     kinds = ["master", *manifest["optimizer"]["elementwise"]]
     with contextlib.ExitStack() as stack, torch.no_grad():
         files: dict[str, Any] = {}
+        sources: dict[str, Any] = {}
 
         def open_and_check() -> None:
             ranges = [(piece.name, piece.param_lo, piece.param_hi) for chunks in layout.pieces for pieces in chunks
@@ -487,12 +503,15 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
             needed = {file for name, first, end in ranges for lo, hi, file in index[name] if lo < end and first < hi}
             for file in sorted(needed | {module_state_file(manifest)}):
                 files[file] = stack.enter_context(open_shard(folder, file))
+            if source is not None:
+                frozen_names = [p.name for p in layout.frozen_pieces]
+                sources.update(stack.enter_context(frozen_source.opened(source, frozen_names)))
             for chunks in layout.pieces:
                 for pieces in chunks:
                     for piece, kind in ((piece, kind) for piece in pieces for kind in kinds):
                         read_range(files, index, kind, piece.name, piece.param_lo, piece.param_hi, None)
             for piece in layout.frozen_pieces:
-                _read_frozen(files, index, manifest, piece, "compare" if frozen_must_match else "check")
+                _read_frozen(files, sources, index, manifest, piece, "compare" if frozen_must_match else "check")
             _check_module_state(files[module_state_file(manifest)], manifest, layout)
 
         comm.agree(open_and_check, f"reading the shard headers under {folder}", CheckpointError)
@@ -518,7 +537,7 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
             # States on NVMe went to their files in load_chunk; the optimizer still takes the hyper-parameters.
             _load_optimizer(backend.optimizer, manifest, new_state if backend.states_in_optimizer else {})
             for piece in layout.frozen_pieces:
-                _read_frozen(files, index, manifest, piece, "fill")
+                _read_frozen(files, sources, index, manifest, piece, "fill")
             loaded.update(_read_module_state(files, manifest, layout))
 
         comm.agree(read_and_set, f"reading {folder}", CheckpointError)
@@ -637,6 +656,8 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
         isinstance(entry["shape"], list) and all(map(count, entry["shape"]))
         and entry["dtype"] in ("F64", "F32", "F16", "BF16") and name not in parameters
         for name, entry in frozen.items()), "frozen must give each frozen weight's shape and dtype")
+    if "frozen_source" in manifest:  # absent where the frozen weights are stored
+        frozen_source.check_entry(manifest["frozen_source"], frozen)
     for entry in manifest["weights"]:
         expect(isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry),
                f"weights entries must be [name, stored key]; got {entry!r}")
@@ -771,13 +792,17 @@ def _check_module_state(writer: Any, manifest: dict[str, Any], layout: ShardLayo
             raise CheckpointError(f"{module_state_file(manifest)}: {key!r} has shape {shape}; the model's is {want}")
 
 
-def _read_frozen(files: dict[str, Any], index: dict, manifest: dict[str, Any], piece: FrozenPiece,
-                 mode: str) -> None:
+def _read_frozen(files: dict[str, Any], sources: dict[str, Any], index: dict, manifest: dict[str, Any],
+                 piece: FrozenPiece, mode: str) -> None:
     """The elements a frozen piece views, from the checkpoint: "fill" copies them in, "check" checks they are there,
     "compare" that they are the values the piece holds (the base a resumed adapter was trained on). A checkpoint
-    saved before frozen weights were stored apart holds them whole in its module state."""
+    saved before frozen weights were stored apart holds them whole in its module state; one that records them by
+    their source reads them from its files (`sources`, opened)."""
     entry = manifest.get("frozen", {}).get(piece.name)
-    if entry is None:
+    if "frozen_source" in manifest:
+        stored = frozen_source.read(sources, manifest["frozen_source"], manifest["frozen"], piece.name, piece.lo,
+                                    None if mode == "check" else piece.hi)
+    elif entry is None:
         if mode == "check":
             return
         stored = files[module_state_file(manifest)].get_tensor(f"module/{piece.name}").reshape(-1)[piece.lo:piece.hi]
@@ -812,9 +837,9 @@ def stored_entry(manifest: dict[str, Any], name: str) -> dict[str, Any]:
 
 def index_pieces(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, str]]]:
     """name -> the saved pieces (lo, hi, file) covering it, which must tile it: every element exactly once. The
-    names are the parameters' and the frozen weights'."""
-    index: dict[str, list[tuple[int, int, str]]] = {name: [] for name in [*manifest["parameters"],
-                                                                          *manifest.get("frozen", {})]}
+    names are the parameters' and the stored frozen weights' (not those recorded by their source)."""
+    stored_frozen = [] if "frozen_source" in manifest else list(manifest.get("frozen", {}))
+    index: dict[str, list[tuple[int, int, str]]] = {name: [] for name in [*manifest["parameters"], *stored_frozen]}
     for shard in manifest["shards"]:
         for name, lo, hi in shard["pieces"] + shard.get("frozen_pieces", []):
             index[name].append((lo, hi, shard["file"]))

@@ -39,6 +39,7 @@ class _TorchDtypes(Mapping):
 
 DTYPES = _TorchDtypes()
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+FROZEN_WEIGHTS_IN_CHECKPOINTS = ("by_source", "stored")
 
 
 class ZeroConfigError(ValueError):
@@ -168,6 +169,13 @@ class ZeroConfig:
                                           "parallel group", "activation_checkpointing.partition_activations")
     cpu_checkpointing: bool = setting(False, "ZeRO-R P_a+cpu: keep activation checkpoints in host memory",
                                       "activation_checkpointing.cpu_checkpointing")
+    # A LoRA base is most of the model and never changes: a checkpoint need not hold it when its files say what it is.
+    checkpoint_frozen_weights: str = setting("by_source", "checkpoints record frozen weights (a LoRA base) by the "
+                                             "pretrained folder's files they were loaded from (sizes and SHA-256; a "
+                                             "resume re-reads them and refuses a changed file), and store them where "
+                                             "they have none (built from a config, changed in memory); stored: always "
+                                             "store them (DeepSpeed: save_checkpoint's exclude_frozen_parameters)",
+                                             choices=FROZEN_WEIGHTS_IN_CHECKPOINTS)
 
     @classmethod
     def from_any(cls, config: "ZeroConfig | dict[str, Any] | str | Path | None") -> "ZeroConfig":
@@ -235,6 +243,9 @@ class ZeroConfig:
         if not 0 <= self.initial_scale_power <= 64:
             fail("initial_scale_power", f"must be an integer in 0..64; got {self.initial_scale_power!r}")
         self._validate_offload(name, fail)
+        if self.checkpoint_frozen_weights not in FROZEN_WEIGHTS_IN_CHECKPOINTS:
+            fail("checkpoint_frozen_weights", f"must be one of {', '.join(FROZEN_WEIGHTS_IN_CHECKPOINTS)}; got "
+                                              f"{self.checkpoint_frozen_weights!r}")
         if self.quantization_block_size <= 0 or self.quantization_block_size % 2:
             fail("quantization_block_size", f"must be a positive even integer (int4 packs two values a byte); got "
                                             f"{self.quantization_block_size!r}")

@@ -22,7 +22,7 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from hf_zero import checkpoint
+from hf_zero import checkpoint, frozen_source
 from hf_zero.config import DTYPES
 from hf_zero.export import TORCH_DTYPES, SavedLayout, ShardedWeightsWriter, meta_like
 from hf_zero.memory import peak_rss, reset_peak_rss
@@ -83,6 +83,8 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
                   "step": manifest.get("global_steps"), "dtype": dtype}
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
     checkpoint.check_files(manifest["shards"], source)
+    if "frozen_source" in manifest and (merge or not adapter):  # the adapter alone reads no frozen weight
+        frozen_source.check_files(manifest["frozen_source"])
     config_path, config = _model_config(source)
     if adapter:
         return _consolidate_adapter(source, manifest, index, output, dtype, merge, {**provenance, "merged": merge},
@@ -273,7 +275,13 @@ def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.T
 
 def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str) -> torch.Tensor:
     """One stored tensor assembled from the pieces in each rank's file (only those files are opened, and
-    closed after, so their pages do not stay mapped)."""
+    closed after, so their pages do not stay mapped); a frozen weight the checkpoint records by its source, from
+    the base model's file (whose size and hash `consolidate` checked)."""
+    if kind == "frozen" and "frozen_source" in manifest:
+        entry, frozen = manifest["frozen_source"], manifest["frozen"]
+        with frozen_source.opened(entry, [name]) as handles:
+            numel = math.prod(frozen[name]["shape"])
+            return frozen_source.read(handles, entry, frozen, name, 0, numel).view(frozen[name]["shape"])
     with contextlib.ExitStack() as stack:
         files = {file: stack.enter_context(checkpoint.open_shard(source, file))
                  for file in sorted({file for _, _, file in index[name]})}

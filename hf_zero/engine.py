@@ -40,6 +40,7 @@ from hf_zero.simulated_gpu import start_checking
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.deepspeed_config import engine_config
 from hf_zero.environment import processes_per_node
+from hf_zero.frozen_source import FrozenSources
 from hf_zero.launch import destroy_process_group_at_exit
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.precision import LossScaler
@@ -259,6 +260,7 @@ class ZeroEngine(nn.Module):
         self.micro_steps = self.global_steps = self.skipped_steps = self.skipped_in_a_row = 0
         self.global_grad_norm: float | None = None
         self.last_step_skipped = False
+        self.frozen_sources = FrozenSources()  # where the frozen weights come from, for checkpoints to record
         build_device = sync_module_states(model, self.comm, init_from)
         self.params = apply_partitioning(model, groups, cfg, self.comm, init_from, build_device)
         apply_precision(model, self.params, self.dtype)
@@ -477,12 +479,18 @@ class ZeroEngine(nn.Module):
 
     def save_checkpoint(self, directory: str | os.PathLike, client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own partition (safetensors) and rank 0 a manifest; all ranks must call it.
-        `client_state` (JSON: a scheduler's state, a data position) comes back from load_checkpoint."""
+        `client_state` (JSON: a scheduler's state, a data position) comes back from load_checkpoint. Frozen weights
+        are recorded by the pretrained files they came from, or stored where they have none (or with
+        checkpoint_frozen_weights "stored")."""
         self.finish_pending_update()
         training_state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                           "skipped_steps": self.skipped_steps, "loss_scaler": self.scaler.state_dict()}
-        return checkpoint.save(directory, self.checkpoint_layout(), self.sharded_optimizer.backend, self.world_comm,
-                               self.module, training_state, client_state)
+        layout = self.checkpoint_layout()
+        source = None
+        if self.config.checkpoint_frozen_weights == "by_source" and layout.frozen:
+            source = self.frozen_sources.find(self.module, layout, self.world_comm)
+        return checkpoint.save(directory, layout, self.sharded_optimizer.backend, self.world_comm, self.module,
+                               training_state, client_state, source)
 
     @torch.no_grad()
     def load_checkpoint(self, directory: str | os.PathLike, frozen_must_match: bool = False) -> dict[str, Any] | None:
@@ -493,6 +501,7 @@ class ZeroEngine(nn.Module):
         layout = self.checkpoint_layout()
         manifest, module_state = checkpoint.load(directory, layout, self.sharded_optimizer.backend, self.world_comm,
                                                  frozen_must_match)
+        self.frozen_sources.forget()  # the frozen weights may now be the checkpoint's
         checkpoint.restore_module_state(layout, module_state)
         self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]
         self.skipped_steps = manifest["skipped_steps"]

@@ -1,0 +1,240 @@
+"""Frozen weights recorded by where they came from instead of stored: a LoRA checkpoint holds what training changes.
+
+A frozen base (a peft model's, or any weight with requires_grad False) is most of a model that fine-tunes an adapter,
+and training never changes it. When every frozen weight is, bit for bit in the dtype the engine holds it, a tensor of
+the safetensors files in the pretrained folder the model was loaded from (`config.name_or_path`), a checkpoint records
+that folder, each file's size and SHA-256 and which tensor each frozen weight is (the manifest's "frozen_source"),
+and stores none of them (`checkpoint_frozen_weights` "by_source", the default; DeepSpeed's
+`exclude_frozen_parameters`, which leaves the base to the script). Loading checks the files are still the recorded
+ones, refusing naming the one that changed, and re-reads each rank's pieces from them, at any world size and stage.
+
+A base with no such source is stored as before, with a log line saying why: built from a config, loaded from the Hub
+(its cached files are not recorded yet), or changed in memory since it was loaded. The comparison with the files is
+made once per engine (each rank compares the pieces it would store), and again only when a file's size or
+modification time changes, or a checkpoint was loaded into the engine.
+
+What a manifest names stays inside what it names: a source file is a plain `*.safetensors` name in the recorded
+folder, never a path.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from hf_zero import checkpoint  # (checkpoint imports this module: its names are read at call time)
+from hf_zero.comm import Communicator
+from hf_zero.export import TORCH_DTYPES
+
+logger = logging.getLogger("hf_zero")
+SOURCE_FILE = re.compile(r"[^/\\]+\.safetensors")
+
+
+def pretrained_folder(module: nn.Module) -> Path | None:
+    """The local folder the model (a peft model's base) was loaded from with from_pretrained, or None."""
+    base = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    name = getattr(getattr(base, "config", None), "name_or_path", "") or ""
+    return Path(name).resolve() if name and Path(name).is_dir() else None
+
+
+def read_flat(handle: Any, key: str, lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of tensor `key` flattened, reading only the rows that hold them."""
+    stored = handle.get_slice(key)
+    shape = stored.get_shape()
+    if not shape:
+        return handle.get_tensor(key).reshape(1)[lo:hi]
+    row = math.prod(shape[1:])
+    first, last = lo // row, -(-hi // row)
+    return stored[first:last].reshape(-1)[lo - first * row:hi - first * row]
+
+
+def _file_stats(folder: Path, files: list[str]) -> list[tuple[str, int, int]]:
+    return [(file, (folder / file).stat().st_size, (folder / file).stat().st_mtime_ns) for file in files]
+
+
+class FrozenSources:
+    """An engine's record of where its frozen weights come from, found at its first save (`find`) and kept while
+    the source files are unchanged and no checkpoint was loaded."""
+
+    def __init__(self) -> None:
+        self._found: tuple[dict[str, Any] | None, list[list[tuple[str, int, int]]]] | None = None
+
+    def forget(self) -> None:
+        """The frozen weights may have been replaced (a checkpoint was loaded): compare them again at the next save."""
+        self._found = None
+
+    def find(self, module: nn.Module, layout: checkpoint.ShardLayout, comm: Communicator) -> dict[str, Any] | None:
+        """The manifest's "frozen_source" entry, or None where the frozen weights must be stored (said in a log line
+        on rank 0). Every rank of `comm` calls it, and all get the same answer."""
+        if self._found is not None:
+            entry, stats = self._found
+            if entry is None:
+                return None
+            folder, files = Path(entry["name_or_path"]), [f["file"] for f in entry["files"]]
+            now = comm.agree(lambda: _file_stats(folder, files), "checking the base model's files",
+                             checkpoint.CheckpointError)
+            if now == stats:
+                return entry
+        reasons = comm.agree(lambda: _why_not(module, layout), "comparing the frozen weights with their source",
+                             checkpoint.CheckpointError)
+        reason = next((r for r in reasons if r is not None), None)
+        if reason is not None:
+            if comm.rank == 0:
+                logger.info(f"checkpoints store the frozen weights (checkpoint_frozen_weights by_source falls back to "
+                            f"stored): {reason}")
+            self._found = (None, [])
+            return None
+        entry = _entry(module, layout)
+        files = [f["file"] for f in entry["files"]]
+        folder = Path(entry["name_or_path"])
+        hashes = comm.agree(lambda: {f: checkpoint.sha256(folder / f) for f in files[comm.rank::comm.world_size]},
+                            "hashing the base model's files", checkpoint.CheckpointError)
+        digest = {file: h for part in hashes for file, h in part.items()}
+        for record in entry["files"]:
+            record["sha256"] = digest[record["file"]]
+        stats = comm.agree(lambda: _file_stats(folder, files), "checking the base model's files",
+                           checkpoint.CheckpointError)
+        self._found = (entry, stats)
+        if comm.rank == 0:
+            logger.info(f"checkpoints record the {len(layout.frozen)} frozen weights by their source, {folder} "
+                        f"({len(files)} file(s)), instead of storing them")
+        return entry
+
+
+def _source_keys(module: nn.Module, layout: checkpoint.ShardLayout) -> tuple[Path, dict[str, list[str]]]:
+    """The pretrained folder and, for each frozen weight, [file, tensor] there. KeyError or ValueError saying why
+    not."""
+    from hf_zero.construct import PretrainedWeights
+
+    folder = pretrained_folder(module)
+    if folder is None:
+        raise ValueError("the model was not loaded with from_pretrained from a local folder (built from a config, or "
+                         "loaded from the Hub, whose cached files are not recorded yet)")
+    try:
+        weights = PretrainedWeights(folder)
+    except (FileNotFoundError, SafetensorError, OSError) as e:
+        raise ValueError(f"{folder} has no readable safetensors weights ({e})") from None
+    keys = {}
+    for name, entry in layout.frozen.items():
+        key = weights.key_of(module, name)
+        file = weights.file_of[key].relative_to(folder)
+        if not SOURCE_FILE.fullmatch(str(file)):
+            raise ValueError(f"{name} is in {file}, not a plain safetensors file of {folder}")
+        if list(weights.header_of[key][0]) != entry["shape"]:
+            raise ValueError(f"{name} has shape {entry['shape']} and {folder / file}'s {key} "
+                             f"{list(weights.header_of[key][0])}")
+        keys[name] = [str(file), key]
+    return folder, keys
+
+
+def _why_not(module: nn.Module, layout: checkpoint.ShardLayout) -> str | None:
+    """Why this rank's frozen weights cannot be recorded by their source, or None: each must be found in the
+    pretrained folder with its shape, and the pieces this rank would store must equal the file's, cast as the engine
+    holds them."""
+    try:
+        folder, keys = _source_keys(module, layout)
+    except (KeyError, ValueError) as e:
+        return str(e).strip("'\"")
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for piece in (p for p in layout.frozen_pieces if p.written):
+            file, key = keys[piece.name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
+            values = piece.values.detach().reshape(-1)
+            if not torch.equal(read_flat(handles[file], key, piece.lo, piece.hi).to(values.dtype), values.cpu()):
+                return f"the frozen weight {piece.name} is not {folder / file}'s {key} (changed since it was loaded)"
+    return None
+
+
+def _entry(module: nn.Module, layout: checkpoint.ShardLayout) -> dict[str, Any]:
+    folder, keys = _source_keys(module, layout)
+    files = sorted({file for file, _ in keys.values()})
+    return {"name_or_path": str(folder), "files": [{"file": f, "bytes": (folder / f).stat().st_size} for f in files],
+            "keys": keys}
+
+
+# ---- load ------------------------------------------------------------------------------------
+def check_entry(entry: Any, frozen: dict[str, Any]) -> None:
+    """Raises ValueError naming what is wrong with a manifest's "frozen_source" entry: a folder, files by plain
+    name with their size and SHA-256, and for every frozen weight one of those files and a tensor name."""
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(what)
+
+    expect(isinstance(entry, dict) and isinstance(entry.get("name_or_path"), str) and entry["name_or_path"],
+           "frozen_source must name the base model's folder")
+    files = entry["files"]
+    expect(isinstance(files, list) and files, "frozen_source.files must list the base model's files")
+    for record in files:
+        expect(isinstance(record, dict) and isinstance(record.get("file"), str)
+               and SOURCE_FILE.fullmatch(record["file"]) is not None,
+               f"frozen_source file {record!r} is not a plain safetensors file name")
+        expect(type(record["bytes"]) is int and record["bytes"] >= 0, f"{record['file']}: bytes must be a count")
+        expect(isinstance(record["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", record["sha256"]) is not None,
+               f"{record['file']}: sha256 must be 64 hex digits")
+    named = {record["file"] for record in files}
+    keys = entry["keys"]
+    expect(isinstance(keys, dict) and set(keys) == set(frozen),
+           "frozen_source.keys must give the source of every frozen weight, and of nothing else")
+    for name, where in keys.items():
+        expect(isinstance(where, list) and len(where) == 2 and where[0] in named and isinstance(where[1], str),
+               f"frozen_source.keys[{name!r}] must be [one of frozen_source.files, tensor name]; got {where!r}")
+
+
+def check_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = None) -> None:
+    """Each of `records` (default: every file the entry names) is in the recorded folder with its size and SHA-256;
+    CheckpointError names the first that is not."""
+    folder = Path(entry["name_or_path"])
+    for record in entry["files"] if records is None else records:
+        path = folder / record["file"]
+        if not path.is_file():
+            raise checkpoint.CheckpointError(f"{path} is missing: the checkpoint does not store its frozen weights "
+                                             f"and reads them from the base model it was trained on, in {folder}. "
+                                             f"Put the base model back there")
+        if path.stat().st_size != record["bytes"] or checkpoint.sha256(path) != record["sha256"]:
+            raise checkpoint.CheckpointError(
+                f"{path} changed since the checkpoint was saved (it is {path.stat().st_size} bytes with another "
+                f"SHA-256; the checkpoint recorded {record['bytes']}): the checkpoint reads its frozen weights from "
+                f"this base model, and this is not the one it was trained on. Put that base model back, or start a "
+                f"new run instead of resuming")
+
+
+@contextlib.contextmanager
+def opened(entry: dict[str, Any], names: list[str]) -> Iterator[dict[str, Any]]:
+    """The source files holding the frozen weights `names`, opened: file -> safe_open handle."""
+    folder = Path(entry["name_or_path"])
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for file in sorted({entry["keys"][name][0] for name in names}):
+            try:
+                handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise checkpoint.CheckpointError(f"{folder / file} is not a readable safetensors file: {e}") from None
+        yield handles
+
+
+def read(handles: dict[str, Any], entry: dict[str, Any], frozen: dict[str, Any], name: str, lo: int,
+         hi: int | None) -> torch.Tensor | None:
+    """Elements [lo, hi) of frozen weight `name` from its source, in the dtype the checkpoint's engine held it (the
+    source's values cast as the engine cast them); with `hi` None, only checks the tensor is there with its shape."""
+    file, key = entry["keys"][name]
+    path = Path(entry["name_or_path"]) / file
+    try:
+        shape = handles[file].get_slice(key).get_shape()
+    except SafetensorError:
+        raise checkpoint.CheckpointError(f"{path} has no tensor {key!r}, which the checkpoint reads frozen weight "
+                                         f"{name} from") from None
+    if list(shape) != frozen[name]["shape"]:
+        raise checkpoint.CheckpointError(f"{path}: {key!r} has shape {list(shape)}; the checkpoint's frozen weight "
+                                         f"{name} is {frozen[name]['shape']}")
+    if hi is None:
+        return None
+    return read_flat(handles[file], key, lo, hi).to(TORCH_DTYPES[frozen[name]["dtype"]])
