@@ -16,6 +16,7 @@ HF_ZERO_CHECK_COLLECTIVES=0, which shows what the collective-sequence check cost
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -59,18 +60,12 @@ def one_system(system: str, units: int, steps: int) -> float:
     """The median step of `system` on this rank, in seconds."""
     torch.manual_seed(0)
     model = Blocks(units)
-    if system == "plain":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step(x: torch.Tensor) -> None:
-            model(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    elif system == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+    if system in ("plain", "fsdp2"):
+        if system == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(x: torch.Tensor) -> None:
@@ -112,9 +107,7 @@ def one_system(system: str, units: int, steps: int) -> float:
 def available(system: str) -> bool:
     if system != "deepspeed_3":
         return True
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("deepspeed") is None:
         print("DeepSpeed is not installed: its row is left out", file=sys.stderr)
         return False
     return True

@@ -28,7 +28,6 @@ that source (`frozen_source`), and loading re-reads it from there.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -46,6 +45,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hf_zero import frozen_source
+from hf_zero.checkpoint_files import CheckpointError, sha256
 from hf_zero.comm import Communicator
 from hf_zero.config import DTYPES
 from hf_zero.device import in_host_memory
@@ -63,10 +63,6 @@ FORMAT, VERSION = "hf_zero.checkpoint", 1
 MANIFEST = "manifest.json"
 # Where a ZeroTrainer checkpoint-N folder keeps the engine checkpoint, beside the config and tokenizer.
 TRAINER_SUBFOLDER = "zero_checkpoint"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; the message names the file and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -197,14 +193,6 @@ def _umask() -> int:
         mask = os.umask(0o022)
         os.umask(mask)
         return mask
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- save ------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from hf_zero import checkpoint  # (checkpoint imports this module: its names are read at call time)
+from hf_zero.checkpoint_files import CheckpointError, sha256
 from hf_zero.comm import Communicator
 from hf_zero.export import TORCH_DTYPES
 
@@ -70,7 +70,7 @@ class FrozenSources:
         """The frozen weights may have been replaced (a checkpoint was loaded): compare them again at the next save."""
         self._found = None
 
-    def find(self, module: nn.Module, layout: checkpoint.ShardLayout, comm: Communicator) -> dict[str, Any] | None:
+    def find(self, module: nn.Module, layout: Any, comm: Communicator) -> dict[str, Any] | None:
         """The manifest's "frozen_source" entry, or None where the frozen weights must be stored (said in a log line
         on rank 0). Every rank of `comm` calls it, and all get the same answer."""
         if self._found is not None:
@@ -79,11 +79,11 @@ class FrozenSources:
                 return None
             folder, files = Path(entry["name_or_path"]), [f["file"] for f in entry["files"]]
             now = comm.agree(lambda: _file_stats(folder, files), "checking the base model's files",
-                             checkpoint.CheckpointError)
+                             CheckpointError)
             if now == stats:
                 return entry
         reasons = comm.agree(lambda: _why_not(module, layout), "comparing the frozen weights with their source",
-                             checkpoint.CheckpointError)
+                             CheckpointError)
         reason = next((r for r in reasons if r is not None), None)
         if reason is not None:
             if comm.rank == 0:
@@ -94,13 +94,13 @@ class FrozenSources:
         entry = _entry(module, layout)
         files = [f["file"] for f in entry["files"]]
         folder = Path(entry["name_or_path"])
-        hashes = comm.agree(lambda: {f: checkpoint.sha256(folder / f) for f in files[comm.rank::comm.world_size]},
-                            "hashing the base model's files", checkpoint.CheckpointError)
+        hashes = comm.agree(lambda: {f: sha256(folder / f) for f in files[comm.rank::comm.world_size]},
+                            "hashing the base model's files", CheckpointError)
         digest = {file: h for part in hashes for file, h in part.items()}
         for record in entry["files"]:
             record["sha256"] = digest[record["file"]]
         stats = comm.agree(lambda: _file_stats(folder, files), "checking the base model's files",
-                           checkpoint.CheckpointError)
+                           CheckpointError)
         self._found = (entry, stats)
         if comm.rank == 0:
             logger.info(f"checkpoints record the {len(layout.frozen)} frozen weights by their source, {folder} "
@@ -108,7 +108,7 @@ class FrozenSources:
         return entry
 
 
-def _source_keys(module: nn.Module, layout: checkpoint.ShardLayout) -> tuple[Path, dict[str, list[str]]]:
+def _source_keys(module: nn.Module, layout: Any) -> tuple[Path, dict[str, list[str]]]:
     """The pretrained folder and, for each frozen weight, [file, tensor] there. KeyError or ValueError saying why
     not."""
     from hf_zero.construct import PretrainedWeights
@@ -134,7 +134,7 @@ def _source_keys(module: nn.Module, layout: checkpoint.ShardLayout) -> tuple[Pat
     return folder, keys
 
 
-def _why_not(module: nn.Module, layout: checkpoint.ShardLayout) -> str | None:
+def _why_not(module: nn.Module, layout: Any) -> str | None:
     """Why this rank's frozen weights cannot be recorded by their source, or None: each must be found in the
     pretrained folder with its shape, and the pieces this rank would store must equal the file's, cast as the engine
     holds them."""
@@ -154,7 +154,7 @@ def _why_not(module: nn.Module, layout: checkpoint.ShardLayout) -> str | None:
     return None
 
 
-def _entry(module: nn.Module, layout: checkpoint.ShardLayout) -> dict[str, Any]:
+def _entry(module: nn.Module, layout: Any) -> dict[str, Any]:
     folder, keys = _source_keys(module, layout)
     files = sorted({file for file, _ in keys.values()})
     return {"name_or_path": str(folder), "files": [{"file": f, "bytes": (folder / f).stat().st_size} for f in files],
@@ -196,11 +196,11 @@ def check_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = No
     for record in entry["files"] if records is None else records:
         path = folder / record["file"]
         if not path.is_file():
-            raise checkpoint.CheckpointError(f"{path} is missing: the checkpoint does not store its frozen weights "
+            raise CheckpointError(f"{path} is missing: the checkpoint does not store its frozen weights "
                                              f"and reads them from the base model it was trained on, in {folder}. "
                                              f"Put the base model back there")
-        if path.stat().st_size != record["bytes"] or checkpoint.sha256(path) != record["sha256"]:
-            raise checkpoint.CheckpointError(
+        if path.stat().st_size != record["bytes"] or sha256(path) != record["sha256"]:
+            raise CheckpointError(
                 f"{path} changed since the checkpoint was saved (it is {path.stat().st_size} bytes with another "
                 f"SHA-256; the checkpoint recorded {record['bytes']}): the checkpoint reads its frozen weights from "
                 f"this base model, and this is not the one it was trained on. Put that base model back, or start a "
@@ -217,7 +217,7 @@ def opened(entry: dict[str, Any], names: list[str]) -> Iterator[dict[str, Any]]:
             try:
                 handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
             except (SafetensorError, OSError) as e:
-                raise checkpoint.CheckpointError(f"{folder / file} is not a readable safetensors file: {e}") from None
+                raise CheckpointError(f"{folder / file} is not a readable safetensors file: {e}") from None
         yield handles
 
 
@@ -230,10 +230,10 @@ def read(handles: dict[str, Any], entry: dict[str, Any], frozen: dict[str, Any],
     try:
         shape = handles[file].get_slice(key).get_shape()
     except SafetensorError:
-        raise checkpoint.CheckpointError(f"{path} has no tensor {key!r}, which the checkpoint reads frozen weight "
+        raise CheckpointError(f"{path} has no tensor {key!r}, which the checkpoint reads frozen weight "
                                          f"{name} from") from None
     if list(shape) != frozen[name]["shape"]:
-        raise checkpoint.CheckpointError(f"{path}: {key!r} has shape {list(shape)}; the checkpoint's frozen weight "
+        raise CheckpointError(f"{path}: {key!r} has shape {list(shape)}; the checkpoint's frozen weight "
                                          f"{name} is {frozen[name]['shape']}")
     if hi is None:
         return None

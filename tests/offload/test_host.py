@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
 import torch
 
 import hf_zero
