@@ -10,7 +10,7 @@ The gradient norm is taken where the gradients are, as they settle: each reduced
 as accumulated so far, goes into its slot of one device vector on the communication stream (`square_sums`), so
 the step reads one number (one host synchronisation) and never walks the shards again.
 
-The grad shards take memory only from the moment their first reduced chunk lands until the step has
+On the device, the grad shards take memory only from the moment their first reduced chunk lands until the step has
 used them (`zero_grad` gives it back, as torch's set_to_none does): a model built shard by shard at
 stage 3 does not pay for its gradients while it is constructed or evaluated, and during a forward and
 most of a backward a rank holds only the shards of the units backward has reached. At stage 3 that
@@ -100,15 +100,14 @@ class PartitionedGradients(GradientReducer):
     def _new_grad_shards(self) -> list[torch.Tensor]:
         """One gradient shard per flat buffer: pinned host memory for good with offload cpu, else where the
         buckets are (released at once: it takes memory when its first chunk lands, `_grad_shard`)."""
-        shards = []
-        for flat in self.flat_params:
-            numel = sum(b.chunk_numel for b in flat.buckets)
-            if self.offload == "cpu":
-                shards.append(host_empty(numel, self.dtype))
-                continue
-            shards.append(host_memory_empty(numel, self.dtype) if self.offload == "nvme" else
-                          torch.empty(numel, dtype=self.dtype, device=flat.data.device))
-        return shards
+        numels = [sum(b.chunk_numel for b in flat.buckets) for flat in self.flat_params]
+        if self.offload == "cpu":
+            # One pinned block for all of them: the caching host allocator rounds each block up to a power of two
+            # and keeps it, which per flat buffer (a stage-3 unit's) would waste up to half of each.
+            return list(host_empty(sum(numels), self.dtype).split(numels))
+        return [host_memory_empty(numel, self.dtype) if self.offload == "nvme" else
+                torch.empty(numel, dtype=self.dtype, device=flat.data.device)
+                for flat, numel in zip(self.flat_params, numels)]
 
     def _use_grad_shards(self, index: int) -> None:
         """Each bucket's owned chunk becomes a view into set `index` of the grad shards."""
@@ -383,4 +382,6 @@ class PartitionedGradients(GradientReducer):
             release_storage(grad_shard)
 
     def held_bytes(self) -> int:
-        return sum(g.untyped_storage().nbytes() for shards in self.shard_sets for g in shards)
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                    for shards in self.shard_sets for g in shards}
+        return sum(storages.values())

@@ -84,6 +84,15 @@ class Schedule:
                 return original(*args, **kwargs)
             self._fetch(root, backward=False)
             self.generation_budget = self.generation_max_live_parameters
+            if self.generation_keeps_every_unit():
+                # Every unit now, in one order on every rank: no forward gathers after this, whatever each rank's
+                # tokens make its forwards use (a branch, an expert first used late), so ranks need not step
+                # together (ZeroSeq2SeqTrainer leaves synced_gpus off).
+                for unit in self.units:
+                    if not unit.persistent and self._keep_for_generation(unit):
+                        unit.gather("forward")
+                for unit in self.units:
+                    unit.wait()
             try:
                 return original(*args, **kwargs)
             finally:
