@@ -85,20 +85,43 @@ def variants(numel: int) -> dict[str, Callable[[], None]]:
         "torch AdamW fused + casts (mixed)": torch_adamw(True, True),
         "torch AdamW foreach fp32": torch_adamw(False, False),
     }
+    deepspeed = deepspeed_cpu_adam(p, g32)
+    if deepspeed is not None:
+        found["DeepSpeed CPU Adam fp32"] = deepspeed
+    return found
+
+
+def deepspeed_cpu_adam(param: torch.Tensor, grad: torch.Tensor) -> Callable[[], None] | None:
+    """One step of DeepSpeed's CPU Adam (its own op, built by DeepSpeed) on a copy of `param` with the fp32 gradient
+    `grad`; None where DeepSpeed is missing or cannot build it (the reference is optional: stderr says why)."""
     try:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        ds_param = p.clone().requires_grad_()
+        ds_param = param.clone().requires_grad_()
         ds_opt = DeepSpeedCPUAdam([ds_param], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], adamw_mode=True)
-
-        def deepspeed():
-            ds_param.grad = g32
-            ds_opt.step()
-        found["DeepSpeed CPU Adam fp32"] = deepspeed
-    except Exception as error:  # optional reference: report why it is missing
+    except Exception as error:
         print(f"DeepSpeed CPU Adam not available: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
-    return found
+        return None
+
+    def step() -> None:
+        ds_param.grad = grad
+        ds_opt.step()
+    return step
+
+
+def median_seconds(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Each run once to warm up (first-touch page faults, thread pools, lazy builds), then `repeats` times
+    round-robin, so that drift of the machine hits all alike: the median seconds of each."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -107,19 +130,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     numel = int(args.numel)
-    runs = variants(numel)
-    for run in runs.values():  # warm-up: first-touch page faults, thread pools
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    medians = median_seconds(variants(numel), args.repeats)
     measured = bandwidths(numel, args.repeats)
     bandwidth = max(measured.values())
     bound = BYTES_PER_ELEMENT * numel / bandwidth
-    medians = {name: statistics.median(t) for name, t in times.items()}
     report = {"numel": numel, "threads": torch.get_num_threads(), "isa": cpu_adam_kernel().isa(),
               "bandwidth_GBps": {k: v / 1e9 for k, v in measured.items()}, "bound_s": bound,
               "variants": {name: {"median_s": s, "params_per_s": numel / s, "of_bound": bound / s}

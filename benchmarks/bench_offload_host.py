@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -39,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_zero.environment import cpu_adam_threads  # noqa: E402
 from hf_zero.ops import adam_step, cpu_adam_kernel  # noqa: E402
 from hf_zero.zero.optimizer import _square_sum  # noqa: E402
+from benchmarks.bench_cpu_adam import HYPER, deepspeed_cpu_adam, median_seconds  # noqa: E402
 
-HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 ADAM_BYTES = 28  # per parameter: p, m, v read and written in fp32, a bf16 gradient read, a bf16 parameter written
 TRIAD_BYTES = 12  # a += s*c in fp32: two reads, one write
 BUCKET = 1 << 23  # elements of a bucket's chunk for the landing before (the engine's default reduce bucket)
@@ -72,16 +69,9 @@ def phases(numel: int) -> dict[str, Callable[[], None]]:
              "landing before (host)": landing_before,
              "Adam: hf_zero (bf16 in, bf16 out)": hf_zero_adam,
              "triad": lambda: a.add_(c, alpha=1e-3)}
-    try:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        ds_param = torch.nn.Parameter(masters.clone())
-        ds_param.grad = grad.float()
-        ds_opt = DeepSpeedCPUAdam([ds_param], lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], adamw_mode=True)
-        found["Adam: DeepSpeedCPUAdam (fp32 in, fp32 out)"] = ds_opt.step
-    except Exception as error:  # the reference is optional: say why it is missing
-        print(f"DeepSpeed's CPU Adam is not available: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+    deepspeed = deepspeed_cpu_adam(masters, grad.float())
+    if deepspeed is not None:
+        found["Adam: DeepSpeedCPUAdam (fp32 in, fp32 out)"] = deepspeed
     return found
 
 
@@ -94,16 +84,7 @@ def main() -> None:
     numel = int(args.numel)
     threads, why = cpu_adam_threads()
     torch.set_num_threads(threads)
-    runs = phases(numel)
-    for run in runs.values():  # warm-up: first-touch page faults, thread pools, DeepSpeed's build
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    ns = {name: statistics.median(t) / numel * 1e9 for name, t in times.items()}
+    ns = {name: seconds / numel * 1e9 for name, seconds in median_seconds(phases(numel), args.repeats).items()}
     triad_bandwidth = TRIAD_BYTES / ns.pop("triad")  # bytes per ns = GB/s
     floor = ADAM_BYTES / triad_bandwidth
     ours = ns["Adam: hf_zero (bf16 in, bf16 out)"]
