@@ -59,14 +59,17 @@ class CollectiveError(RuntimeError):
     and the numbers tell a collective that ranks issued in different orders."""
 
 
-def _named(what: Callable[[], str], call: Callable[[], Any]) -> Any:
+def _named(what: Callable[[], str], call: Callable[[], Any], parted: Callable[[], None] | None = None) -> Any:
     """call(); a RuntimeError it raises becomes a CollectiveError naming the collective (`what()`, formatted
-    only then: collectives are issued by the hundred per step) and what the other ranks' heartbeats say."""
+    only then: collectives are issued by the hundred per step) and what the other ranks' heartbeats say, or the
+    mismatch `parted()` raises (a partner that stopped before a different collective: _Sequence)."""
     try:
         return call()
     except CollectiveError:
         raise
     except RuntimeError as e:
+        if parted is not None:
+            parted()
         described = what()
         raise CollectiveError(f"{described} did not complete: {e}{other_ranks_report()}"
                               f"{FORWARD_ON_SOME_RANKS if 'forward gather of' in described else ''}") from e
@@ -83,17 +86,16 @@ class CollectiveMismatch(CollectiveError):
 
 
 class _Named:
-    """A collective's work handle whose wait() first checks that every rank issued the same collectives up to
-    this one (`_Sequence`), and names the collective if it fails. As NCCL's, its wait() makes the stream the
-    caller queues on wait for the collective's end (`done`), not the host."""
+    """A collective's work handle whose wait() names the collective if it fails (and the mismatch, `parted`, if
+    a partner stopped before a different one). As NCCL's, its wait() makes the stream the caller queues on wait
+    for the collective's end (`done`), not the host."""
 
-    def __init__(self, work: Any, what: Callable[[], str], confirm: Callable[[], None], done: Event) -> None:
-        self.work, self.what, self.confirm, self.done = work, what, confirm, done
+    def __init__(self, work: Any, what: Callable[[], str], parted: Callable[[], None], done: Event) -> None:
+        self.work, self.what, self.parted, self.done = work, what, parted, done
 
     def wait(self) -> bool:
-        self.confirm()
         with quiet():
-            finished = _named(self.what, self.work.wait)
+            finished = _named(self.what, self.work.wait, self.parted)
         self.done.wait()
         return finished
 
@@ -140,64 +142,118 @@ def issued_for(text: str) -> Iterator[None]:
 class _Sequence:
     """The collectives the ranks of one group issue, compared as they go. With each collective every rank sends
     a hash of its description (operation, size, dtype and what it is for; 8 bytes) to the others over a gloo
-    group of their own, in the background, and the hashes up to a collective must agree on every rank before it
-    can pair with a different one: with gloo, which starts a collective as it is issued, before it is issued;
-    with NCCL (and simulation "late"), before the host waits on it or issues one that blocks. A collective that
-    pairs with a different one on another rank (a stage-3 unit that some ranks' forwards skip, at any step)
-    would otherwise wait until the collective timeout, abort the process (gloo, sizes that differ), or mix two
-    tensors without an error (equal sizes). When the hashes differ, every rank sends its description over a
-    second gloo group, and every rank raises naming each rank's. torch's TORCH_DISTRIBUTED_DEBUG=DETAIL compares
-    operation and shapes before every collective too, synchronously, and not what each one is for.
+    group of their own, in the background. A collective that pairs with a different one on another rank (a
+    stage-3 unit that some ranks' forwards skip, at any step) would otherwise wait until the collective timeout,
+    abort the process (gloo, sizes that differ), or mix two tensors without an error (equal sizes).
 
-    By induction the wait cannot hang on a mismatch: the hashes before it agreed, so every rank issued the same
-    collectives before it, and each rank's exchange for a collective is issued with it, never waiting on another
-    rank. Collectives are issued when the program issues them, never later: torch issues its own on the same
-    groups (DTensor's tensor-parallel all-reduces), and a collective held back until its exchange returns would
-    meet them in another order on each rank. One sequence per group of ranks, shared by its Communicators: their
+    No rank launches a collective that can pair with a different one. Each collective is either the one the
+    schedule predicts (`predicted`: what followed the previous collective the last time it was issued) or
+    launched only once every rank's hash for it has arrived and agrees (`confirm`, one round trip). The
+    prediction is a function of the collectives issued so far, which agree on every rank by induction, so it is
+    the same on every rank: where two ranks each issue the predicted collective they issue the same one, and a
+    rank that issues another waits for the hashes, finds the predicted one's among them and stops, naming it,
+    before its own can pair with it. A training loop repeats its schedule, so after its first step it pays no
+    round trip at all; a new phase (the first step, evaluation, generation) pays one per collective until its
+    schedule has been seen. When the hashes differ every rank raises, naming each rank's collective: from the
+    prediction for a rank that issued it (that rank may already wait in it), else sent over a second gloo group
+    when every rank is comparing. A rank left waiting in a collective its partner stopped before names the
+    mismatch too (`raise_if_parted`): its partner's hash had arrived. Hashes that arrive for predicted
+    collectives are compared as they land, so a rank also stops at its next collective. torch's
+    TORCH_DISTRIBUTED_DEBUG=DETAIL compares operation and shapes before every collective, synchronously, and
+    not what each one is for. Collectives are issued when the program issues them, never later: torch issues its
+    own on the same groups (DTensor's tensor-parallel all-reduces), and a collective held back would meet them
+    in another order on each rank. One sequence per group of ranks, shared by its Communicators: their
     collectives interleave on the group, and so are numbered together. HF_ZERO_CHECK_COLLECTIVES=0 turns the
     comparison off (`checking`)."""
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self.world_size, self.issued = len(ranks), 0
+        self.me = list(ranks).index(dist.get_rank())
         self.checking = environment.check_collectives()
         if self.checking:
             timeout = collective_timeout()
             groups = [dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True,
                                      **({} if timeout is None else {"timeout": timeout})) for _ in range(2)]
             self.hashes, self.descriptions = groups
-        # Each collective's exchange not yet compared: (number, work, every rank's hash, its description, what()).
-        self.exchanges: deque[tuple[int, Any, torch.Tensor, str, Callable[[], str]]] = deque()
+        # What followed each description the last time it was issued, and the one issued last: the prediction.
+        self.successor: dict[str, str] = {}
+        self.previous: str | None = None
+        # Each collective's exchange not yet compared: (number, work, every rank's hash, its description, the
+        # predicted description, what()).
+        self.exchanges: deque[tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]] = deque()
 
-    def issue(self, description: str, what: Callable[[], str]) -> int:
-        """Numbers the next collective and starts sending the hash of its description to the other ranks."""
+    def issue(self, description: str, what: Callable[[], str]) -> tuple[int, bool]:
+        """Numbers the next collective and starts sending the hash of its description to the other ranks.
+        Returns its number and whether it is the predicted one, which may be launched without waiting."""
         self.issued += 1
+        expected = self.successor.get(self.previous) if self.previous is not None else None
+        if self.previous is not None:
+            self.successor[self.previous] = description
+        self.previous = description
         if self.checking:
-            digest = int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
+            self._compare_arrived()
             everyones = torch.empty(self.world_size, dtype=torch.int64)
-            work = dist.all_gather_single(everyones, torch.tensor([digest]), group=self.hashes, async_op=True)
-            self.exchanges.append((self.issued, work, everyones, description, what))
-        return self.issued
+            work = dist.all_gather_single(everyones, torch.tensor([_digest(description)]), group=self.hashes,
+                                          async_op=True)
+            self.exchanges.append((self.issued, work, everyones, description, expected, what))
+            if len(self.exchanges) > _MOST_IN_FLIGHT:
+                self.confirm(self.exchanges[0][0])
+        return self.issued, description == expected
+
+    def _compare_arrived(self) -> None:
+        """Compares the exchanges whose hashes have all arrived, in order, without waiting."""
+        while self.exchanges and self.exchanges[0][1].is_completed():
+            exchange = self.exchanges.popleft()
+            _named(exchange[-1], exchange[1].wait)
+            self._compare(exchange)
 
     def confirm(self, number: int) -> None:
         """Every rank issued the same collectives up to the `number`-th, or every rank raises naming the first
         that differs."""
         while self.exchanges and self.exchanges[0][0] <= number:
-            issued, work, everyones, description, what = self.exchanges.popleft()
-            _named(what, work.wait)
-            if bool((everyones == everyones[0]).all()):
-                continue
-            said: list[Any] = [None] * self.world_size
+            exchange = self.exchanges.popleft()
+            _named(exchange[-1], exchange[1].wait)
+            self._compare(exchange)
+
+    def raise_if_parted(self) -> None:
+        """Raises the mismatch among the hashes arrived so far, if any: called when a collective failed."""
+        try:
+            self._compare_arrived()
+        except CollectiveMismatch:
+            raise
+        except CollectiveError:
+            pass  # the exchange failed with the collective: no hash arrived to compare
+
+    def _compare(self, exchange: tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]) -> None:
+        issued, _, everyones, description, expected, what = exchange
+        if bool((everyones == everyones[0]).all()):
+            return
+        hashes, mine = everyones.tolist(), self.me
+        followed = [expected if expected is not None and h == _digest(expected) else None for h in hashes]
+        if any(followed):  # those ranks did not wait, and may already wait in the predicted collective
+            said = [description if r == mine else followed[r] or "a collective other than the schedule's"
+                    for r in range(len(hashes))]
+        else:  # every rank waits here: each says what it issued
+            said = [None] * self.world_size
             _named(what, lambda: dist.all_gather_object(said, description, group=self.descriptions))
-            each = "; ".join(f"rank {r}: {text}" for r, text in enumerate(said))
-            raise CollectiveMismatch(
-                f"the ranks issued different collectives as collective #{issued} of their group of "
-                f"{self.world_size} ({each}): each would wait for a partner that never comes, or, with equal "
-                f"sizes, mix two tensors. Every rank must issue the same collectives in the same order. At ZeRO "
-                f"stage 3 the cause is a unit that some ranks' forwards skip (an expert made a unit of its own, "
-                f"a layer some ranks drop): make the units modules every rank runs (name the blocks that hold "
-                f"the experts, not the experts, in unit_module_classes: --zero_unit_module_classes), or train "
-                f"at zero_stage 2 (--zero_stage 2)"
-                f"{FORWARD_ON_SOME_RANKS if 'forward gather of' in each else ''}")
+        each = "; ".join(f"rank {r}: {text}" for r, text in enumerate(said))
+        raise CollectiveMismatch(
+            f"the ranks issued different collectives as collective #{issued} of their group of "
+            f"{self.world_size} ({each}): each would wait for a partner that never comes, or, with equal "
+            f"sizes, mix two tensors. Every rank must issue the same collectives in the same order. At ZeRO "
+            f"stage 3 the cause is a unit that some ranks' forwards skip (an expert made a unit of its own, "
+            f"a layer some ranks drop): make the units modules every rank runs (name the blocks that hold "
+            f"the experts, not the experts, in unit_module_classes: --zero_unit_module_classes), or train "
+            f"at zero_stage 2 (--zero_stage 2)"
+            f"{FORWARD_ON_SOME_RANKS if 'forward gather of' in each else ''}")
+
+
+# Exchanges of predicted collectives left to arrive in the background before the oldest is waited on.
+_MOST_IN_FLIGHT = 4096
+
+
+def _digest(description: str) -> int:
+    return int.from_bytes(hashlib.blake2b(description.encode(), digest_size=7).digest(), "little")
 
 
 # Keyed by the default group too (held, so never mistaken for a later one): a new process group starts anew.
@@ -440,29 +496,25 @@ class Communicator:
 
         with quiet():  # the comparison's own small host tensors, over gloo groups of its own: not device work
             sequence = _named(what, lambda: _sequence_of(self.global_ranks))
-            number = sequence.issue(f"{op}{elements}{purpose}", what)
-        note_collective(what)
-
-        def confirm() -> None:
-            with quiet():
+            number, predicted = sequence.issue(f"{op}{elements}{purpose}", what)
+            # One the schedule did not predict is compared before it is launched: gloo starts a collective as
+            # it is issued, and one that pairs with another of a different size aborts the process in gloo's
+            # transport thread; NCCL's would hang or mix two tensors.
+            if not predicted:
                 sequence.confirm(number)
-
+        note_collective(what)
         done = collective_issued(self.group_name, list(reads), list(writes), what())
         mode = simulation() if async_op else None
-        if mode == "late":  # launched at its wait, as late as a GPU may run it: compared there, as on a GPU
+        if mode == "late":  # launched at its wait, as late as a GPU may run it
             with quiet():
-                return _Named(_Late(launch, list(reads), list(writes), what), what, confirm, done)
-        # gloo starts a collective as it is issued, and one that pairs with another of a different size aborts
-        # the process in gloo's transport thread: compared first. NCCL's is compared before the host waits on it.
-        if not async_op or self.device == HOST:
-            confirm()
+                return _Named(_Late(launch, list(reads), list(writes), what), what, sequence.raise_if_parted, done)
         with quiet():
-            work = _named(what, launch)
+            work = _named(what, launch, sequence.raise_if_parted)
             if mode == "early":
-                _named(what, work.wait)
+                _named(what, work.wait, sequence.raise_if_parted)
         if not async_op:
             done.wait()
-        return None if work is None else _Named(work, what, confirm, done)
+        return None if work is None else _Named(work, what, sequence.raise_if_parted, done)
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:

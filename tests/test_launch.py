@@ -155,9 +155,9 @@ def ranks_issue_different_collectives(at: int, asynchronous: bool) -> None:
 @pytest.mark.parametrize("simulated", ["", "late"])
 def test_collectives_the_ranks_issue_differently_stop_every_rank_at_once_naming_each(monkeypatch, at, asynchronous,
                                                                                      named, simulated):
-    """Before a collective can pair with a different one (gloo: at its issue; NCCL and simulation "late": before
-    the host waits on it), every rank stops naming each rank's collective: not the timeout's wait (here 30 s),
-    nor gloo's abort of the process, nor a silent mix of two tensors of one size."""
+    """Before a collective the schedule did not predict is launched (under simulation "late" too, which launches
+    at the wait), every rank stops naming each rank's collective: not the timeout's wait (here 30 s), nor gloo's
+    abort of the process, nor a silent mix of two tensors of one size."""
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "30")
     monkeypatch.setenv(SIMULATE_ENV, simulated)
     start = time.monotonic()
@@ -165,6 +165,85 @@ def test_collectives_the_ranks_issue_differently_stop_every_rank_at_once_naming_
                                         rf"group of 2 \({named}\).*--zero_unit_module_classes"):
         spawn_gloo(ranks_issue_different_collectives, 2, at, asynchronous)
     assert time.monotonic() - start < 25
+
+
+def repeat_a_schedule(rounds: int, comm: Communicator, tensor: torch.Tensor) -> None:
+    """`rounds` rounds of the all-reduces of units 'a' and 'b', as a training loop repeats its steps."""
+    for _ in range(rounds):
+        for unit in "ab":
+            with issued_for(f"unit '{unit}'"):
+                comm.all_reduce_(tensor, async_op=True).wait()
+
+
+def a_predicted_collective_is_launched_before_the_others_issue_it(rounds: int, shared: str, patience: float) -> bool:
+    """After `rounds` rounds, rank 0 issues unit 'a' again and says so in `shared`; rank 1 issues it once it has
+    read that, or after `patience` seconds. A rank that waited for the others' hashes before launching would not
+    say so before rank 1 issued."""
+    comm, tensor = Communicator(Ledger()), torch.ones(8)
+    repeat_a_schedule(rounds, comm, tensor)
+    said = Path(shared)
+    if dist.get_rank() == 0:
+        with issued_for("unit 'a'"):
+            work = comm.all_reduce_(tensor, async_op=True)
+        said.write_text("issued")
+        work.wait()
+        return True
+    deadline = time.monotonic() + patience
+    while not said.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    read_first = said.exists()
+    with issued_for("unit 'a'"):
+        comm.all_reduce_(tensor, async_op=True).wait()
+    return read_first
+
+
+def test_a_collective_the_repeated_schedule_predicts_is_launched_without_waiting_for_the_other_ranks(tmp_path):
+    """The check's round trip is paid where the schedule is new, not on every collective of every step: issue 52's
+    stage-3 host time per unit (benchmarks/bench_stage3_host.py)."""
+    assert spawn_gloo(a_predicted_collective_is_launched_before_the_others_issue_it, 2, 2,
+                      str(tmp_path / "said"), 20) == [True, True]
+    # The first time through, unit 'a' follows nothing seen before: rank 0 waits for rank 1's hash to launch it.
+    assert spawn_gloo(a_predicted_collective_is_launched_before_the_others_issue_it, 2, 0,
+                      str(tmp_path / "said first"), 2) == [True, False]
+
+
+def rank_1_leaves_a_repeated_schedule(report_to: str) -> None:
+    """Three rounds alike, then rank 1 all-reduces unit 'c' where the schedule (and rank 0) has unit 'b'. Each rank
+    writes its error to `report_to`; rank 1 then closes its groups, as its process's exit would, and waits for
+    rank 0's report."""
+    comm, tensor = Communicator(Ledger()), torch.ones(8)
+    repeat_a_schedule(3, comm, tensor)
+    try:
+        with issued_for("unit 'a'"):
+            comm.all_reduce_(tensor, async_op=True).wait()
+        with issued_for("unit 'b'" if dist.get_rank() == 0 else "unit 'c'"):
+            comm.all_reduce_(tensor, async_op=True).wait()
+    except CollectiveError as error:
+        Path(f"{report_to}{dist.get_rank()}").write_text(str(error))
+        if dist.get_rank() == 1:
+            dist.destroy_process_group()
+            deadline = time.monotonic() + 20
+            while not Path(f"{report_to}0").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(0)
+        raise
+
+
+def test_a_rank_that_leaves_a_repeated_schedule_stops_every_rank_naming_each(monkeypatch, tmp_path):
+    """Rank 0 issued unit 'b' as the schedule predicts and waits in it; rank 1, whose unit 'c' the schedule did not
+    predict, compares first, finds rank 0's hash to be the predicted collective's and stops without launching (a
+    launch would pair 'c' with 'b'). Rank 0, left waiting, names the same mismatch when its collective fails, not
+    only a closed connection."""
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "30")
+    start = time.monotonic()
+    with pytest.raises(Exception):
+        spawn_gloo(rank_1_leaves_a_repeated_schedule, 2, str(tmp_path / "error"))
+    named = (r"the ranks issued different collectives as collective #8 of their group of 2 \(rank 0: all_reduce "
+             r"\(8 float32 elements\) for unit 'b'; rank 1: {}\)")
+    assert re.search(named.format(r"all_reduce \(8 float32 elements\) for unit 'c'"), (tmp_path / "error1").read_text())
+    # Rank 0 never saw unit 'c': it names what rank 1 did not do, and rank 1's own error names what it did.
+    assert re.search(named.format("a collective other than the schedule's"), (tmp_path / "error0").read_text())
+    assert time.monotonic() - start < 25  # not the collective timeout
 
 
 def test_hf_zero_check_collectives_0_turns_the_check_off_and_other_values_are_refused(monkeypatch):
