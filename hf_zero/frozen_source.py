@@ -2,19 +2,24 @@
 
 A frozen base (a peft model's, or any weight with requires_grad False) is most of a model that fine-tunes an adapter,
 and training never changes it. When every frozen weight is, bit for bit in the dtype the engine holds it, a tensor of
-the safetensors files in the pretrained folder the model was loaded from (`config.name_or_path`), a checkpoint records
-that folder, each file's size and SHA-256 and which tensor each frozen weight is (the manifest's "frozen_source"),
+the safetensors files the model was loaded from (`config.name_or_path`: a local folder, or a Hub id whose files are
+in the Hub cache), a checkpoint records that folder (or the Hub id and the commit of its cached snapshot), each
+file's size and SHA-256 and which tensor each frozen weight is (the manifest's "frozen_source"),
 and stores none of them (`checkpoint_frozen_weights` "by_source", the default; DeepSpeed's
 `exclude_frozen_parameters`, which leaves the base to the script). Loading checks the files are still the recorded
 ones, refusing naming the one that changed, and re-reads each rank's pieces from them, at any world size and stage.
+A Hub base's files are read from the Hub cache at the recorded commit, and downloaded there by huggingface_hub where
+the cache lacks them (a resume on another machine), unless HF_HUB_OFFLINE says not to.
 
-A base with no such source is stored as before, with a log line saying why: built from a config, loaded from the Hub
-(its cached files are not recorded yet), or changed in memory since it was loaded. The comparison with the files is
+A base with no such source is stored as before, with a log line saying why: built from a config, loaded from a Hub
+cache other than huggingface_hub's (`cache_dir`) or from a revision other than the cached default branch's, or
+changed in memory since it was loaded. The comparison with the files is
 made once per engine (each rank compares the pieces it would store), and again only when a file's size or
 modification time changes, or a checkpoint was loaded into the engine.
 
 What a manifest names stays inside what it names: a source file is a plain `*.safetensors` name in the recorded
-folder, never a path.
+folder, never a path, and a Hub id is a valid repository id with a commit of 40 hex digits (never a path in the
+cache).
 """
 from __future__ import annotations
 
@@ -37,11 +42,53 @@ logger = logging.getLogger("hf_zero")
 SOURCE_FILE = re.compile(r"[^/\\]+\.safetensors")
 
 
-def pretrained_folder(module: nn.Module) -> Path | None:
-    """The local folder the model (a peft model's base) was loaded from with from_pretrained, or None."""
+def base_source(module: nn.Module) -> tuple[Path, dict[str, str]] | None:
+    """Where the model (a peft model's base) was loaded from with from_pretrained, or None: the local folder and {},
+    or the Hub cache's snapshot of its Hub id and {"name_or_path": id, "revision": commit}. transformers keeps no
+    commit, so it is the one the cache's default branch points to, as an offline load resolves it; the frozen weights
+    are compared with its files before anything is recorded."""
     base = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
     name = getattr(getattr(base, "config", None), "name_or_path", "") or ""
-    return Path(name).resolve() if name and Path(name).is_dir() else None
+    if not name:
+        return None
+    if Path(name).is_dir():
+        return Path(name).resolve(), {}
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError
+
+    for weights in ("model.safetensors.index.json", "model.safetensors"):
+        try:
+            cached = try_to_load_from_cache(name, weights)
+        except (HFValidationError, ValueError):
+            return None
+        if isinstance(cached, str):
+            snapshot = Path(cached).parent
+            return snapshot, {"name_or_path": name, "revision": snapshot.name}
+    return None
+
+
+def source_folder(entry: dict[str, Any], records: list[dict[str, Any]] | None = None) -> Path:
+    """The folder a manifest's "frozen_source" entry reads from. For a Hub base, the cache's snapshot at the recorded
+    commit, with `records` (default: every file) downloaded into it first where missing; CheckpointError if one
+    cannot be."""
+    if "revision" not in entry:
+        return Path(entry["name_or_path"])
+    from huggingface_hub import hf_hub_download
+
+    repo, revision = entry["name_or_path"], entry["revision"]
+    folder = None
+    for record in entry["files"] if records is None else records:
+        try:
+            folder = Path(hf_hub_download(repo, record["file"], revision=revision)).parent
+        except Exception as e:  # huggingface_hub's errors (offline, not found, no network) have no common base
+            raise CheckpointError(
+                f"{record['file']} of the Hub model {repo} at commit {revision} is not in the Hub cache and could not "
+                f"be downloaded ({type(e).__name__}: {e}): the checkpoint does not store its frozen weights and reads "
+                f"them from the base model it was trained on. Download it (`hf download {repo} --revision "
+                f"{revision}`) where the network is reachable") from None
+    if folder is None:
+        raise CheckpointError(f"frozen_source names no file of {repo}")
+    return folder
 
 
 def read_flat(handle: Any, key: str, lo: int, hi: int) -> torch.Tensor:
@@ -77,7 +124,7 @@ class FrozenSources:
             entry, stats = self._found
             if entry is None:
                 return None
-            folder, files = Path(entry["name_or_path"]), [f["file"] for f in entry["files"]]
+            folder, files = source_folder(entry), [f["file"] for f in entry["files"]]
             now = comm.agree(lambda: _file_stats(folder, files), "checking the base model's files",
                              CheckpointError)
             if now == stats:
@@ -93,7 +140,7 @@ class FrozenSources:
             return None
         entry = _entry(module, layout)
         files = [f["file"] for f in entry["files"]]
-        folder = Path(entry["name_or_path"])
+        folder = source_folder(entry)
         hashes = comm.agree(lambda: {f: sha256(folder / f) for f in files[comm.rank::comm.world_size]},
                             "hashing the base model's files", CheckpointError)
         digest = {file: h for part in hashes for file, h in part.items()}
@@ -103,20 +150,22 @@ class FrozenSources:
                            CheckpointError)
         self._found = (entry, stats)
         if comm.rank == 0:
-            logger.info(f"checkpoints record the {len(layout.frozen)} frozen weights by their source, {folder} "
+            hub = f" (the Hub's {entry['name_or_path']} at commit {entry['revision']})" if "revision" in entry else ""
+            logger.info(f"checkpoints record the {len(layout.frozen)} frozen weights by their source, {folder}{hub} "
                         f"({len(files)} file(s)), instead of storing them")
         return entry
 
 
-def _source_keys(module: nn.Module, layout: Any) -> tuple[Path, dict[str, list[str]]]:
-    """The pretrained folder and, for each frozen weight, [file, tensor] there. KeyError or ValueError saying why
-    not."""
+def _source_keys(module: nn.Module, layout: Any) -> tuple[Path, dict[str, str], dict[str, list[str]]]:
+    """The pretrained folder, what names it (`base_source`) and, for each frozen weight, [file, tensor] there.
+    KeyError or ValueError saying why not."""
     from hf_zero.construct import PretrainedWeights
 
-    folder = pretrained_folder(module)
-    if folder is None:
-        raise ValueError("the model was not loaded with from_pretrained from a local folder (built from a config, or "
-                         "loaded from the Hub, whose cached files are not recorded yet)")
+    source = base_source(module)
+    if source is None:
+        raise ValueError("the model was not loaded with from_pretrained from a local folder or from a Hub id whose "
+                         "files are in huggingface_hub's cache (built from a config, or loaded with another cache_dir)")
+    folder, hub = source
     try:
         weights = PretrainedWeights(folder)
     except (FileNotFoundError, SafetensorError, OSError) as e:
@@ -131,7 +180,7 @@ def _source_keys(module: nn.Module, layout: Any) -> tuple[Path, dict[str, list[s
             raise ValueError(f"{name} has shape {entry['shape']} and {folder / file}'s {key} "
                              f"{list(weights.header_of[key][0])}")
         keys[name] = [str(file), key]
-    return folder, keys
+    return folder, hub, keys
 
 
 def _why_not(module: nn.Module, layout: Any) -> str | None:
@@ -139,7 +188,7 @@ def _why_not(module: nn.Module, layout: Any) -> str | None:
     pretrained folder with its shape, and the pieces this rank would store must equal the file's, cast as the engine
     holds them."""
     try:
-        folder, keys = _source_keys(module, layout)
+        folder, _, keys = _source_keys(module, layout)
     except (KeyError, ValueError) as e:
         return str(e).strip("'\"")
     with contextlib.ExitStack() as stack:
@@ -155,10 +204,10 @@ def _why_not(module: nn.Module, layout: Any) -> str | None:
 
 
 def _entry(module: nn.Module, layout: Any) -> dict[str, Any]:
-    folder, keys = _source_keys(module, layout)
+    folder, hub, keys = _source_keys(module, layout)
     files = sorted({file for file, _ in keys.values()})
-    return {"name_or_path": str(folder), "files": [{"file": f, "bytes": (folder / f).stat().st_size} for f in files],
-            "keys": keys}
+    return {"name_or_path": str(folder), **hub,
+            "files": [{"file": f, "bytes": (folder / f).stat().st_size} for f in files], "keys": keys}
 
 
 # ---- load ------------------------------------------------------------------------------------
@@ -170,7 +219,16 @@ def check_entry(entry: Any, frozen: dict[str, Any]) -> None:
             raise ValueError(what)
 
     expect(isinstance(entry, dict) and isinstance(entry.get("name_or_path"), str) and entry["name_or_path"],
-           "frozen_source must name the base model's folder")
+           "frozen_source must name the base model's folder or Hub id")
+    if "revision" in entry:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        expect(isinstance(entry["revision"], str) and re.fullmatch(r"[0-9a-f]{40}", entry["revision"]) is not None,
+               "frozen_source.revision must be a commit: 40 hex digits")
+        try:
+            validate_repo_id(entry["name_or_path"])
+        except HFValidationError as e:
+            raise ValueError(f"frozen_source.name_or_path is not a Hub id: {e}") from None
     files = entry["files"]
     expect(isinstance(files, list) and files, "frozen_source.files must list the base model's files")
     for record in files:
@@ -192,7 +250,7 @@ def check_entry(entry: Any, frozen: dict[str, Any]) -> None:
 def check_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = None) -> None:
     """Each of `records` (default: every file the entry names) is in the recorded folder with its size and SHA-256;
     CheckpointError names the first that is not."""
-    folder = Path(entry["name_or_path"])
+    folder = source_folder(entry, records)
     for record in entry["files"] if records is None else records:
         path = folder / record["file"]
         if not path.is_file():
@@ -210,10 +268,11 @@ def check_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = No
 @contextlib.contextmanager
 def opened(entry: dict[str, Any], names: list[str]) -> Iterator[dict[str, Any]]:
     """The source files holding the frozen weights `names`, opened: file -> safe_open handle."""
-    folder = Path(entry["name_or_path"])
+    needed = sorted({entry["keys"][name][0] for name in names})
+    folder = source_folder(entry, [record for record in entry["files"] if record["file"] in needed])
     with contextlib.ExitStack() as stack:
         handles = {}
-        for file in sorted({entry["keys"][name][0] for name in names}):
+        for file in needed:
             try:
                 handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
             except (SafetensorError, OSError) as e:

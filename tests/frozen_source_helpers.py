@@ -1,6 +1,8 @@
 """LoRA engines on a base loaded from a pretrained folder, for tests/test_frozen_source.py (importable by spawned ranks)."""
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,23 @@ def save_base(folder: Path) -> Path:
     return folder
 
 
-def lora_engine(config: dict[str, Any], base: Path | None, zeroed: bool = False) -> hf_zero.ZeroEngine:
+def put_in_hub_cache(folder: Path, cache: Path, repo_id: str, commit: str) -> Path:
+    """`folder`'s files as huggingface_hub caches a download of `repo_id` at `commit` on its default branch (blobs
+    named by SHA-256, the snapshot's files linking to them, refs/main naming the commit); the snapshot folder."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot, blobs = repo / "snapshots" / commit, repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir(exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    for file in sorted(folder.iterdir()):
+        blob = blobs / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def lora_engine(config: dict[str, Any], base: Path | str | None, zeroed: bool = False) -> hf_zero.ZeroEngine:
     """LoRA (r 4) on c_attn of the base loaded from `base` (or, with None, built from its config), its adapter
     initialised alike every time. `zeroed`: the base's weights zeroed after loading, so that only a checkpoint can
     give them back."""

@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
-from tests.checkpoint_helpers import SAVE_AT, train, whole_params
-from tests.frozen_source_helpers import (continue_lora, folder_bytes, frozen_whole, lora_engine, lora_trainer, read_base,
-                                         resume_runs, save_base)
+from tests.checkpoint_helpers import SAVE_AT, STOP, train, whole_params
+from tests.frozen_source_helpers import (continue_lora, folder_bytes, frozen_whole, lora_engine, lora_trainer,
+                                         put_in_hub_cache, read_base, resume_runs, save_base)
 from tests.helpers import hf_zero_messages
 
 
@@ -75,7 +75,7 @@ def base(tmp_path):
     return save_base(tmp_path / "base")
 
 
-def saved_lora(base: Path, folder: Path, **config: str) -> None:
+def saved_lora(base: Path | str, folder: Path, **config: str) -> None:
     engine = lora_engine({"zero_stage": 1, **config}, base)
     train(engine, 0, SAVE_AT)
     engine.save_checkpoint(folder)
@@ -153,6 +153,82 @@ def test_a_crafted_source_file_name_is_refused_as_damage(base, tmp_path):
     path.write_text(json.dumps(manifest))
     engine = lora_engine({"zero_stage": 1}, base)
     with pytest.raises(CheckpointError, match="is not a plain safetensors file name"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+
+
+HUB_ID, COMMIT = "hf-zero-tests/tiny-gpt2", "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_base(base, tmp_path, monkeypatch):
+    """The base as a download of HUB_ID at COMMIT in a Hub cache of its own, offline: from_pretrained(HUB_ID) reads
+    it there, as after `hf download`."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    snapshot = put_in_hub_cache(base, cache, HUB_ID, COMMIT)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return snapshot
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_lora_checkpoint_on_a_hub_base_records_its_id_and_commit_and_resumes_bitwise_from_the_cache(
+        hub_base, tmp_path, stage):
+    config = {"zero_stage": stage}
+    straight = lora_engine(config, HUB_ID)
+    train(straight, 0, STOP)
+    first = lora_engine(config, HUB_ID)
+    train(first, 0, SAVE_AT)
+    first.save_checkpoint(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    file = hub_base / "model.safetensors"
+    assert {k: v for k, v in manifest["frozen_source"].items() if k != "keys"} == {
+        "name_or_path": HUB_ID, "revision": COMMIT,
+        "files": [{"file": "model.safetensors", "bytes": file.stat().st_size,
+                   "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}]}
+    assert not any(key.startswith("frozen/") for key in stored_keys(tmp_path / "ckpt"))
+    resumed = lora_engine(config, HUB_ID, zeroed=True)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    expected = read_base(hub_base)
+    assert all(torch.equal(t, expected[n]) for n, t in frozen_whole(resumed).items())
+    train(resumed, SAVE_AT, STOP)
+    assert all(torch.equal(p, whole_params(straight)[n]) for n, p in whole_params(resumed).items())
+
+
+def test_a_hub_base_missing_from_the_cache_offline_or_changed_there_is_refused_and_nothing_changes(hub_base, tmp_path):
+    saved_lora(HUB_ID, tmp_path / "ckpt")
+    engine = lora_engine({"zero_stage": 1}, HUB_ID, zeroed=True)
+    before = whole_params(engine)
+    blob = (hub_base / "model.safetensors").resolve()
+    tensors = read_base(hub_base)
+    tensors["transformer.h.0.mlp.c_fc.weight"] += 0.01
+    save_file(tensors, str(blob), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{hub_base / 'model.safetensors'} changed since the checkpoint"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    (hub_base / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=rf"model.safetensors of the Hub model {HUB_ID} at commit {COMMIT} is not "
+                                              rf"in the Hub cache and could not be downloaded .*`hf download {HUB_ID} "
+                                              rf"--revision {COMMIT}`"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(p, before[n]) for n, p in whole_params(engine).items())
+    assert engine.global_steps == 0
+
+
+@pytest.mark.parametrize("field, value, refused", [
+    ("revision", "main", "frozen_source.revision must be a commit: 40 hex digits"),
+    ("revision", "../../../../base", "frozen_source.revision must be a commit"),
+    ("name_or_path", "../hub/x", "frozen_source.name_or_path is not a Hub id"),
+])
+def test_a_crafted_hub_source_is_refused_as_damage(hub_base, tmp_path, field, value, refused):
+    saved_lora(HUB_ID, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["frozen_source"][field] = value
+    path.write_text(json.dumps(manifest))
+    engine = lora_engine({"zero_stage": 1}, HUB_ID)
+    with pytest.raises(CheckpointError, match=refused):
         engine.load_checkpoint(tmp_path / "ckpt")
 
 
