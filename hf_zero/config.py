@@ -104,12 +104,13 @@ class ZeroConfig:
     reshard_root_after_forward: bool = setting(False, "stage 3: free the root unit (embeddings, head) after "
                                                "forward and gather it again for backward, the paper's 3Ψ schedule")
     # DeepSpeed's stage3_max_live_parameters default (1e9 elements: 2 GB in bf16). Generation runs one forward per
-    # token: without this every token gathers every unit again (stage 3's predict_with_generate at 4x stock's time
-    # on tiny models).
-    generation_max_live_parameters: int = setting(1_000_000_000, "stage 3: during model.generate(), gathered units "
-                                                  "stay gathered after use, up to this many parameter elements in "
-                                                  "all, and are freed when generate() returns (0: free each unit "
-                                                  "after every forward, as in training)")
+    # token, and an evaluation loop one per batch, on weights that do not change: without this each gathers every
+    # unit again (stage 3's predict_with_generate at 2-4x stock's time on tiny models). The name is the first use's.
+    generation_max_live_parameters: int = setting(1_000_000_000, "stage 3: during model.generate() and the "
+                                                  "Trainer's evaluation and prediction loops, gathered units stay "
+                                                  "gathered after use, up to this many parameter elements in all, "
+                                                  "and are freed when the call or loop ends (0: free each unit after "
+                                                  "every forward, as in training)")
     # Off by default: what a trim gives back, the next step's activations take again through page faults (the
     # Quick-start job at stage 3: 0.78 -> 1.04 s/step); on where host memory is what limits the model.
     trim_host_heap: bool = setting(False, "stage 3: give the host heap that backward's freed activations leave "

@@ -384,6 +384,16 @@ class ZeroEngine(nn.Module):
         with self.params.gathered(None if only is None else {id(p) for p in only}):
             yield self.module
 
+    @contextlib.contextmanager
+    def units_kept_gathered(self) -> Iterator[None]:
+        """For a loop of forwards whose weights do not change (evaluation, prediction): at stage 3 the units stay
+        gathered inside, every one gathered on entry where they fit within generation_max_live_parameters
+        (Stage3Params.units_kept_gathered), instead of gathered again by every forward. Below stage 3 the
+        parameters are whole already. The last update lands first (delayed_param_update)."""
+        self.finish_pending_update()
+        with self.params.units_kept_gathered() if self.zero_stage == 3 else contextlib.nullcontext():
+            yield
+
     @torch.no_grad()
     def gathered_masters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter's fp32 master weights, whole, on every rank (with tensor parallelism:

@@ -200,6 +200,12 @@ class ZeroTrainerMixin:
             # shards, so the engine starts now, and evaluation or generation before training work too.
             self.create_optimizer()
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        # evaluate() and predict() run every batch's forward (and generate()) on weights that do not change: at stage
+        # 3 each forward would gather every unit again.
+        with self.engine.units_kept_gathered() if self.engine is not None else contextlib.nullcontext():
+            return super().evaluation_loop(*args, **kwargs)
+
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if pretrained.init_source(model) is None:  # a partitioned model is placed by the engine, shard by shard
             super()._move_model_to_device(model, device)

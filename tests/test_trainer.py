@@ -16,8 +16,8 @@ from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
 from tests.helpers import assert_saved_as_stock_saves, tiny_converted_model
 from tests.hub_stand_in import HubStandIn, hub_env
 from tests.test_deepspeed_config import TRANSFORMERS_ZERO3
-from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf16_saving_runs, gpt2_model,
-                                    lm_examples, logging_runs, pushing_run, resume_runs, run_trainers, saving_run,
+from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf16_saving_runs, evaluation_gathers,
+                                    gpt2_model, lm_examples, logging_runs, pushing_run, resume_runs, run_trainers, saving_run,
                                     tensor_parallel_arguments, tensor_parallel_resume_runs, tensor_parallel_runs)
 
 STAGES = (0, 1, 2, 3)
@@ -283,6 +283,20 @@ def test_push_to_hub_at_stage3_uploads_consolidated_weights_that_load(tmp_path, 
         assert torch.equal(param, run["params"][name]), name
     with torch.no_grad():
         assert_same_logits(model(input_ids=PROBE_IDS).logits, run["logits"])
+
+
+@pytest.mark.slow
+def test_stage3_evaluation_gathers_each_unit_once_per_loop_not_once_per_batch(tmp_path):
+    """Issue 52: evaluate() runs a forward per batch on weights that do not change; at stage 3 the units are gathered
+    once when the loop starts and freed when it ends (within generation_max_live_parameters), not again by every
+    batch's forward. The loss is the per-forward path's, bit for bit (and stock's:
+    test_evaluate_and_predict_match_the_stock_trainer)."""
+    for rank in spawn_gloo(evaluation_gathers, 2, str(tmp_path)):
+        kept, per_forward = rank["kept"], rank["per_forward"]
+        assert kept["eval_loss"] == per_forward["eval_loss"]
+        assert kept["gathers"] == kept["units"]  # each unit once, the root included
+        assert per_forward["gathers"] >= 3 * (per_forward["units"] - 1)  # every batch gathers every block again
+        assert kept["left_gathered"] == per_forward["left_gathered"] == 0
 
 
 @pytest.mark.slow

@@ -386,3 +386,25 @@ def logging_runs(root: str) -> dict[str, dict[str, Any]]:
         if run.zero_stage is not None:
             results[run.name]["psi"] = sum(p.numel() for p in trainer.model.parameters())
     return results
+
+
+def evaluation_gathers(root: str) -> dict[str, dict[str, Any]]:
+    """ZeroTrainer at stage 3, 2 steps, then evaluate() over EVAL_EXAMPLES (3 batches of 4 on each of 2 ranks), with
+    the units kept gathered for the loop (the default limit) and gathered by every forward (limit 0): the unit
+    all-gathers evaluate() took, the units that gather, what is left gathered after, and the eval loss."""
+    results = {}
+    for name, limit in (("kept", None), ("per_forward", 0)):
+        more = {} if limit is None else {"zero_generation_max_live_parameters": limit}
+        args = ZeroTrainingArguments(output_dir=f"{root}/{name}", per_device_train_batch_size=4,
+                                     per_device_eval_batch_size=4, max_steps=2, use_cpu=True, report_to=[],
+                                     save_strategy="no", disable_tqdm=True, seed=0, zero_stage=3, **more)
+        trainer = ZeroTrainer(model=gpt2_model(), args=args, train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
+                              eval_dataset=lm_examples(EVAL_EXAMPLES, seed=2))
+        trainer.train()
+        ledger = trainer.engine.ledger
+        ledger.close_step()
+        eval_loss = trainer.evaluate()["eval_loss"]
+        results[name] = {"eval_loss": eval_loss, "gathers": ledger.events["unit all-gathers"],
+                         "units": sum(not u.persistent for u in trainer.engine.params.units),
+                         "left_gathered": ledger.held["units gathered"]}
+    return results

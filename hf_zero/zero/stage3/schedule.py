@@ -6,6 +6,7 @@ unit's reduction launches (Stage3Gradients), a point every rank reaches whatever
 `grads`, `comm`, `in_backward`, `prefetch_numel` and `trim_host_heap`, and `SharedWeights` (shared_weights.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -67,41 +68,48 @@ class Schedule:
             self._gather_root_around(model, "generate")
 
     def _gather_root_around(self, model: nn.Module, method: str) -> None:
-        """Runs model.<method> with the root unit gathered, as a forward would be. generate() calls parts
-        of the model directly (an encoder-decoder's encoder), outside the root's forward hooks; FSDP2's
-        register_fsdp_forward_method exists for the same reason. Meanwhile the units it uses stay gathered after
-        their first forward, up to `generation_max_live_parameters` elements (`_keep_for_generation`): it runs a
-        forward per token, and would gather every unit again for each (FSDP2's reshard_after_forward=False, for
-        the duration of the call)."""
-        root = self.root
-        if root is None:
+        """Runs model.<method> with the root unit gathered, as a forward would be, and the units it uses kept
+        gathered (`units_kept_gathered`). generate() calls parts of the model directly (an encoder-decoder's
+        encoder), outside the root's forward hooks; FSDP2's register_fsdp_forward_method exists for the same
+        reason. It runs a forward per token, and would gather every unit again for each."""
+        if self.root is None:
             return
         original = getattr(model, method)
 
         @functools.wraps(original)
         def with_root_gathered(*args, **kwargs):
-            if self.generation_budget is not None:  # a generate() inside another: the outer one keeps and frees
+            with self.units_kept_gathered():
                 return original(*args, **kwargs)
-            self._fetch(root, backward=False)
-            self.generation_budget = self.generation_max_live_parameters
+
+        setattr(model, method, with_root_gathered)
+
+    @contextlib.contextmanager
+    def units_kept_gathered(self) -> Iterator[None]:
+        """Inside, the root stays gathered and every unit a forward uses stays gathered after it, up to
+        `generation_max_live_parameters` elements (`_keep_for_generation`; FSDP2's reshard_after_forward=False, for
+        the duration): for generate(), and for the Trainer's evaluation and prediction loops, where the weights do
+        not change between forwards. When every unit fits, all are gathered on entry, in one order on every rank:
+        no forward inside gathers, whatever each rank's inputs make it use (a branch, an expert first used late),
+        so ranks need not step together (ZeroSeq2SeqTrainer leaves synced_gpus off). One inside another: the
+        outer one keeps and frees."""
+        if self.root is None or self.generation_budget is not None:
+            yield
+            return
+        self._fetch(self.root, backward=False)
+        self.generation_budget = self.generation_max_live_parameters
+        try:
             if self.generation_keeps_every_unit():
-                # Every unit now, in one order on every rank: no forward gathers after this, whatever each rank's
-                # tokens make its forwards use (a branch, an expert first used late), so ranks need not step
-                # together (ZeroSeq2SeqTrainer leaves synced_gpus off).
                 for unit in self.units:
                     if not unit.persistent and self._keep_for_generation(unit):
                         unit.gather("forward")
                 for unit in self.units:
                     unit.wait()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.generation_budget = None
-                self.kept_for_generation.clear()
-                self._free_all_but_root()
-                root.free()
-
-        setattr(model, method, with_root_gathered)
+            yield
+        finally:
+            self.generation_budget = None
+            self.kept_for_generation.clear()
+            self._free_all_but_root()
+            self.root.free()
 
     def _keep_for_generation(self, unit: Unit) -> bool:
         """Inside generate(): whether `unit`, just used by a forward, stays gathered for the next tokens' (while the
