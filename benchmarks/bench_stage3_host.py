@@ -3,15 +3,20 @@ bookkeeping cost the host for each unit, beside FSDP2's fully_shard and DeepSpee
 the same invocation.
 
   python -m benchmarks.bench_stage3_host --units 48 --repeats 5
+  python -m benchmarks.bench_stage3_host --ranks 1 --systems plain hf_zero_2 hf_zero_3 fsdp2
+
+The second is issue 51's question on one device, where a GPU step is bound by the host: with one rank every
+collective is a local copy, and what is left beside plain torch is each system's own host work.
 
 The model is `units` blocks (Linear(width, width), GELU) of width 32, so small that the arithmetic is a sliver of a
 step and what is left is the host's per-unit work. Each system shards every block as a unit of its own on 2 gloo
-ranks (one thread each) and trains `steps` steps of a (4, width) batch; "plain" runs the same model unsharded on each
+ranks (one thread each; `--ranks`) and trains `steps` steps of a (4, width) batch; "plain" runs the same model unsharded on each
 rank with no communication, the compute every system shares. The host time per unit per step is
 (system's step - plain's step) / units, in microseconds: for the sharded systems that is their hooks, their
 collectives' host side (on gloo, the transfer itself too: every system pays it alike) and their bookkeeping.
 Systems run round-robin, `repeats` times, each in fresh processes; medians. hf_zero also runs with
-HF_ZERO_CHECK_COLLECTIVES=0, which shows what the collective-sequence check costs.
+HF_ZERO_CHECK_COLLECTIVES=0, which shows what the collective-sequence check costs, and at stage 2 ("hf_zero_2": its
+buckets and per-parameter gradient hooks, no units).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import hf_zero  # noqa: E402
 from hf_zero.launch import spawn_gloo  # noqa: E402
 
 WIDTH, BATCH, WARMUP = 32, 4, 3
-SYSTEMS = ["plain", "hf_zero_3", "hf_zero_3_unchecked", "fsdp2", "deepspeed_3"]
+SYSTEMS = ["plain", "hf_zero_2", "hf_zero_3", "hf_zero_3_unchecked", "fsdp2", "deepspeed_3"]
 
 
 class Block(nn.Module):
@@ -87,8 +92,8 @@ def one_system(system: str, units: int, steps: int) -> float:
             engine.backward(engine(x).square().mean())
             engine.step()
     else:
-        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                    {"zero_stage": 3, "unit_module_classes": ["Block"]})
+        config = {"zero_stage": 2} if system == "hf_zero_2" else {"zero_stage": 3, "unit_module_classes": ["Block"]}
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
 
         def step(x: torch.Tensor) -> None:
             engine.backward(engine(x).square().mean())
@@ -118,6 +123,7 @@ def main() -> None:
     parser.add_argument("--units", type=int, default=48)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--json", type=Path, help="also write the medians here")
     args = parser.parse_args()
@@ -129,7 +135,7 @@ def main() -> None:
             before = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
-                ranks = spawn_gloo(one_system, 2, system, args.units, args.steps, start_method="spawn")
+                ranks = spawn_gloo(one_system, args.ranks, system, args.units, args.steps, start_method="spawn")
             finally:
                 for k, v in before.items():
                     os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -137,11 +143,11 @@ def main() -> None:
     median = {s: statistics.median(t) for s, t in steps.items()}
     plain = median.get("plain", 0.0)
     per_unit = {s: (t - plain) / args.units * 1e6 for s, t in median.items() if s != "plain"}
-    report = {"units": args.units, "width": WIDTH, "step_s": median, "host_us_per_unit": per_unit}
+    report = {"units": args.units, "width": WIDTH, "ranks": args.ranks, "step_s": median, "host_us_per_unit": per_unit}
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    print(f"\n{args.units} units of width {WIDTH}, 2 gloo ranks, medians of {args.repeats}")
+    print(f"\n{args.units} units of width {WIDTH}, {args.ranks} gloo rank(s), medians of {args.repeats}")
     print("| system | step (ms) | host µs per unit per step | x FSDP2 |")
     print("|---|---|---|---|")
     fsdp = per_unit.get("fsdp2")
