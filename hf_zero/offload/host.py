@@ -36,6 +36,14 @@ def intra_op_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def offloaded_step_threads(what: str, beside_the_device: bool) -> int:
+    """The intra-op threads the offloaded step (`what` runs it) gets, said in the log (environment.cpu_adam_threads:
+    not OMP_NUM_THREADS, which torchrun sets to 1 when several processes share a node)."""
+    threads, why = cpu_adam_threads(beside_the_device)
+    logger.info("the offloaded optimizer step runs %s on %d threads (%s)", what, threads, why)
+    return threads
+
+
 def adamw_mode_of(optimizer: torch.optim.Optimizer) -> dict[int, bool] | None:
     """For Adam-family optimizers the kernel can step: per param group, whether weight decay is
     decoupled (AdamW) or L2 (Adam). None for anything else, which then runs its own step()."""
@@ -56,8 +64,7 @@ class HostAdam:
         """`beside_the_device`: the steps run while another thread drives the device (a delayed update)."""
         self.optimizer, self.adamw_mode = optimizer, adamw_mode
         self.kernel = cpu_adam_kernel()
-        self.threads, why = cpu_adam_threads(beside_the_device)
-        logger.info("the offloaded optimizer step runs the CPU Adam on %d threads (%s)", self.threads, why)
+        self.threads = offloaded_step_threads("the CPU Adam", beside_the_device)
 
     @torch.no_grad()
     def step_chunk(self, g: int, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
@@ -114,6 +121,8 @@ class HostUpdate(UpdateBackend):
         adamw_mode = adamw_mode_of(optimizer)
         self.host_adam = HostAdam(optimizer, adamw_mode, beside_the_device=delayed) if adamw_mode is not None \
             else None
+        if self.host_adam is None:
+            self.threads = offloaded_step_threads(f"{type(optimizer).__name__}.step()", beside_the_device=delayed)
         # Never pinned: the masters stay in host memory (the step reads and writes them there), no copy to
         # the device reads them, and page-locked memory is taken from what the host can swap or cache.
         self.masters = self._own_masters(fp32_init or param_chunks, host_memory_empty, consume=fp32_init is not None)
@@ -135,7 +144,8 @@ class HostUpdate(UpdateBackend):
                 else:
                     master.grad = grad.to(HOST, torch.float32).mul_(coef)
         if self.host_adam is None:
-            self.optimizer.step()
+            with intra_op_threads(self.threads):
+                self.optimizer.step()
             for masters, outs_of_group in zip(self.masters, outs):
                 for master, out in zip(masters, outs_of_group):
                     out.copy_(master)

@@ -75,6 +75,28 @@ def test_hf_zero_cpu_adam_threads_sets_the_cpu_adams_threads(monkeypatch, caplog
     assert "CPU Adam on 3 threads (HF_ZERO_CPU_ADAM_THREADS)" in caplog.text
 
 
+def test_hf_zero_cpu_adam_threads_sets_the_threads_of_any_offloaded_optimizers_step(monkeypatch, caplog):
+    """An optimizer the C++ Adam does not step (SGD here) runs its own step() on the host masters: on as many
+    threads, said in the log, not on torchrun's one."""
+    monkeypatch.setenv("HF_ZERO_CPU_ADAM_THREADS", "3")
+    seen: list[int] = []
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    real_step = optimizer.step
+    monkeypatch.setattr(optimizer, "step", lambda: (seen.append(torch.get_num_threads()), real_step()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with caplog.at_level(logging.INFO, logger="hf_zero"):
+            update = HostUpdate(optimizer, [[torch.zeros(4)]], fp32_init=None, staged=False, chunks_lent=None)
+            update.step(1.0, [[torch.full((4,), 0.5)]])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [3]
+    assert "SGD.step() on 3 threads (HF_ZERO_CPU_ADAM_THREADS)" in caplog.text
+    torch.testing.assert_close(update.masters[0][0], torch.full((4,), -0.05))  # SGD's step, as torch takes it
+
+
 def test_each_updated_chunk_starts_back_to_the_device_as_soon_as_its_update_is_done(monkeypatch):
     """Issue 51: with the parameters on a device, chunk k's copy back is queued before chunk k+1's update runs, so
     the copies overlap the rest of the host step (not all of them after the last chunk's Adam)."""
