@@ -156,9 +156,12 @@ class _Sequence:
     round trip at all; a new phase (the first step, evaluation, generation) pays one per collective until its
     schedule has been seen. When the hashes differ every rank raises, naming each rank's collective: from the
     prediction for a rank that issued it (that rank may already wait in it), else sent over a second gloo group
-    when every rank is comparing. A rank left waiting in a collective its partner stopped before names the
-    mismatch too (`raise_if_parted`): its partner's hash had arrived. Hashes that arrive for predicted
-    collectives are compared as they land, so a rank also stops at its next collective. torch's
+    when every rank is comparing. On gloo, a rank left waiting in a collective its partner stopped before names
+    the mismatch too when its wait fails (`raise_if_parted`): its partner's hash had arrived (an NCCL wait does
+    not fail; the rank that stopped names it). Hashes that arrive for predicted collectives are compared as they
+    land, so a rank also stops at its next collective. Once the ranks have parted, or an exchange failed, every
+    later collective of the group raises the same error: the hashes would no longer pair with their collectives.
+    torch's
     TORCH_DISTRIBUTED_DEBUG=DETAIL compares operation and shapes before every collective, synchronously, and
     not what each one is for. Collectives are issued when the program issues them, never later: torch issues its
     own on the same groups (DTensor's tensor-parallel all-reduces), and a collective held back would meet them
@@ -178,6 +181,7 @@ class _Sequence:
         # What followed each description the last time it was issued, and the one issued last: the prediction.
         self.successor: dict[str, str] = {}
         self.previous: str | None = None
+        self.parted: CollectiveError | None = None  # the error every later collective raises again
         # Each collective's exchange not yet compared: (number, work, every rank's hash, its description, the
         # predicted description, what()).
         self.exchanges: deque[tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]] = deque()
@@ -185,13 +189,16 @@ class _Sequence:
     def issue(self, description: str, what: Callable[[], str]) -> tuple[int, bool]:
         """Numbers the next collective and starts sending the hash of its description to the other ranks.
         Returns its number and whether it is the predicted one, which may be launched without waiting."""
+        if self.parted is not None:
+            raise type(self.parted)(str(self.parted)) from self.parted
+        if self.checking:
+            self._compare_arrived()
         self.issued += 1
         expected = self.successor.get(self.previous) if self.previous is not None else None
         if self.previous is not None:
             self.successor[self.previous] = description
         self.previous = description
         if self.checking:
-            self._compare_arrived()
             everyones = torch.empty(self.world_size, dtype=torch.int64)
             work = dist.all_gather_single(everyones, torch.tensor([_digest(description)]), group=self.hashes,
                                           async_op=True)
@@ -203,17 +210,22 @@ class _Sequence:
     def _compare_arrived(self) -> None:
         """Compares the exchanges whose hashes have all arrived, in order, without waiting."""
         while self.exchanges and self.exchanges[0][1].is_completed():
-            exchange = self.exchanges.popleft()
-            _named(exchange[-1], exchange[1].wait)
-            self._compare(exchange)
+            self._take(self.exchanges.popleft())
 
     def confirm(self, number: int) -> None:
         """Every rank issued the same collectives up to the `number`-th, or every rank raises naming the first
         that differs."""
         while self.exchanges and self.exchanges[0][0] <= number:
-            exchange = self.exchanges.popleft()
+            self._take(self.exchanges.popleft())
+
+    def _take(self, exchange: tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]) -> None:
+        """Waits for an exchange and compares it; what it raises, every later collective raises (`parted`)."""
+        try:
             _named(exchange[-1], exchange[1].wait)
             self._compare(exchange)
+        except CollectiveError as error:
+            self.parted = error
+            raise
 
     def raise_if_parted(self) -> None:
         """Raises the mismatch among the hashes arrived so far, if any: called when a collective failed."""

@@ -75,8 +75,11 @@ def source_folder(entry: dict[str, Any], records: list[dict[str, Any]] | None = 
         return Path(entry["name_or_path"])
     from huggingface_hub import hf_hub_download
 
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
     repo, revision = entry["name_or_path"], entry["revision"]
-    folder = None
+    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots" / revision
     for record in entry["files"] if records is None else records:
         try:
             folder = Path(hf_hub_download(repo, record["file"], revision=revision)).parent
@@ -86,8 +89,6 @@ def source_folder(entry: dict[str, Any], records: list[dict[str, Any]] | None = 
                 f"be downloaded ({type(e).__name__}: {e}): the checkpoint does not store its frozen weights and reads "
                 f"them from the base model it was trained on. Download it (`hf download {repo} --revision "
                 f"{revision}`) where the network is reachable") from None
-    if folder is None:
-        raise CheckpointError(f"frozen_source names no file of {repo}")
     return folder
 
 
@@ -124,8 +125,8 @@ class FrozenSources:
             entry, stats = self._found
             if entry is None:
                 return None
-            folder, files = source_folder(entry), [f["file"] for f in entry["files"]]
-            now = comm.agree(lambda: _file_stats(folder, files), "checking the base model's files",
+            files = [f["file"] for f in entry["files"]]
+            now = comm.agree(lambda: _file_stats(source_folder(entry), files), "checking the base model's files",
                              CheckpointError)
             if now == stats:
                 return entry
@@ -140,18 +141,18 @@ class FrozenSources:
             return None
         entry = _entry(module, layout)
         files = [f["file"] for f in entry["files"]]
-        folder = source_folder(entry)
-        hashes = comm.agree(lambda: {f: sha256(folder / f) for f in files[comm.rank::comm.world_size]},
+        hashes = comm.agree(lambda: {f: sha256(source_folder(entry) / f) for f in files[comm.rank::comm.world_size]},
                             "hashing the base model's files", CheckpointError)
         digest = {file: h for part in hashes for file, h in part.items()}
         for record in entry["files"]:
             record["sha256"] = digest[record["file"]]
-        stats = comm.agree(lambda: _file_stats(folder, files), "checking the base model's files",
+        stats = comm.agree(lambda: _file_stats(source_folder(entry), files), "checking the base model's files",
                            CheckpointError)
         self._found = (entry, stats)
         if comm.rank == 0:
-            hub = f" (the Hub's {entry['name_or_path']} at commit {entry['revision']})" if "revision" in entry else ""
-            logger.info(f"checkpoints record the {len(layout.frozen)} frozen weights by their source, {folder}{hub} "
+            where = f"the Hub's {entry['name_or_path']} at commit {entry['revision']}" if "revision" in entry \
+                else entry["name_or_path"]
+            logger.info(f"checkpoints record the {len(layout.frozen)} frozen weights by their source, {where} "
                         f"({len(files)} file(s)), instead of storing them")
         return entry
 

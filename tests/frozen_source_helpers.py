@@ -119,3 +119,23 @@ def lora_trainer(base: Path, out: Path, max_steps: int, zero: dict[str, Any] | N
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def hub_lora_resumes(cache: str, repo_id: str, root: str) -> bool:
+    """On this world, offline, with the Hub cache `cache` holding `repo_id`: a stage-3 LoRA engine on that base trained
+    to SAVE_AT and saved, resumed into a fresh engine whose base was zeroed, and trained on to STOP, against the
+    straight run: whether every parameter is equal."""
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_CACHE, huggingface_hub.constants.HF_HUB_OFFLINE = cache, True
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    config = {"zero_stage": 3}
+    straight = lora_engine(config, repo_id)
+    train(straight, 0, STOP)
+    first = lora_engine(config, repo_id)
+    train(first, 0, SAVE_AT)
+    first.save_checkpoint(f"{root}/ckpt")
+    resumed = lora_engine(config, repo_id, zeroed=True)
+    resumed.load_checkpoint(f"{root}/ckpt")
+    train(resumed, SAVE_AT, STOP)
+    return all(torch.equal(p, whole_params(straight)[n]) for n, p in whole_params(resumed).items())

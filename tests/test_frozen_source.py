@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
 from tests.checkpoint_helpers import SAVE_AT, STOP, train, whole_params
-from tests.frozen_source_helpers import (continue_lora, folder_bytes, frozen_whole, lora_engine, lora_trainer,
-                                         put_in_hub_cache, read_base, resume_runs, save_base)
+from tests.frozen_source_helpers import (continue_lora, folder_bytes, frozen_whole, hub_lora_resumes, lora_engine,
+                                         lora_trainer, put_in_hub_cache, read_base, resume_runs, save_base)
 from tests.helpers import hf_zero_messages
 
 
@@ -195,6 +195,12 @@ def test_a_lora_checkpoint_on_a_hub_base_records_its_id_and_commit_and_resumes_b
     assert all(torch.equal(t, expected[n]) for n, t in frozen_whole(resumed).items())
     train(resumed, SAVE_AT, STOP)
     assert all(torch.equal(p, whole_params(straight)[n]) for n, p in whole_params(resumed).items())
+
+
+def test_a_two_rank_lora_run_on_a_one_file_hub_base_resumes_bitwise(base, tmp_path):
+    """Each rank checks its share of the base's files: here rank 1 has none, and reads its pieces all the same."""
+    put_in_hub_cache(base, tmp_path / "hub", HUB_ID, COMMIT)
+    assert spawn_gloo(hub_lora_resumes, 2, str(tmp_path / "hub"), HUB_ID, str(tmp_path)) == [True, True]
 
 
 def test_a_hub_base_missing_from_the_cache_offline_or_changed_there_is_refused_and_nothing_changes(hub_base, tmp_path):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from hf_zero.comm import CollectiveError, Communicator, Ledger, issued_for
+from hf_zero.comm import CollectiveError, CollectiveMismatch, Communicator, Ledger, issued_for
 from hf_zero.config import ZeroConfigError
 from hf_zero.environment import CHECK_COLLECTIVES_ENV as CHECK_ENV
 from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATE_ENV, check_collectives
@@ -165,6 +165,24 @@ def test_collectives_the_ranks_issue_differently_stop_every_rank_at_once_naming_
                                         rf"group of 2 \({named}\).*--zero_unit_module_classes"):
         spawn_gloo(ranks_issue_different_collectives, 2, at, asynchronous)
     assert time.monotonic() - start < 25
+
+
+def going_on_after_a_mismatch() -> str:
+    """The ranks part at their first collective; each catches the error and issues another."""
+    comm, tensor = Communicator(Ledger()), torch.ones(8)
+    with contextlib.suppress(CollectiveMismatch):
+        comm.all_reduce_(tensor) if dist.get_rank() == 0 else comm.broadcast_(tensor)
+    try:
+        comm.all_reduce_(tensor)
+    except CollectiveMismatch as again:
+        return str(again)
+    return "went on"
+
+
+def test_once_the_ranks_have_parted_every_later_collective_of_the_group_raises_the_same_error():
+    """A script that catches the mismatch and goes on would pair hashes with the wrong collectives from then on."""
+    for said in spawn_gloo(going_on_after_a_mismatch, 2):
+        assert said.startswith("the ranks issued different collectives as collective #1 of their group of 2")
 
 
 def repeat_a_schedule(rounds: int, comm: Communicator, tensor: torch.Tensor) -> None:
