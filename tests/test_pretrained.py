@@ -310,9 +310,9 @@ def test_with_nvme_offload_no_rank_holds_the_whole_model_over_training_and_witho
     """ZeRO-Infinity's promise at the scale of a test, two steps. In memory the states alone are 16Ψ/Nd = the whole
     fp32 model per rank; with parameters, states and gradients on NVMe a rank's growth stays below it: pools, a
     unit and its gradients at a time, and torch's own first-forward set-up (about 50 MiB). Measured 0.49-0.51x
-    against 1.39-1.42x when written (torch 2.11); the same commit measures 0.61x under torch 2.13, and today's code
-    0.64-0.68x across runs (1.60-1.64x in memory), before and after the collective check's prediction alike, and
-    the bound of 0.65x failed one run in three. The bound is 0.75x: below the whole model the test's name is about
+    against 1.39-1.42x when written (torch 2.11); under torch 2.13 every commit since measures 0.60-0.67x, two runs
+    of one commit up to 0.06 apart (a bisect found no engine change, only 8c1096c's change of how these runs are
+    spawned), and today's code 0.64-0.68x (1.60-1.64x in memory): the bound of 0.65x failed one run in three. The bound is 0.75x: below the whole model the test's name is about
     (1.0x) by a stage-3 unit's gradients and more. Its losses are the in-memory run's: ZeRO-Infinity trains from the
     shards as the partitioned build read them."""
     model_bytes, runs = memory_runs
