@@ -47,7 +47,7 @@ def time_generate(kind: str, system: str) -> float:
     synced = False
     if config is not None:
         engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
-        model, synced = engine.module, not engine.params.generation_keeps_every_unit()  # as ZeroSeq2SeqTrainer
+        model, synced = engine.module, not engine.params.keeps_every_unit()  # as ZeroSeq2SeqTrainer
     model.eval()
     ids = torch.randint(1, 512, (BATCH, PROMPT), generator=torch.Generator().manual_seed(dist.get_rank()))
     kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,

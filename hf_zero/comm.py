@@ -139,6 +139,11 @@ def issued_for(text: str) -> Iterator[None]:
         _purpose.pop()
 
 
+# A collective's exchange of hashes: its number, the work, every rank's hash, its description, the description the
+# schedule predicted (None: none yet), and what() names it by.
+_Exchange = tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]
+
+
 class _Sequence:
     """The collectives the ranks of one group issue, compared as they go. With each collective every rank sends
     a hash of its description (operation, size, dtype and what it is for; 8 bytes) to the others over a gloo
@@ -161,9 +166,8 @@ class _Sequence:
     not fail; the rank that stopped names it). Hashes that arrive for predicted collectives are compared as they
     land, so a rank also stops at its next collective. Once the ranks have parted, or an exchange failed, every
     later collective of the group raises the same error: the hashes would no longer pair with their collectives.
-    torch's
-    TORCH_DISTRIBUTED_DEBUG=DETAIL compares operation and shapes before every collective, synchronously, and
-    not what each one is for. Collectives are issued when the program issues them, never later: torch issues its
+    torch's TORCH_DISTRIBUTED_DEBUG=DETAIL compares operation and shapes before every collective, synchronously,
+    and not what each one is for. Collectives are issued when the program issues them, never later: torch issues its
     own on the same groups (DTensor's tensor-parallel all-reduces), and a collective held back would meet them
     in another order on each rank. One sequence per group of ranks, shared by its Communicators: their
     collectives interleave on the group, and so are numbered together. HF_ZERO_CHECK_COLLECTIVES=0 turns the
@@ -182,19 +186,16 @@ class _Sequence:
         self.successor: dict[str, str] = {}
         self.previous: str | None = None
         self.parted: CollectiveError | None = None  # the error every later collective raises again
-        # Each collective's exchange not yet compared: (number, work, every rank's hash, its description, the
-        # predicted description, what()).
-        self.exchanges: deque[tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]] = deque()
+        self.exchanges: deque[_Exchange] = deque()  # not yet compared
 
     def issue(self, description: str, what: Callable[[], str]) -> tuple[int, bool]:
         """Numbers the next collective and starts sending the hash of its description to the other ranks.
         Returns its number and whether it is the predicted one, which may be launched without waiting."""
         if self.parted is not None:
             raise type(self.parted)(str(self.parted)) from self.parted
-        if self.checking:
-            self._compare_arrived()
+        self._compare_arrived()
         self.issued += 1
-        expected = self.successor.get(self.previous) if self.previous is not None else None
+        expected = self.successor.get(self.previous)
         if self.previous is not None:
             self.successor[self.previous] = description
         self.previous = description
@@ -218,7 +219,7 @@ class _Sequence:
         while self.exchanges and self.exchanges[0][0] <= number:
             self._take(self.exchanges.popleft())
 
-    def _take(self, exchange: tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]) -> None:
+    def _take(self, exchange: _Exchange) -> None:
         """Waits for an exchange and compares it; what it raises, every later collective raises (`parted`)."""
         try:
             _named(exchange[-1], exchange[1].wait)
@@ -236,15 +237,14 @@ class _Sequence:
         except CollectiveError:
             pass  # the exchange failed with the collective: no hash arrived to compare
 
-    def _compare(self, exchange: tuple[int, Any, torch.Tensor, str, str | None, Callable[[], str]]) -> None:
+    def _compare(self, exchange: _Exchange) -> None:
         issued, _, everyones, description, expected, what = exchange
         if bool((everyones == everyones[0]).all()):
             return
-        hashes, mine = everyones.tolist(), self.me
-        followed = [expected if expected is not None and h == _digest(expected) else None for h in hashes]
+        followed = [expected if expected is not None and h == _digest(expected) else None for h in everyones.tolist()]
         if any(followed):  # those ranks did not wait, and may already wait in the predicted collective
-            said = [description if r == mine else followed[r] or "a collective other than the schedule's"
-                    for r in range(len(hashes))]
+            said = [description if r == self.me else followed[r] or "a collective other than the schedule's"
+                    for r in range(self.world_size)]
         else:  # every rank waits here: each says what it issued
             said = [None] * self.world_size
             _named(what, lambda: dist.all_gather_object(said, description, group=self.descriptions))

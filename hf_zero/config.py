@@ -172,10 +172,11 @@ class ZeroConfig:
                                       "activation_checkpointing.cpu_checkpointing")
     # A LoRA base is most of the model and never changes: a checkpoint need not hold it when its files say what it is.
     checkpoint_frozen_weights: str = setting("by_source", "checkpoints record frozen weights (a LoRA base) by the "
-                                             "pretrained folder's (or Hub id's cached) files they were loaded from (sizes and SHA-256; a "
-                                             "resume re-reads them and refuses a changed file), and store them where "
-                                             "they have none (built from a config, changed in memory); stored: always "
-                                             "store them (DeepSpeed: save_checkpoint's exclude_frozen_parameters)",
+                                             "pretrained folder's (or Hub id's cached) files they were loaded from "
+                                             "(sizes and SHA-256; a resume re-reads them and refuses a changed file), "
+                                             "and store them where they have none (built from a config, changed in "
+                                             "memory); stored: always store them (DeepSpeed: save_checkpoint's "
+                                             "exclude_frozen_parameters)",
                                              choices=FROZEN_WEIGHTS_IN_CHECKPOINTS)
 
     @classmethod

@@ -4,18 +4,18 @@ A frozen base (a peft model's, or any weight with requires_grad False) is most o
 and training never changes it. When every frozen weight is, bit for bit in the dtype the engine holds it, a tensor of
 the safetensors files the model was loaded from (`config.name_or_path`: a local folder, or a Hub id whose files are
 in the Hub cache), a checkpoint records that folder (or the Hub id and the commit of its cached snapshot), each
-file's size and SHA-256 and which tensor each frozen weight is (the manifest's "frozen_source"),
-and stores none of them (`checkpoint_frozen_weights` "by_source", the default; DeepSpeed's
-`exclude_frozen_parameters`, which leaves the base to the script). Loading checks the files are still the recorded
-ones, refusing naming the one that changed, and re-reads each rank's pieces from them, at any world size and stage.
-A Hub base's files are read from the Hub cache at the recorded commit, and downloaded there by huggingface_hub where
-the cache lacks them (a resume on another machine), unless HF_HUB_OFFLINE says not to.
+file's size and SHA-256 and which tensor each frozen weight is (the manifest's "frozen_source"), and stores none of
+them (`checkpoint_frozen_weights` "by_source", the default; DeepSpeed's `exclude_frozen_parameters`, which leaves
+the base to the script). Loading checks the files are still the recorded ones, refusing naming the one that
+changed, and re-reads each rank's pieces from them, at any world size and stage. A Hub base's files are read from
+the Hub cache at the recorded commit, and downloaded there by huggingface_hub where the cache lacks them (a resume
+on another machine), unless HF_HUB_OFFLINE says not to.
 
 A base with no such source is stored as before, with a log line saying why: built from a config, loaded from a Hub
 cache other than huggingface_hub's (`cache_dir`) or from a revision other than the cached default branch's, or
-changed in memory since it was loaded. The comparison with the files is
-made once per engine (each rank compares the pieces it would store), and again only when a file's size or
-modification time changes, or a checkpoint was loaded into the engine.
+changed in memory since it was loaded. The comparison with the files is made once per engine (each rank compares
+the pieces it would store), and again only when a file's size or modification time changes, or a checkpoint was
+loaded into the engine.
 
 What a manifest names stays inside what it names: a source file is a plain `*.safetensors` name in the recorded
 folder, never a path, and a Hub id is a valid repository id with a commit of 40 hex digits (never a path in the
@@ -73,23 +73,20 @@ def source_folder(entry: dict[str, Any], records: list[dict[str, Any]] | None = 
     cannot be."""
     if "revision" not in entry:
         return Path(entry["name_or_path"])
-    from huggingface_hub import hf_hub_download
-
-    from huggingface_hub import constants
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.file_download import repo_folder_name
 
     repo, revision = entry["name_or_path"], entry["revision"]
-    folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots" / revision
     for record in entry["files"] if records is None else records:
         try:
-            folder = Path(hf_hub_download(repo, record["file"], revision=revision)).parent
+            hf_hub_download(repo, record["file"], revision=revision)  # where the cache has it: no network
         except Exception as e:  # huggingface_hub's errors (offline, not found, no network) have no common base
             raise CheckpointError(
                 f"{record['file']} of the Hub model {repo} at commit {revision} is not in the Hub cache and could not "
                 f"be downloaded ({type(e).__name__}: {e}): the checkpoint does not store its frozen weights and reads "
                 f"them from the base model it was trained on. Download it (`hf download {repo} --revision "
                 f"{revision}`) where the network is reachable") from None
-    return folder
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots" / revision
 
 
 def read_flat(handle: Any, key: str, lo: int, hi: int) -> torch.Tensor:
@@ -104,7 +101,8 @@ def read_flat(handle: Any, key: str, lo: int, hi: int) -> torch.Tensor:
 
 
 def _file_stats(folder: Path, files: list[str]) -> list[tuple[str, int, int]]:
-    return [(file, (folder / file).stat().st_size, (folder / file).stat().st_mtime_ns) for file in files]
+    stats = [(folder / file).stat() for file in files]
+    return [(file, stat.st_size, stat.st_mtime_ns) for file, stat in zip(files, stats)]
 
 
 class FrozenSources:
@@ -141,14 +139,16 @@ class FrozenSources:
             return None
         entry = _entry(module, layout)
         files = [f["file"] for f in entry["files"]]
-        hashes = comm.agree(lambda: {f: sha256(source_folder(entry) / f) for f in files[comm.rank::comm.world_size]},
-                            "hashing the base model's files", CheckpointError)
-        digest = {file: h for part in hashes for file, h in part.items()}
+        def hash_share_then_stat() -> tuple[dict[str, str], list[tuple[str, int, int]]]:
+            folder = source_folder(entry)
+            share = {f: sha256(folder / f) for f in files[comm.rank::comm.world_size]}
+            return share, _file_stats(folder, files)
+
+        hashed = comm.agree(hash_share_then_stat, "hashing the base model's files", CheckpointError)
+        digest = {file: h for share, _ in hashed for file, h in share.items()}
         for record in entry["files"]:
             record["sha256"] = digest[record["file"]]
-        stats = comm.agree(lambda: _file_stats(source_folder(entry), files), "checking the base model's files",
-                           CheckpointError)
-        self._found = (entry, stats)
+        self._found = (entry, [stats for _, stats in hashed])
         if comm.rank == 0:
             where = f"the Hub's {entry['name_or_path']} at commit {entry['revision']}" if "revision" in entry \
                 else entry["name_or_path"]
@@ -255,9 +255,8 @@ def check_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = No
     for record in entry["files"] if records is None else records:
         path = folder / record["file"]
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing: the checkpoint does not store its frozen weights "
-                                             f"and reads them from the base model it was trained on, in {folder}. "
-                                             f"Put the base model back there")
+            raise CheckpointError(f"{path} is missing: the checkpoint does not store its frozen weights and reads them "
+                                  f"from the base model it was trained on, in {folder}. Put the base model back there")
         if path.stat().st_size != record["bytes"] or sha256(path) != record["sha256"]:
             raise CheckpointError(
                 f"{path} changed since the checkpoint was saved (it is {path.stat().st_size} bytes with another "
@@ -286,15 +285,16 @@ def read(handles: dict[str, Any], entry: dict[str, Any], frozen: dict[str, Any],
     """Elements [lo, hi) of frozen weight `name` from its source, in the dtype the checkpoint's engine held it (the
     source's values cast as the engine cast them); with `hi` None, only checks the tensor is there with its shape."""
     file, key = entry["keys"][name]
-    path = Path(entry["name_or_path"]) / file
+    commit = f" at commit {entry['revision']}" if "revision" in entry else ""
+    where = f"{file} of {entry['name_or_path']}{commit}"
     try:
         shape = handles[file].get_slice(key).get_shape()
     except SafetensorError:
-        raise CheckpointError(f"{path} has no tensor {key!r}, which the checkpoint reads frozen weight "
-                                         f"{name} from") from None
+        raise CheckpointError(f"{where} has no tensor {key!r}, which the checkpoint reads frozen weight {name} "
+                              f"from") from None
     if list(shape) != frozen[name]["shape"]:
-        raise CheckpointError(f"{path}: {key!r} has shape {list(shape)}; the checkpoint's frozen weight "
-                                         f"{name} is {frozen[name]['shape']}")
+        raise CheckpointError(f"{where}: {key!r} has shape {list(shape)}; the checkpoint's frozen weight {name} is "
+                              f"{frozen[name]['shape']}")
     if hi is None:
         return None
     return read_flat(handles[file], key, lo, hi).to(TORCH_DTYPES[frozen[name]["dtype"]])

@@ -428,5 +428,5 @@ class ZeroSeq2SeqTrainer(ZeroTrainerMixin, Seq2SeqTrainer):
         if not gen_kwargs:
             gen_kwargs = dict(getattr(self, "_gen_kwargs", {}))
         gen_kwargs.setdefault("synced_gpus", self.args.zero_engine_config.zero_stage == 3 and self.args.world_size > 1
-                              and (self.engine is None or not self.engine.params.generation_keeps_every_unit()))
+                              and (self.engine is None or not self.engine.params.keeps_every_unit()))
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)

@@ -64,24 +64,28 @@ def read_base(base: Path) -> dict[str, torch.Tensor]:
         return {key: f.get_tensor(key) for key in f.keys()}
 
 
+def lora_resume(config: dict[str, Any], base: Path | str, folder: str) -> dict[str, Any]:
+    """A LoRA engine on `base` trained straight to STOP, against one trained to SAVE_AT, saved in `folder` and resumed
+    into a fresh engine whose base was zeroed, trained on to STOP: both runs' parameters, and the frozen weights the
+    resume loaded."""
+    straight = lora_engine(config, base)
+    train(straight, 0, STOP)
+    first = lora_engine(config, base)
+    train(first, 0, SAVE_AT)
+    first.save_checkpoint(folder)
+    resumed = lora_engine(config, base, zeroed=True)
+    resumed.load_checkpoint(folder)
+    loaded_frozen = frozen_whole(resumed)
+    train(resumed, SAVE_AT, STOP)
+    return {"straight": whole_params(straight), "resumed": whole_params(resumed), "loaded_frozen": loaded_frozen}
+
+
 def resume_runs(root: str, base: str) -> dict[str, Any]:
-    """On this world: for stages 1 and 3, 6 steps straight against saving at step 3 and resuming a fresh engine whose
-    base was zeroed; the stage-3 checkpoint is kept for loading elsewhere."""
+    """On this world: `lora_resume` at stages 1 and 3; the stage-3 checkpoint is kept for loading elsewhere."""
     results = {}
     for stage in (1, 3):
-        config = {"zero_stage": stage}
-        straight = lora_engine(config, Path(base))
-        train(straight, 0, STOP)
-        first = lora_engine(config, Path(base))
-        train(first, 0, SAVE_AT)
         folder = f"{root}/stage{stage}-world{rank_world()[1]}"
-        first.save_checkpoint(folder)
-        resumed = lora_engine(config, Path(base), zeroed=True)
-        resumed.load_checkpoint(folder)
-        loaded_frozen = frozen_whole(resumed)
-        train(resumed, SAVE_AT, STOP)
-        results[stage] = {"straight": whole_params(straight), "resumed": whole_params(resumed),
-                          "loaded_frozen": loaded_frozen, "folder": folder}
+        results[stage] = {**lora_resume({"zero_stage": stage}, Path(base), folder), "folder": folder}
     return results
 
 
@@ -122,20 +126,11 @@ def folder_bytes(folder: Path) -> int:
 
 
 def hub_lora_resumes(cache: str, repo_id: str, root: str) -> bool:
-    """On this world, offline, with the Hub cache `cache` holding `repo_id`: a stage-3 LoRA engine on that base trained
-    to SAVE_AT and saved, resumed into a fresh engine whose base was zeroed, and trained on to STOP, against the
-    straight run: whether every parameter is equal."""
+    """On this world, offline, with the Hub cache `cache` holding `repo_id`: `lora_resume` at stage 3 on that base,
+    whether the resumed run's parameters are the straight run's."""
     import huggingface_hub.constants
 
     huggingface_hub.constants.HF_HUB_CACHE, huggingface_hub.constants.HF_HUB_OFFLINE = cache, True
     os.environ["HF_HUB_OFFLINE"] = "1"
-    config = {"zero_stage": 3}
-    straight = lora_engine(config, repo_id)
-    train(straight, 0, STOP)
-    first = lora_engine(config, repo_id)
-    train(first, 0, SAVE_AT)
-    first.save_checkpoint(f"{root}/ckpt")
-    resumed = lora_engine(config, repo_id, zeroed=True)
-    resumed.load_checkpoint(f"{root}/ckpt")
-    train(resumed, SAVE_AT, STOP)
-    return all(torch.equal(p, whole_params(straight)[n]) for n, p in whole_params(resumed).items())
+    run = lora_resume({"zero_stage": 3}, repo_id, f"{root}/ckpt")
+    return all(torch.equal(p, run["straight"][n]) for n, p in run["resumed"].items())

@@ -15,9 +15,10 @@ from safetensors.torch import save_file
 
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.launch import spawn_gloo
-from tests.checkpoint_helpers import SAVE_AT, STOP, train, whole_params
+from tests.checkpoint_helpers import SAVE_AT, train, whole_params
 from tests.frozen_source_helpers import (continue_lora, folder_bytes, frozen_whole, hub_lora_resumes, lora_engine,
-                                         lora_trainer, put_in_hub_cache, read_base, resume_runs, save_base)
+                                         lora_resume, lora_trainer, put_in_hub_cache, read_base, resume_runs,
+                                         save_base)
 from tests.helpers import hf_zero_messages
 
 
@@ -176,12 +177,7 @@ def hub_base(base, tmp_path, monkeypatch):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_lora_checkpoint_on_a_hub_base_records_its_id_and_commit_and_resumes_bitwise_from_the_cache(
         hub_base, tmp_path, stage):
-    config = {"zero_stage": stage}
-    straight = lora_engine(config, HUB_ID)
-    train(straight, 0, STOP)
-    first = lora_engine(config, HUB_ID)
-    train(first, 0, SAVE_AT)
-    first.save_checkpoint(tmp_path / "ckpt")
+    run = lora_resume({"zero_stage": stage}, HUB_ID, str(tmp_path / "ckpt"))
     manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
     file = hub_base / "model.safetensors"
     assert {k: v for k, v in manifest["frozen_source"].items() if k != "keys"} == {
@@ -189,12 +185,10 @@ def test_a_lora_checkpoint_on_a_hub_base_records_its_id_and_commit_and_resumes_b
         "files": [{"file": "model.safetensors", "bytes": file.stat().st_size,
                    "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}]}
     assert not any(key.startswith("frozen/") for key in stored_keys(tmp_path / "ckpt"))
-    resumed = lora_engine(config, HUB_ID, zeroed=True)
-    resumed.load_checkpoint(tmp_path / "ckpt")
     expected = read_base(hub_base)
-    assert all(torch.equal(t, expected[n]) for n, t in frozen_whole(resumed).items())
-    train(resumed, SAVE_AT, STOP)
-    assert all(torch.equal(p, whole_params(straight)[n]) for n, p in whole_params(resumed).items())
+    assert run["loaded_frozen"].keys() == expected.keys()
+    assert all(torch.equal(t, expected[n]) for n, t in run["loaded_frozen"].items())
+    assert all(torch.equal(p, run["straight"][n]) for n, p in run["resumed"].items())
 
 
 def test_a_two_rank_lora_run_on_a_one_file_hub_base_resumes_bitwise(base, tmp_path):

@@ -50,10 +50,10 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         self.reader: ParamReader | None = None
         self.reshard_root_after_forward = config.reshard_root_after_forward
         self.generation_max_live_parameters = config.generation_max_live_parameters
-        # Inside model.generate(): the elements the units kept gathered may still take (None: not generating),
-        # and those units.
-        self.generation_budget: int | None = None
-        self.kept_for_generation: set[int] = set()
+        # Inside units_kept_gathered (generate(), an evaluation loop): the elements the units kept gathered may still
+        # take (None: outside), and those units.
+        self.keep_budget: int | None = None
+        self.kept_gathered: set[int] = set()
         self.trim_host_heap = config.trim_host_heap
         self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.trained_flats]
@@ -295,17 +295,17 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             for unit in units:
                 unit.free()
 
-    def generation_keeps_every_unit(self) -> bool:
-        """Whether generate() keeps every unit gathered from its first use to its end (they fit within
-        generation_max_live_parameters): then each rank's collectives in a generate() call are the first forward's
-        gathers, whatever the number of tokens it generates, and ranks need not step together (synced_gpus)."""
+    def keeps_every_unit(self) -> bool:
+        """Whether units_kept_gathered (generate(), an evaluation loop) keeps every unit, gathered on entry (they fit
+        within generation_max_live_parameters): then no forward inside gathers, whatever the number of tokens each
+        rank generates, and ranks need not step together (synced_gpus)."""
         return sum(u.numel for u in self.units if not u.is_root and not u.persistent) \
             <= self.generation_max_live_parameters
 
     def _free_all_but_root(self) -> None:
-        """Frees every unit but the root, and but those kept gathered for the rest of a generate() call."""
+        """Frees every unit but the root, and but those kept gathered (units_kept_gathered)."""
         for unit in self.units:
-            if not unit.is_root and id(unit) not in self.kept_for_generation:
+            if not unit.is_root and id(unit) not in self.kept_gathered:
                 unit.free()
 
     def free_all(self) -> None:

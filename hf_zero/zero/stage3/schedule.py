@@ -86,42 +86,42 @@ class Schedule:
     @contextlib.contextmanager
     def units_kept_gathered(self) -> Iterator[None]:
         """Inside, the root stays gathered and every unit a forward uses stays gathered after it, up to
-        `generation_max_live_parameters` elements (`_keep_for_generation`; FSDP2's reshard_after_forward=False, for
+        `generation_max_live_parameters` elements (`_keep_gathered`; FSDP2's reshard_after_forward=False, for
         the duration): for generate(), and for the Trainer's evaluation and prediction loops, where the weights do
         not change between forwards. When every unit fits, all are gathered on entry, in one order on every rank:
         no forward inside gathers, whatever each rank's inputs make it use (a branch, an expert first used late),
         so ranks need not step together (ZeroSeq2SeqTrainer leaves synced_gpus off). One inside another: the
         outer one keeps and frees."""
-        if self.root is None or self.generation_budget is not None:
+        if self.root is None or self.keep_budget is not None:
             yield
             return
         self._fetch(self.root, backward=False)
-        self.generation_budget = self.generation_max_live_parameters
+        self.keep_budget = self.generation_max_live_parameters
         try:
-            if self.generation_keeps_every_unit():
+            if self.keeps_every_unit():
                 for unit in self.units:
-                    if not unit.persistent and self._keep_for_generation(unit):
+                    if not unit.persistent and self._keep_gathered(unit):
                         unit.gather("forward")
                 for unit in self.units:
                     unit.wait()
             yield
         finally:
-            self.generation_budget = None
-            self.kept_for_generation.clear()
+            self.keep_budget = None
+            self.kept_gathered.clear()
             self._free_all_but_root()
             self.root.free()
 
-    def _keep_for_generation(self, unit: Unit) -> bool:
-        """Inside generate(): whether `unit`, just used by a forward, stays gathered for the next tokens' (while the
-        budget has room for it; the root, gathered for the whole call, always does)."""
-        if self.generation_budget is None or unit.persistent:
+    def _keep_gathered(self, unit: Unit) -> bool:
+        """Inside units_kept_gathered: whether `unit`, just used by a forward, stays gathered for the next forwards
+        (while the budget has room for it; the root, gathered for the whole call, always does)."""
+        if self.keep_budget is None or unit.persistent:
             return False
-        if unit.is_root or id(unit) in self.kept_for_generation:
+        if unit.is_root or id(unit) in self.kept_gathered:
             return True
-        if unit.numel > self.generation_budget:
+        if unit.numel > self.keep_budget:
             return False
-        self.generation_budget -= unit.numel
-        self.kept_for_generation.add(id(unit))
+        self.keep_budget -= unit.numel
+        self.kept_gathered.add(id(unit))
         return True
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -150,7 +150,7 @@ class Schedule:
         if backward_follows:
             unit.keep_secondary()  # the root too: it stays gathered into this backward, not the next forward's
         if not (unit.is_root and backward_follows and not self.reshard_root_after_forward) and \
-                not (not backward_follows and self._keep_for_generation(unit)):
+                not (not backward_follows and self._keep_gathered(unit)):
             unit.free()
         if backward_follows:
             register_multi_grad_hook(tensors, lambda grads, u=unit: self._fetch(u, backward=True), mode="any")

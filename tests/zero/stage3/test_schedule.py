@@ -557,7 +557,7 @@ def generate_own_prompt(limit: int) -> bool:
     model = tiny_model("gpt2")
     engine = hf_zero.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                 {"zero_stage": 3, "generation_max_live_parameters": limit})
-    synced = not engine.params.generation_keeps_every_unit()
+    synced = not engine.params.keeps_every_unit()
     same = []
     for _ in range(2):
         tokens = engine.module.generate(prompt, max_new_tokens=5 + 3 * rank, do_sample=False, pad_token_id=0,
