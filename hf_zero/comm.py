@@ -184,6 +184,7 @@ class _Sequence:
             self.hashes, self.descriptions = groups
         # What followed each description the last time it was issued, and the one issued last: the prediction.
         self.successor: dict[str, str] = {}
+        self.described: dict[int, str] = {}  # each hash this rank sent, by its description: a mismatch names them
         self.previous: str | None = None
         self.parted: CollectiveError | None = None  # the error every later collective raises again
         self.exchanges: deque[_Exchange] = deque()  # not yet compared
@@ -200,9 +201,10 @@ class _Sequence:
             self.successor[self.previous] = description
         self.previous = description
         if self.checking:
+            digest = _digest(description)
+            self.described[digest] = description
             everyones = torch.empty(self.world_size, dtype=torch.int64)
-            work = dist.all_gather_single(everyones, torch.tensor([_digest(description)]), group=self.hashes,
-                                          async_op=True)
+            work = dist.all_gather_single(everyones, torch.tensor([digest]), group=self.hashes, async_op=True)
             self.exchanges.append((self.issued, work, everyones, description, expected, what))
             if len(self.exchanges) > _MOST_IN_FLIGHT:
                 self.confirm(self.exchanges[0][0])
@@ -243,8 +245,9 @@ class _Sequence:
             return
         followed = [expected if expected is not None and h == _digest(expected) else None for h in everyones.tolist()]
         if any(followed):  # those ranks did not wait, and may already wait in the predicted collective
-            said = [description if r == self.me else followed[r] or "a collective other than the schedule's"
-                    for r in range(self.world_size)]
+            said = [description if r == self.me else
+                    followed[r] or self.described.get(h, "a collective other than the schedule's")
+                    for r, h in enumerate(everyones.tolist())]
         else:  # every rank waits here: each says what it issued
             said = [None] * self.world_size
             _named(what, lambda: dist.all_gather_object(said, description, group=self.descriptions))

@@ -257,9 +257,11 @@ class ZeroEngine(nn.Module):
         if torch.distributed.is_initialized():
             destroy_process_group_at_exit()
         self.scaler = LossScaler(cfg)
-        self.micro_steps = self.global_steps = self.skipped_steps = self.skipped_in_a_row = 0
-        self.global_grad_norm: float | None = None
-        self.last_step_skipped = False
+        self.micro_steps = self.global_steps = self._skipped_steps = self.skipped_in_a_row = 0
+        self._global_grad_norm: float | None = None
+        self._last_step_skipped = False
+        self._unsettled_step: int | None = None  # a step the device decided whose outcome the host has not read yet
+        self._stop: NonFiniteGradientsError | None = None  # raised by the next optimizer_step, on every rank alike
         self.frozen_sources = FrozenSources()  # where the frozen weights come from, for checkpoints to record
         build_device = sync_module_states(model, self.comm, init_from)
         self.params = apply_partitioning(model, groups, cfg, self.comm, init_from, build_device)
@@ -311,29 +313,33 @@ class ZeroEngine(nn.Module):
         self.params.grads.allocate()
         return self.sharded_optimizer.compute_grad_norm()
 
+    def grad_norm_on_device(self) -> torch.Tensor:
+        """`compute_grad_norm` as a 0-dim fp64 tensor on the compute device, which nothing waits for (the Trainer
+        reads it only when it logs)."""
+        self.params.grads.allocate()
+        return self.sharded_optimizer.norm_on_device()
+
     def optimizer_step(self) -> None:
-        """Updates this rank's shard from the reduced gradients and re-shares the parameters."""
+        """Updates this rank's shard from the reduced gradients and re-shares the parameters.
+
+        With torch's fused optimizers in bf16 or fp32 on the device, the host does not wait for the gradient norm
+        before it queues the update: the device skips a step whose gradients are not finite, and the host learns
+        the step's norm and outcome (`global_grad_norm`, `last_step_skipped`, `skipped_steps`) when one of them is
+        read or at the next step, whichever comes first. A host that waited here would drain the device's queue
+        once a step and then feed it from behind."""
+        self._settle()
+        self._stop_if_skipping()
         self.params.grads.allocate()
         unused = self._unused_on_every_rank()
         stepped = self.sharded_optimizer.step(self.global_steps, self.params.chunk_ranges_of(unused) if unused
                                               else None)
-        self.global_grad_norm = self.sharded_optimizer.global_grad_norm
-        self.last_step_skipped = not stepped
-        if stepped:
+        if stepped is not False:  # a step the device skipped re-shares the unchanged values
             self.params.after_step()
-            self.skipped_in_a_row = 0
+        if stepped is None:
+            self._unsettled_step = self.global_steps
         else:
-            self.skipped_steps += 1
-            self.skipped_in_a_row += 1
-            logger.warning("rank %d: %s", self.comm.rank,
-                           self.scaler.skipped_step_message(self.global_steps, self.global_grad_norm))
-            limit = self.config.max_skipped_steps_in_a_row
-            if limit and self.skipped_in_a_row >= limit:  # the norm is global: every rank stops here alike
-                raise NonFiniteGradientsError(
-                    f"{self.skipped_in_a_row} optimizer steps in a row were skipped because the gradients were not "
-                    f"finite (last global norm {self.global_grad_norm}); stopping rather than training nothing. "
-                    f"Look for inf or NaN in the loss or the data, or lower the learning rate; "
-                    f"max_skipped_steps_in_a_row sets how many skipped steps in a row are allowed (0: no limit)")
+            self._count(self.global_steps, self.sharded_optimizer.global_grad_norm, stepped)
+            self._stop_if_skipping()
         self._update_state_bytes()  # at the step, while the gradient shards exist
         self.params.grads.zero_grad()
         self.global_steps += 1
@@ -341,19 +347,77 @@ class ZeroEngine(nn.Module):
         if self.global_steps == 1:  # the first step is when gradients, optimizer states and traffic exist
             logger.info(self.ledger.report(self.comm.rank))
 
+    def _count(self, step: int, norm: float, stepped: bool) -> None:
+        """Takes in step `step`'s outcome: its global norm, and whether it stepped or was skipped. Reaching
+        max_skipped_steps_in_a_row stops training at the next `_stop_if_skipping`, which every rank reaches at the
+        same point (the outcome may be taken in where one rank alone reads it)."""
+        self._global_grad_norm, self._last_step_skipped = norm, not stepped
+        if stepped:
+            self.skipped_in_a_row = 0
+            return
+        self._skipped_steps += 1
+        self.skipped_in_a_row += 1
+        logger.warning("rank %d: %s", self.comm.rank, self.scaler.skipped_step_message(step, norm))
+        limit = self.config.max_skipped_steps_in_a_row
+        if limit and self.skipped_in_a_row >= limit:  # the norm is global: every rank counts alike
+            self._stop = NonFiniteGradientsError(
+                f"{self.skipped_in_a_row} optimizer steps in a row were skipped because the gradients were not "
+                f"finite (last global norm {norm}); stopping rather than training nothing. "
+                f"Look for inf or NaN in the loss or the data, or lower the learning rate; "
+                f"max_skipped_steps_in_a_row sets how many skipped steps in a row are allowed (0: no limit)")
+
+    def _stop_if_skipping(self) -> None:
+        if self._stop is not None:
+            stop, self._stop = self._stop, None
+            raise stop
+
+    def _settle(self) -> None:
+        """Takes in the outcome of the last step the device decided, once its norm has reached the host."""
+        if self._unsettled_step is None:
+            return
+        step, self._unsettled_step = self._unsettled_step, None
+        outcome = self.sharded_optimizer.settle()
+        assert outcome is not None, "a step the device decided has its norm on the way"
+        self._count(step, *outcome)
+
+    @property
+    def global_grad_norm(self) -> float | None:
+        """The unscaled global gradient norm of the last optimizer step."""
+        self._settle()
+        return self._global_grad_norm
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (gradients not finite)."""
+        self._settle()
+        return self._last_step_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (gradients not finite)."""
+        self._settle()
+        return self._skipped_steps
+
     def _unused_on_every_rank(self) -> set[nn.Parameter]:
         """The parameters no rank computed a gradient for since the last step. torch's optimizers leave a
         parameter without a gradient as it is (no weight decay, no moment update), and DDP leaves its gradient
         None, so the step leaves them as they are too. One used on some ranks only is stepped with the
-        average of its gradients and the others' zeros, as under DDP."""
+        average of its gradients and the others' zeros, as under DDP. On several ranks, where the device decides the
+        step, the host reads the ranks' flags back (waiting for the device's queue) only when this rank left a
+        parameter unused (a mixture of experts): a rank that used them all knows that none went unused everywhere."""
         params = list(self.params.grads.param_pieces)
         unused_here = set(self.params.grads.take_unused())
-        used = [p not in unused_here for p in params]
-        if self.comm.world_size > 1:  # a round trip through the device, which the host waits for: not on one rank
-            flags = torch.tensor(used, dtype=torch.uint8).to(self.comm.device)
-            self.comm.any_rank_(flags)
-            used = flags.tolist()
-        unused = {p for p, was_used in zip(params, used) if not was_used}
+        if self.comm.world_size == 1:
+            unused = unused_here
+        else:
+            # Made on the device: a copy from pageable host memory would wait for the device's queue too.
+            flags = torch.ones(len(params), dtype=torch.uint8, device=self.comm.device)
+            for i, p in enumerate(params):
+                if p in unused_here:
+                    flags[i].fill_(0)
+            self.comm.any_rank_(flags)  # every rank takes part, whatever it reads
+            reads = unused_here or not self.sharded_optimizer.decided_on_device
+            unused = {p for p, used in zip(params, flags.tolist()) if not used} if reads else set()
         if unused and (self.config.delayed_param_update or self.config.offload_optimizer == "nvme"):
             names = sorted(self.params.managed[id(p)].name for p in unused)
             raise ValueError(f"no rank computed a gradient for {', '.join(names[:5])}"
@@ -514,8 +578,11 @@ class ZeroEngine(nn.Module):
         self.frozen_sources.forget()  # the frozen weights may now be the checkpoint's
         checkpoint.restore_module_state(layout, module_state)
         self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]
-        self.skipped_steps = manifest["skipped_steps"]
+        self._skipped_steps = manifest["skipped_steps"]
         self.scaler.load_state_dict(manifest["loss_scaler"])
+        # The outcome of a step before the load is let go, not counted: the checkpoint brought the counters.
+        self.sharded_optimizer.settle()
+        self._unsettled_step, self._stop = None, None
         self.params.reset()
         self.zero_grad()
         return manifest["client_state"]

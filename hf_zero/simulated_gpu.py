@@ -48,6 +48,7 @@ import re
 import sys
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -280,6 +281,9 @@ class StreamChecker:
         self.event_ids = itertools.count(1)
         self.lock = threading.RLock()
         self.deferred: list[str] = []  # races found where nothing can raise (a storage freed by torch)
+        # What the host waited on lately, in order: an event's id, or the name of a stream whose whole queue it waited
+        # for (a value read back, a synchronous copy), which on a GPU leaves the device idle until the host queues more.
+        self.host_waits: deque[int | str] = deque(maxlen=4096)
         # The thread whose ops the dispatch mode sees: the host's timeline. Other threads (the delayed update's)
         # touch host memory only, under the copy engine's checks.
         self.thread = threading.current_thread()
@@ -431,6 +435,7 @@ class StreamChecker:
         """Stream `stream` waits on `event` (HOST: the host does, and so everything it issues later)."""
         with self.lock:
             if stream == HOST:
+                self.host_waits.append(event)
                 self.syncs.all_streams_wait_for_event(event)
             else:
                 self.syncs.stream_wait_for_event(self.stream(stream), event)
@@ -441,6 +446,8 @@ class StreamChecker:
         with self.lock:
             state = self.syncs.current_sync_states
             waited_id, waiting_id = self.stream(waited), self.stream(waiting)
+            if waiting_id == self.host and waited_id != self.host:
+                self.host_waits.append(waited)
             if waited_id != self.host and not getattr(_current, "issued_earlier", False):
                 self.syncs._state_wait_for_other(state[waited_id], state[self.host])
             for stream in state if waiting_id == self.host else (waiting_id,):
@@ -464,6 +471,7 @@ def start_checking() -> None:
     if checker is None:
         checker = StreamChecker()
     _dispatch.start()
+    torch.Tensor.tolist = _read_back_tolist
 
 
 def stop_checking() -> None:
@@ -471,10 +479,26 @@ def stop_checking() -> None:
     frees that no op came after to report."""
     global checker
     ending, checker = checker, None
+    torch.Tensor.tolist = _tolist
     if not _dispatch.listeners:
         _dispatch.stop()
     if ending is not None:
         ending._raise_deferred()
+
+
+_tolist = torch.Tensor.tolist
+
+
+def _read_back_tolist(tensor: torch.Tensor) -> Any:
+    """Tensor.tolist, which reads a CPU tensor's memory without an op the dispatch mode sees: from the simulated
+    device's memory that is a value read back, as `.item()` is (on a GPU a copy the host waits for)."""
+    plain = _plain(tensor)
+    if checker is not None and plain is not None and not host_storages.holds(plain.untyped_storage()) \
+            and not getattr(_current, "quiet", 0):
+        stream = stream_now()
+        checker.access(stream, [plain], [], "Tensor.tolist")
+        checker.wait_stream(HOST, stream)
+    return _tolist(tensor)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,8 @@ callbacks, evaluation); the engine takes over at these points, in the order a st
   _wrap_model           training runs through the engine, never DDP; evaluation calls the model,
                         whose stage-3 hooks gather each unit on use
   accelerator.backward  becomes the engine's backward, told whether the accumulation window closes
-  _clip_grad_norm       the engine's global norm (one all-reduce over the shards); clipping to
+  _clip_grad_norm       the engine's global norm (one all-reduce over the shards), left on the device until the
+                        Trainer logs it; clipping to
                         --max_grad_norm happens inside the engine's step
   optimizer.step        the engine's step; lr schedulers act on the user optimizer's param groups
   parameter count       the Trainer's "Number of trainable parameters" counts stage-3 parameters whole, though
@@ -93,7 +94,8 @@ class ZeroOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """True after an fp16 overflow; the Trainer then leaves the lr schedule where it is."""
+        """True after a step whose gradients were not finite (an fp16 overflow, a NaN loss); the Trainer then leaves
+        the lr schedule where it is. Where the device decided the step, asking waits for its norm's copy."""
         return self.engine.last_step_skipped
 
 
@@ -314,11 +316,12 @@ class ZeroTrainerMixin:
         share = labels.ne(-100).sum() / num_items_in_batch
         return (result[0] * share, result[1]) if return_outputs else result * share
 
-    def _clip_grad_norm(self, model: nn.Module) -> float:
-        return self.engine.compute_grad_norm()
+    # The norm stays on the device: the Trainer reads it (.item()) only when it logs, so a step does not wait for it.
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return self.engine.grad_norm_on_device()
 
-    def _get_grad_norm(self, model: nn.Module, grad_norm: float | None = None) -> float:
-        return self.engine.compute_grad_norm() if grad_norm is None else grad_norm
+    def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        return self.engine.grad_norm_on_device() if grad_norm is None else grad_norm
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # Every rank writes its own shard of the optimizer state (and fp32 masters) beside the

@@ -120,12 +120,13 @@ def local_part(b: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, t
     return {k: v.chunk(world)[rank] for k, v in b.items()}
 
 
-def make_optimizer(model: nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """AdamW with the usual two groups: decay for matrices, no decay for biases and norms."""
+def make_optimizer(model: nn.Module, lr: float = 1e-3, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW with the usual two groups: decay for matrices, no decay for biases and norms. `fused`: torch's fused
+    kernel, which the engine lets skip a non-finite step on the device (the host then does not wait for the norm)."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, fused=fused or None)
 
 
 def named_copy(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -150,11 +151,11 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def train_single_process(kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32,
-                         micro_batches: int = 1, clip: float = 0.0) -> dict[str, Any]:
+                         micro_batches: int = 1, clip: float = 0.0, fused: bool = False) -> dict[str, Any]:
     """The reference: one process, the whole global batch, torch's own AdamW (and clip_grad_norm_).
     For bf16/fp16 it is the textbook recipe: compute-dtype model, fp32 master copy stepped by AdamW."""
     model = tiny_model(kind)
-    return _train_plain(model, kind, steps, global_batch, dtype, 0, 1, micro_batches, clip)
+    return _train_plain(model, kind, steps, global_batch, dtype, 0, 1, micro_batches, clip, fused)
 
 
 def train_ddp(kind: str, steps: int, global_batch: int, dtype: torch.dtype = torch.float32) -> dict:
@@ -163,9 +164,9 @@ def train_ddp(kind: str, steps: int, global_batch: int, dtype: torch.dtype = tor
     return _train_plain(model, kind, steps, global_batch, dtype, dist.get_rank(), dist.get_world_size())
 
 
-def _train_plain(model, kind, steps, global_batch, dtype, rank, world, micro_batches=1, clip=0.0):
+def _train_plain(model, kind, steps, global_batch, dtype, rank, world, micro_batches=1, clip=0.0, fused=False):
     masters = [p.detach().clone() for p in model.parameters()]
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, fused=fused)
     if dtype != torch.float32:
         # Re-target the optimizer at fp32 masters and compute in `dtype`.
         by_id = {id(p): m for p, m in zip(model.parameters(), masters)}
@@ -203,6 +204,7 @@ class Scenario:
     global_batch: int = 8
     poison_step: int | None = None  # fp16: rank 1 makes one element owned by rank 0 inf at this step
     simulate: str | None = None  # run under hf_zero.device's simulation of a GPU ("late" or "early")
+    fused: bool = False  # torch's fused AdamW (make_optimizer)
 
 
 def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
@@ -238,7 +240,7 @@ def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:
     """One hf_zero scenario of `run_scenarios`."""
     model = tiny_model(sc.kind)
     psi = sum(p.numel() for p in model.parameters())
-    engine = hf_zero.initialize(model, make_optimizer(model), sc.config)
+    engine = hf_zero.initialize(model, make_optimizer(model, fused=sc.fused), sc.config)
     ga = engine.gradient_accumulation_steps
     record: dict[str, Any] = {"scales": [], "norms": [], "skipped": []}
     for step in range(sc.steps):

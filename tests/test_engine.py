@@ -12,7 +12,7 @@ from hf_zero.config import ZeroConfigError
 from hf_zero.environment import SIMULATION_MODES
 from hf_zero.launch import spawn_gloo
 from hf_zero.zero.reducer import MAX_IN_FLIGHT
-from tests.conftest import UNDER_SIMULATION
+from tests.conftest import CLIP, UNDER_SIMULATION
 from tests.helpers import (batch, hf_zero_messages, make_optimizer, max_diff, named_copy, tiny_model,
                            train_single_process)
 
@@ -24,10 +24,10 @@ def single_process():
     """Single-process references, computed once per (model, recipe)."""
     cache = {}
 
-    def get(kind="gpt2", dtype=torch.float32, global_batch=8, steps=5, micro_batches=1, clip=0.0):
-        key = (kind, dtype, global_batch, steps, micro_batches, clip)
+    def get(kind="gpt2", dtype=torch.float32, global_batch=8, steps=5, micro_batches=1, clip=0.0, fused=False):
+        key = (kind, dtype, global_batch, steps, micro_batches, clip, fused)
         if key not in cache:
-            cache[key] = train_single_process(kind, steps, global_batch, dtype, micro_batches, clip)
+            cache[key] = train_single_process(kind, steps, global_batch, dtype, micro_batches, clip, fused)
         return cache[key]
     return get
 
@@ -118,14 +118,57 @@ def test_four_accumulated_micro_batches_equal_one_step_on_the_concatenated_batch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_global_norm_clipping_matches_torch_clip_grad_norm(world2, single_process, stage):
-    ref = single_process(clip=0.05)
-    assert max(ref["norms"]) > 0.05, "the test must actually clip"
+@pytest.mark.parametrize("stage, fused", [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_global_norm_clipping_matches_torch_clip_grad_norm(world2, single_process, stage, fused):
+    """Fused: the device computes the clipping coefficient and the host reads each step's norm afterwards (stage 1
+    takes stage 2's path there)."""
+    ref = single_process(clip=CLIP, fused=fused)
+    assert min(ref["norms"]) < CLIP < max(ref["norms"]), "the test must clip some steps and leave others"
     for rank_result in world2:
-        r = rank_result[f"s{stage}_clip"]
+        r = rank_result[f"s{stage}_clip{'_fused' if fused else ''}"]
         assert r["norms"] == pytest.approx(ref["norms"], rel=1e-4)
         assert max_diff(r["params"], ref["params"]) < FP32_TOL
+
+
+def test_with_a_fused_optimizer_a_non_finite_step_is_skipped_on_the_device_and_counted_once_read(caplog):
+    """torch's fused AdamW: the host queues the step without reading the norm, and the device skips a step whose
+    gradients are not finite, leaving weights, moments and step counts as they were. The host learns the outcome
+    when it reads it (last_step_skipped, skipped_steps, global_grad_norm) or at the next step, and
+    max_skipped_steps_in_a_row stops training at the next step, where every rank stops alike (not at a read, which
+    one rank alone may make)."""
+    import logging
+
+    from hf_zero.engine import NonFiniteGradientsError
+
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model, fused=True),
+                                {"zero_stage": 2, "max_skipped_steps_in_a_row": 2})
+
+    def step(poisoned: bool, number: int) -> None:
+        loss = engine(**batch("gpt2", number, 4)).loss
+        engine.backward(loss * float("nan") if poisoned else loss)
+        engine.step()
+
+    def states() -> dict[str, torch.Tensor]:
+        return {f"{id(p)}.{k}": v.clone() for p, state in engine.optimizer.state.items() for k, v in state.items()}
+
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        step(False, 0)
+        assert not engine.last_step_skipped and math.isfinite(engine.global_grad_norm)
+        weights, before = named_copy(model), states()
+        step(True, 1)
+        assert hf_zero_messages(caplog.records) == []  # not read yet
+        assert engine.last_step_skipped and engine.skipped_steps == 1 and math.isnan(engine.global_grad_norm)
+        assert max_diff(named_copy(model), weights) == 0.0
+        after = states()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+        step(True, 2)  # the second in a row
+        assert engine.skipped_steps == 2  # read: counted, the limit reached, and the next step stops
+        with pytest.raises(NonFiniteGradientsError, match=r"2 optimizer steps in a row were skipped"):
+            step(False, 3)
+    assert max_diff(named_copy(model), weights) == 0.0
+    warnings = hf_zero_messages(caplog.records)
+    assert len(warnings) == 2 and all("the gradients are not finite" in w for w in warnings)
 
 
 def with_an_empty_param_group(stage: int | None, empty_first: bool) -> dict[str, torch.Tensor]:

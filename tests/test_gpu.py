@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -22,11 +24,13 @@ def on_cuda(b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(CUDA) for k, v in b.items()}
 
 
-def plain_cuda_run(steps: int) -> dict[str, torch.Tensor]:
+def plain_cuda_run(steps: int, fused: bool = False, clip: float = 0.0) -> dict[str, torch.Tensor]:
     model = tiny_model("gpt2").to(CUDA)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, fused=fused)
     for step in range(steps):
         model(**on_cuda(batch("gpt2", step, 8))).loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
     return named_copy(model)
@@ -122,6 +126,52 @@ def test_every_stage_trains_as_plain_torch_in_an_nccl_group_with_one_stream_far_
 
     monkeypatch.setenv(CUDA_DELAY_ENV, f"{late}:2000000")  # about a millisecond of an H100's clock each
     assert_close(engine_cuda_run(config, 4, expect_comm_stream=True), plain_cuda_run(4))
+
+
+def synchronisations(step: Callable[[], None]) -> int:
+    """How many times `step` synchronised the host with the device (torch.cuda.set_sync_debug_mode's count)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_the_fused_adamw_a_step_synchronises_no_more_than_plain_torchs_and_trains_as_it(one_rank_nccl_group,
+                                                                                             monkeypatch, stage):
+    """torch's fused AdamW with clipping: the device computes the clipping coefficient and skips a non-finite step
+    itself, so from the second step a step synchronises the host with the device no more often than plain torch's
+    step with clip_grad_norm_ (which never reads the norm back), with the compute stream far behind; and the weights
+    are plain torch's."""
+    from hf_zero.environment import CUDA_DELAY_ENV
+
+    monkeypatch.setenv(CUDA_DELAY_ENV, "compute:2000000")
+    inputs = [on_cuda(batch("gpt2", step, 8)) for step in range(4)]
+    plain = tiny_model("gpt2").to(CUDA)
+    plain_optimizer = make_optimizer(plain, fused=True)
+    model = tiny_model("gpt2").to(CUDA)
+    engine = hf_zero.initialize(model, make_optimizer(model, fused=True),
+                                {"zero_stage": stage, "reduce_bucket_size": 3000, "gradient_clipping": 0.05})
+
+    def plain_step(b: dict[str, torch.Tensor]) -> None:
+        plain(**b).loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+
+    def engine_step(b: dict[str, torch.Tensor]) -> None:
+        engine.backward(engine(**b).loss)
+        engine.step()
+
+    counts = [(synchronisations(lambda: engine_step(b)), synchronisations(lambda: plain_step(b))) for b in inputs]
+    assert all(ours <= theirs for ours, theirs in counts[1:]), counts
+    assert engine.global_grad_norm > 0.05  # it clipped
+    with engine.gathered_parameters():
+        assert_close(named_copy(model), named_copy(plain))
 
 
 MEDIUM_GPT2 = {"n_embd": 512, "n_head": 8, "n_layer": 8, "vocab_size": 1024}  # Ψ about 26M, 25 blocks' worth

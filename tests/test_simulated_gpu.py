@@ -13,7 +13,9 @@ from hf_zero.comm import Communicator, Ledger, _Done
 from hf_zero.device import HOST, CommStream, copy_to_host, on_copy_stream, record_event, release_storage, to_host
 from hf_zero.environment import SIMULATE_ENV
 from hf_zero.simulated_gpu import COPY, StreamOrderError
-from tests.helpers import GPU_PATH_CONFIGS, batch, config_id, make_optimizer, named_copy, tiny_model
+from hf_zero.launch import spawn_gloo
+from tests.helpers import (GPU_PATH_CONFIGS, batch, config_id, local_part, make_optimizer, named_copy,
+                           simulated, tiny_model)
 
 
 @pytest.fixture
@@ -203,3 +205,46 @@ def test_every_gpu_path_configuration_on_one_rank_trains_as_plain_torch_under_th
         assert COPY in streams
     del engine, model, weights, got
     simulated_gpu.stop_checking()  # raises a race found at a free no op came after to report
+
+
+def host_waits_of_a_step(stage: int, fused: bool) -> list[int | str]:
+    """What the host waited on during the third step (bf16, clipping on) under the stream checker: a stream's whole
+    queue by its name, an event recorded before that step as "an earlier step's event"."""
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model, fused=fused),
+                                {"zero_stage": stage, "dtype": "bf16", "gradient_clipping": 1.0})
+    checker = simulated_gpu.checker  # started by initialize
+    rank, world = engine.comm.rank, engine.comm.world_size
+    for step in range(3):
+        if step == 2:
+            before_the_step = checker.record(simulated_gpu.COMPUTE)
+            checker.host_waits.clear()
+        engine.backward(engine(**local_part(batch("gpt2", step, 8), rank, world)).loss)
+        engine.step()
+    waits = list(checker.host_waits)
+    assert engine.global_grad_norm > 1.0  # it clipped; read after the step, it is that step's
+    return [w if isinstance(w, str) or w > before_the_step else "an earlier step's event" for w in waits]
+
+
+def host_waits_on_each_rank(stage: int) -> list[int | str]:
+    with simulated("late"):
+        return host_waits_of_a_step(stage, fused=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_a_fused_optimizer_the_host_queues_a_whole_step_without_waiting_for_the_device(checker, stage):
+    """One rank (one GPU). With torch's fused AdamW the device computes the clipping coefficient and skips a
+    non-finite step itself, so the host never waits for the work it queued: its one wait is on the previous step's
+    norm, whose copy to the host that step queued. A host that reads a value back waits for the device's whole
+    queue and then feeds it from behind, once a step. Stage 3's GPT-2 ties its embedding, whose rows come in a
+    size known before the ids are. The for-loop AdamW cannot skip on the device: there the host reads the norm
+    before it queues the update."""
+    assert host_waits_of_a_step(stage, fused=True) == ["an earlier step's event"]
+    assert "compute" in host_waits_of_a_step(stage, fused=False)
+
+
+def test_on_two_ranks_the_host_queues_a_whole_step_too():
+    """Stage 3 (stage 2's reductions and the same step). The ranks' flags of which parameters got a gradient stay
+    on the device where every rank used them all, and the norm is all-reduced there: still one wait a step, on the
+    previous step's norm."""
+    assert spawn_gloo(host_waits_on_each_rank, 2, 3) == [["an earlier step's event"]] * 2

@@ -33,13 +33,15 @@ TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER = {k: v for k, v in TRANSFORMERS_ZERO3.item
 # with average_tokens_across_devices off averages the ranks' means: one process's loss on these equal-length
 # examples, so it stays the reference for the ranks' own generations.
 T5_WINDOW = {"gradient_accumulation_steps": 1}
+FUSED = {"optim": "adamw_torch_fused"}  # the Trainer's default on a GPU
 RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s in STAGES]
         + [TrainerRun(f"zero{s}_checkpointing_gpt2", s, args={"gradient_checkpointing": True}) for s in (2, 3)]
         + [TrainerRun("stock_t5", None, "t5", args={**T5_WINDOW, "average_tokens_across_devices": False}),
            TrainerRun("zero3_t5", 3, "t5", args=T5_WINDOW)]
         + [TrainerRun(f"stock_{method}_gpt2", None, peft=method) for method in PEFT]
         + [TrainerRun(f"zero{s}_{method}_gpt2", s, peft=method) for method in PEFT for s in (1, 2, 3)]
-        + [TrainerRun("zero3_deepspeed_config_gpt2", 3, args={"deepspeed": TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER})])
+        + [TrainerRun("zero3_deepspeed_config_gpt2", 3, args={"deepspeed": TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER})]
+        + [TrainerRun("zero3_fused_gpt2", 3, args=FUSED)])
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,20 @@ def test_zero_trainer_logs_the_stock_trainers_losses(trainer_runs, stage):
     assert len(zero["losses"]) == len(stock["losses"]) == 20
     assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
     assert stock["losses"][-1] < stock["losses"][0] - 0.1  # it trains: the comparison is not between constants
+
+
+@pytest.mark.slow
+def test_with_the_fused_adamw_the_zero_trainer_logs_the_stock_trainers_losses_norms_and_lrs(trainer_runs):
+    """--optim adamw_torch_fused at stage 3 (stage 2's step): the device decides each step (clipping, a skipped
+    step) and the Trainer reads the norm only when it logs. The stock run's AdamW is the for-loop one: the same
+    arithmetic, to an ulp a step."""
+    stock, zero = trainer_runs[0]["stock_gpt2"], trainer_runs[0]["zero3_fused_gpt2"]
+    assert zero["global_step"] == stock["global_step"] == 20
+    assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
+    assert max(abs(a - b) / b for a, b in zip(zero["grad_norms"], stock["grad_norms"])) < 1e-4
+    assert any(n > 1.0 for n in stock["grad_norms"])
+    assert zero["lrs"] == stock["lrs"]
+    assert zero["engine_global_grad_norm"] == pytest.approx(zero["grad_norms"][-1], rel=1e-12)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import torch
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig, ZeroConfigError
-from hf_zero.device import HOST, LatestCopy
+from hf_zero.device import HOST, Copy, LatestCopy, copy_to_host, host_empty
 from hf_zero.offload.delayed import DelayedUpdate
 from hf_zero.offload.host import HostUpdate, adamw_mode_of
 from hf_zero.offload.nvme import NvmeUpdate
@@ -74,26 +74,42 @@ class ShardedOptimizer:
         self.delayed = delayed
         backend.measure_grads_with(self.chunk_square_sum)
         self.global_grad_norm: float | None = None
+        self.norm: torch.Tensor | None = None  # the unscaled global norm, fp64 on the device, while norm_is_current
         self.norm_is_current = False  # computed for the gradients the next step() applies
+        # The update is queued without the host reading the norm first when the device can skip it (torch's fused
+        # optimizers, bf16 or fp32: a dynamic loss scale must be updated on the host before the next backward).
+        # The norm then comes to the host by a copy of its own, which whoever needs the step's outcome waits on:
+        # the host stays ahead of the device instead of draining its queue once a step.
+        self.decided_on_device = backend.skips_on_device and not scaler.dynamic and delayed is None
+        self.norm_on_host = host_empty(1, torch.float64) if self.decided_on_device else None
+        self.norm_landing: Copy | None = None
 
     @torch.no_grad()
-    def compute_grad_norm(self) -> float:
-        """The unscaled global gradient norm (one all-reduce), kept for the step that follows.
-        inf or NaN when any rank's shard overflowed. Squares are summed in fp64 on the gradients' own device
-        (fp32 sums over millions of elements drift by 1e-4 relative, which moves clipping), and reach the
-        collective's device once. At stages 2-3 the reducer measured each chunk as it settled (on the device,
-        before an offloaded chunk went to the host): the sum is read, not taken again."""
+    def norm_on_device(self) -> torch.Tensor:
+        """The unscaled global gradient norm as a 0-dim fp64 tensor on the compute device, nothing waiting for it
+        (one all-reduce), kept for the step that follows. inf or NaN when any rank's shard overflowed. Squares
+        are summed in fp64 on the gradients' own device (fp32 sums over millions of elements drift by 1e-4
+        relative, which moves clipping). At stages 2-3 the reducer measured each chunk as it settled (on the
+        device, before an offloaded chunk went to the host): the sum is read, not taken again."""
+        if self.norm_is_current:
+            return self.norm
         local_sq = self.grads.measured_square_sum()
         if local_sq is None:  # one fp64 sum per chunk, summed in chunk order as the reducer's are
             sums = self.backend.grad_square_sums(self.grad_chunks())
-            local_sq = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
+            local_sq = torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64,
+                                                                          device=self.comm.device)
         local_sq = local_sq.reshape(1).to(self.comm.device)
         if not self.grads_replicated:
             self.comm.all_reduce_(local_sq)
         if self.tp_comm is not None:
             self.tp_comm.all_reduce_(local_sq)
-        self.global_grad_norm = math.sqrt(local_sq.item()) / self.scaler.scale
+        self.norm = local_sq[0].sqrt() / self.scaler.scale
         self.norm_is_current = True
+        return self.norm
+
+    def compute_grad_norm(self) -> float:
+        """`norm_on_device`, read by the host (which waits for it)."""
+        self.global_grad_norm = self.norm_on_device().item()
         return self.global_grad_norm
 
     def chunk_square_sum(self, g: int, k: int, grad: torch.Tensor) -> torch.Tensor:
@@ -107,18 +123,31 @@ class ShardedOptimizer:
         return square_sum
 
     @torch.no_grad()
-    def step(self, step_number: int = 0, untouched: list[list[list[tuple[int, int]]]] | None = None) -> bool:
-        """Unscales, clips and applies the update; returns False when the step was skipped (overflow).
-        `step_number` (from 0) tells a delayed update whether its warm-up is over. `untouched[g][k]`: element
-        ranges of chunk k of group g that keep their values and states (parameters no rank used, which
-        torch's optimizers skip); not with a delayed update or NVMe states (the engine refuses those)."""
-        norm = self.global_grad_norm if self.norm_is_current else self.compute_grad_norm()
+    def step(self, step_number: int = 0, untouched: list[list[list[tuple[int, int]]]] | None = None) -> bool | None:
+        """Unscales, clips and applies the update; returns False when the step was skipped (overflow), None when
+        the device decides that (`decided_on_device`: `settle` tells). `step_number` (from 0) tells a delayed update
+        whether its warm-up is over. `untouched[g][k]`: element ranges of chunk k of group g that keep their values
+        and states (parameters no rank used, which torch's optimizers skip); not with a delayed update or NVMe
+        states (the engine refuses those)."""
+        norm = self.norm_on_device()
         self.norm_is_current = False
-        scale = self.scaler.scale
+        if self.decided_on_device:
+            # The clipping coefficient as the host computes it below, in fp64 on the device; where it is not
+            # finite the flag skips the update.
+            # The norm goes to the host first: whoever waits for it (the Trainer asks whether the step was skipped
+            # right after it) leaves the update queued behind it.
+            self.norm_landing = copy_to_host(self.norm_on_host, norm.reshape(1), "the gradient norm")
+            coef = 1.0 / self.scaler.scale
+            if self.gradient_clipping > 0:  # one division, as the host's (clip / tensor takes a reciprocal first)
+                coef = torch.div(norm.new_full((), self.gradient_clipping), norm + 1e-6).clamp(max=1.0) * coef
+            found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
+            self._apply(lambda grads: self.backend.step(coef, grads, found_inf=found_inf), untouched)
+            return None
+        self.global_grad_norm = norm = norm.item()
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
             return False
-        coef = 1.0 / scale
+        coef = 1.0 / self.scaler.scale
         if self.gradient_clipping > 0:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         self.finish_pending()
@@ -130,13 +159,28 @@ class ShardedOptimizer:
                 grads = self.backend.take_grads(grads, keep=True)
             self.delayed.launch(lambda: self.backend.step(coef, grads))
         else:
-            kept = self._copy_ranges(untouched or [])
-            self.backend.step(coef, self.backend.take_grads(self.grad_chunks(), keep=False))
-            self.backend.publish()
-            for tensor, lo, hi, values in kept:
-                tensor[lo:hi].copy_(values)
+            self._apply(lambda grads: self.backend.step(coef, grads), untouched)
         self.scaler.update(overflow=False)
         return True
+
+    def _apply(self, step: Callable[[list[list[torch.Tensor]]], None],
+               untouched: list[list[list[tuple[int, int]]]] | None) -> None:
+        """Runs the backend's `step` on the gradients and publishes its values, `untouched` ranges kept."""
+        kept = self._copy_ranges(untouched or [])
+        step(self.backend.take_grads(self.grad_chunks(), keep=False))
+        self.backend.publish()
+        for tensor, lo, hi, values in kept:
+            tensor[lo:hi].copy_(values)
+
+    def settle(self) -> tuple[float, bool] | None:
+        """The global norm of the last step the device decided, and whether it stepped, once its copy has landed
+        (the host waits for that copy only); None when there is no such step not yet settled."""
+        if self.norm_landing is None:
+            return None
+        self.norm_landing.wait()
+        self.norm_landing = None
+        self.global_grad_norm = float(self.norm_on_host[0])
+        return self.global_grad_norm, math.isfinite(self.global_grad_norm)
 
     def _copy_ranges(self, ranges: list[list[list[tuple[int, int]]]]) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
         """Copies of the masters, elementwise optimizer states and parameters over `ranges`."""

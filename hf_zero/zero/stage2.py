@@ -247,7 +247,8 @@ class PartitionedGradients(GradientReducer):
     @torch.no_grad()
     def take_rows(self, param: nn.Parameter, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
         """The gradient of a tied weight's first use, an embedding lookup (Stage3Params._split_tied_uses), as the
-        rows its tokens picked: `row_grads[i]` is the gradient of row `rows[i]` (distinct), the rest is zero.
+        rows its tokens picked: `row_grads[i]` is the gradient of row `rows[i]`, the rest is zero (a row may come
+        again, with zeros).
         Added into the parameter's bucket, after the other uses' contributions as a dense gradient would be;
         then the parameter's gradient has come."""
         self.check_in_backward()
@@ -258,7 +259,7 @@ class PartitionedGradients(GradientReducer):
             whole = piece.slice  # the parameter may be freed already: its slice knows its shape
             assert piece.param_lo == 0 and piece.param_hi == whole.numel, "stage 3: one bucket per parameter"
             region = self._buffer(key)[piece.range_lo:piece.range_lo + whole.numel].view(whole.shape)
-            region[rows] += row_grads.to(self.dtype)  # distinct rows: no two additions into one element
+            region.index_add_(0, rows, row_grads.to(self.dtype))  # a row's other slots add zeros: exact
 
         self._take_in(param, write)
 

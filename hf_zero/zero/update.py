@@ -12,6 +12,11 @@ import torch
 
 from hf_zero.device import HOST, LatestCopy
 
+# torch's optimizers whose fused step skips itself on a `found_inf` device flag, leaving the state as it was. Not
+# subclasses, whose step() may not read the flag; not SGD, whose fused step leaves a first step's momentum buffer
+# unfilled (torch.empty_like) when it skips.
+SKIPPING_ON_DEVICE = (torch.optim.Adam, torch.optim.AdamW)
+
 
 def is_elementwise(value: Any, master: torch.Tensor) -> bool:
     """Optimizer state with one value per element (Adam's moments), as opposed to per-step scalars."""
@@ -60,9 +65,14 @@ class UpdateBackend(ABC):
         for group, masters in zip(self.optimizer.param_groups, self.masters):
             group["params"] = masters
 
+    # Whether the update can be skipped by the device itself when the gradients are not finite (`step`'s
+    # found_inf), so that the host need not read the gradient norm before queuing it.
+    skips_on_device = False
+
     @abstractmethod
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
-        """Applies `coef` x the gradients to the masters; the new compute-dtype values are published next."""
+        """Applies `coef` x the gradients to the masters; the new compute-dtype values are published next.
+        (`DeviceUpdate.step` also takes the coefficient as a device tensor, and a device flag that skips it.)"""
 
     def publish(self) -> None:
         """Hands the last update's compute-dtype values to the parameter chunks."""
@@ -127,16 +137,31 @@ class DeviceUpdate(UpdateBackend):
                 for master, grad in zip(masters, grads):
                     master.grad = grad
         self._retarget()
+        # torch's fused kernels take a device flag that leaves the parameters, states and step counts as they were
+        # (what torch.amp.GradScaler hands them): a non-finite step is skipped without the host reading anything.
+        self.skips_on_device = type(optimizer) in SKIPPING_ON_DEVICE and \
+            all(group.get("fused") for group in optimizer.param_groups)
 
-    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+    def step(self, coef: float | torch.Tensor, grad_chunks: list[list[torch.Tensor]],
+             found_inf: torch.Tensor | None = None) -> None:
+        """`coef` may be a device tensor (the clipping coefficient as the device computed it), and `found_inf`
+        (where `skips_on_device`) a float32 device flag that, when 1, makes the update leave everything as it was."""
         self._writable_chunks()
+        scales = not isinstance(coef, float) or coef != 1.0
         for masters, grads in zip(self.masters, grad_chunks):
             for master, grad in zip(masters, grads):
                 if self.mixed:
-                    master.grad = grad.to(master.device, torch.float32).mul_(coef)
-                elif coef != 1.0:
+                    master.grad = grad.to(master.device, torch.float32)
+                    grad = master.grad
+                if scales:
                     grad.mul_(coef)
-        self.optimizer.step()
+        if found_inf is not None:
+            self.optimizer.found_inf = found_inf
+        try:
+            self.optimizer.step()
+        finally:
+            if found_inf is not None:
+                del self.optimizer.found_inf
         if self.mixed:
             for masters, chunks in zip(self.masters, self.param_chunks):
                 for master, chunk in zip(masters, chunks):

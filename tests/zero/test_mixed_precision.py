@@ -39,14 +39,19 @@ CASES = {
     "s3_opt": {"zero_stage": 3, "offload_optimizer": "cpu"},
     "s3_param": {"zero_stage": 3, "offload_param": "cpu"},
     "s3_opt_param": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+    # torch's fused AdamW, engine and recipe alike: the device decides the step, the host reads its norm after
+    "s2_fused": {"zero_stage": 2},
+    "s3_fused": {"zero_stage": 3},
 }
+FUSED = {"s2_fused", "s3_fused"}
 
 
-def engine_run(config: dict) -> dict:
+def engine_run(config: dict, fused: bool) -> dict:
     """The engine's masters and bf16 weights before each step and after the last, and its gradient norms."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model("gpt2")
-    engine = hf_zero.initialize(model, make_optimizer(model), {**config, "dtype": "bf16", **SMALL_BUCKETS})
+    engine = hf_zero.initialize(model, make_optimizer(model, fused=fused),
+                                {**config, "dtype": "bf16", **SMALL_BUCKETS})
     record: dict = {"masters": [], "weights": [], "norms": []}
 
     def snapshot() -> None:
@@ -63,7 +68,7 @@ def engine_run(config: dict) -> dict:
     return record
 
 
-def replay_recipe(run: dict, world: int) -> dict:
+def replay_recipe(run: dict, world: int, fused: bool) -> dict:
     """Each step of the recipe by hand, started from the engine's masters and bf16 weights before that step:
     bf16 forward and backward on every rank's part of the batch, the ranks' gradients averaged in bf16 (each
     halved, then summed, as the engine's reduce-scatter does), torch's AdamW on the fp32 masters, its moments
@@ -71,7 +76,7 @@ def replay_recipe(run: dict, world: int) -> dict:
     step from growing through the next forward passes."""
     model = tiny_model("gpt2")
     masters = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, fused=fused)
     by_id = {id(p): masters[n] for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         group["params"] = [by_id[id(p)] for p in group["params"]]
@@ -101,8 +106,9 @@ def engine_runs_and_replays() -> dict:
     """Runs in each rank (one thread): the replay's forward passes then compute what the engine's did."""
     results = {}
     for name, config in CASES.items():
-        run = engine_run(config)
-        results[name] = {**run, **{f"recipe_{k}": v for k, v in replay_recipe(run, dist.get_world_size()).items()}}
+        run = engine_run(config, name in FUSED)
+        recipe = replay_recipe(run, dist.get_world_size(), name in FUSED)
+        results[name] = {**run, **{f"recipe_{k}": v for k, v in recipe.items()}}
     return results
 
 

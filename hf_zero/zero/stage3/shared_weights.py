@@ -178,20 +178,35 @@ class _EmbeddingLookup(torch.autograd.Function):
                 reading: _EmbeddingRows) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.padding_idx, ctx.scale_grad_by_freq, ctx.reading = padding_idx, scale_grad_by_freq, reading
+        ctx.vocabulary = weight.shape[0]
         return torch.embedding(weight, ids, padding_idx, scale_grad_by_freq)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         (ids,) = ctx.saved_tensors
-        rows, renumbered = torch.unique(ids, return_inverse=True)  # sorted: renumbering keeps the tokens' order
-        padding = -1
-        if ctx.padding_idx >= 0:
-            at = int(torch.searchsorted(rows, ctx.padding_idx))
-            padding = at if at < rows.numel() and int(rows[at]) == ctx.padding_idx else -1
-        row_grads = torch.ops.aten.embedding_dense_backward(grad, renumbered, rows.numel(), padding,
+        rows, renumbered = _distinct_rows(ids.reshape(-1), ctx.vocabulary)
+        row_grads = torch.ops.aten.embedding_dense_backward(grad, renumbered.view(ids.shape), rows.numel(), -1,
                                                             ctx.scale_grad_by_freq)
+        if ctx.padding_idx >= 0:  # the padding row gets nothing (a slot repeating it holds zeros anyway)
+            row_grads.masked_fill_((rows == ctx.padding_idx).unsqueeze(-1), 0)
         ctx.reading.grads.take_rows(ctx.reading.param, rows, row_grads)
         return None, None, None, None, None
+
+
+def _distinct_rows(ids: torch.Tensor, vocabulary: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.unique(ids, return_inverse=True)` in a shape known before the values are: rows has min(tokens,
+    vocabulary) slots, the distinct ids first in ascending order, each later slot repeating the smallest id, to
+    which no token is renumbered (its gradient row is zeros). torch.unique's size depends on the values, so the host
+    would wait for the device there, at the end of every backward."""
+    sorted_ids, order = ids.sort(stable=True)
+    starts_row = torch.ones_like(sorted_ids, dtype=torch.bool)
+    starts_row[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    slot = starts_row.cumsum(0) - 1
+    rows = sorted_ids[:1].expand(min(ids.numel(), vocabulary)).clone()
+    rows[slot] = sorted_ids  # a row's tokens all write its id
+    renumbered = torch.empty_like(slot)
+    renumbered[order] = slot
+    return rows, renumbered
 
 
 class _RootSaved:

@@ -68,8 +68,13 @@ def train(plan: dict) -> dict:
     blocks' order). In one process (no process group): the mean of every rank's loss on its part, the
     gradient ZeRO's average of the ranks' gradients must equal. Returns each step's losses and the weights."""
     model = Branchy(plan["blocks"], plan.get("tied", False))
-    # SGD, not Adam: Adam would scale qwZ's and qgZ's quantization noise in a tiny gradient up to lr.
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # SGD, not Adam: Adam would scale qwZ's and qgZ's quantization noise in a tiny gradient up to lr. "fused":
+    # torch's fused AdamW, with which the engine lets the device decide the step (docs/device.md); betas 0, so that
+    # an expert's step count (its chunk's in a shard, its own in one process: docs/zero.md, Limits) does not
+    # matter, and a large eps, so that a tiny gradient is not scaled up to lr.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.0, 0.0), eps=1e-3, weight_decay=0.1,
+                                  fused=True) if plan.get("fused") else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     steps = plan["steps"]
     world = len(steps[0])
     if not torch.distributed.is_initialized():
@@ -388,6 +393,15 @@ def test_the_next_unit_is_prefetched_even_when_it_exceeds_the_prefetch_budget(pr
         assert max((result["params"][n] - expected[n]).abs().max().item() for n in expected) < 1e-6
         assert result["most_gathered"] == most_gathered
         assert result["gathers"] == 2 * 8 + 1  # each block for forward and backward, the root once
+
+
+def test_with_a_fused_optimizer_an_expert_no_rank_uses_is_left_as_it_was():
+    """Both ranks skip block 1's expert at step 1, rank 0 alone block 2's at step 2 (fused AdamW, which the device
+    skips on its own): the ranks that left a parameter unused read the ranks' flags back, the others know without
+    reading that none went unused everywhere; the expert no rank used stays as torch leaves a parameter without a
+    gradient (weight decay would move it), the one rank 1 used steps with the ranks' average."""
+    steps = [[{}, {}], [{"skip": (1,)}, {"skip": (1,)}], [{"skip": (2,)}, {}], [{}, {}]]
+    assert_trains_as_one_process({"blocks": BLOCKS, "steps": steps, "config": CONFIGS["stage3"], "fused": True}, 2)
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2, 1), (0, 1, 0, 2)])
