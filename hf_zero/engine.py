@@ -322,22 +322,22 @@ class ZeroEngine(nn.Module):
     def optimizer_step(self) -> None:
         """Updates this rank's shard from the reduced gradients and re-shares the parameters.
 
-        With torch's fused optimizers in bf16 or fp32 on the device, the host does not wait for the gradient norm
-        before it queues the update: the device skips a step whose gradients are not finite, and the host learns
-        the step's norm and outcome (`global_grad_norm`, `last_step_skipped`, `skipped_steps`) when one of them is
-        read or at the next step, whichever comes first. A host that waited here would drain the device's queue
-        once a step and then feed it from behind."""
-        self._settle()
-        self._stop_if_skipping()
+        With torch's fused Adam or AdamW on the device and no dynamic loss scale, the host does not wait for the
+        gradient norm before it queues the update: the device skips a step whose gradients are not finite, and the
+        host learns the step's norm and outcome (`global_grad_norm`, `last_step_skipped`, `skipped_steps`) when one
+        of them is read or at the next step, whichever comes first; max_skipped_steps_in_a_row stops training at the
+        next step, or at `check_skipped_steps`. A host that waited here would drain the device's queue once a step
+        and then feed it from behind."""
+        self.check_skipped_steps()
         self.params.grads.allocate()
         unused = self._unused_on_every_rank()
         stepped = self.sharded_optimizer.step(self.global_steps, self.params.chunk_ranges_of(unused) if unused
                                               else None)
+        if stepped is None:  # the device decides: the outcome is taken in later
+            self._unsettled_step = self.global_steps
         if stepped is not False:  # a step the device skipped re-shares the unchanged values
             self.params.after_step()
-        if stepped is None:
-            self._unsettled_step = self.global_steps
-        else:
+        if stepped is not None:
             self._count(self.global_steps, self.sharded_optimizer.global_grad_norm, stepped)
             self._stop_if_skipping()
         self._update_state_bytes()  # at the step, while the gradient shards exist
@@ -365,6 +365,13 @@ class ZeroEngine(nn.Module):
                 f"finite (last global norm {norm}); stopping rather than training nothing. "
                 f"Look for inf or NaN in the loss or the data, or lower the learning rate; "
                 f"max_skipped_steps_in_a_row sets how many skipped steps in a row are allowed (0: no limit)")
+
+    def check_skipped_steps(self) -> None:
+        """Raises NonFiniteGradientsError when the last max_skipped_steps_in_a_row optimizer steps were all
+        skipped, waiting for the last step's outcome where the device decided it. Every rank must call it (the
+        Trainer does after each step; the next optimizer_step does too): every rank then stops alike."""
+        self._settle()
+        self._stop_if_skipping()
 
     def _stop_if_skipping(self) -> None:
         if self._stop is not None:
@@ -410,13 +417,12 @@ class ZeroEngine(nn.Module):
         if self.comm.world_size == 1:
             unused = unused_here
         else:
-            # Made on the device: a copy from pageable host memory would wait for the device's queue too.
-            flags = torch.ones(len(params), dtype=torch.uint8, device=self.comm.device)
-            for i, p in enumerate(params):
-                if p in unused_here:
-                    flags[i].fill_(0)
-            self.comm.any_rank_(flags)  # every rank takes part, whatever it reads
             reads = unused_here or not self.sharded_optimizer.decided_on_device
+            # A rank that reads the flags back waits for the device anyway; one that does not makes them on the
+            # device, where a copy from pageable host memory would wait for the device's queue too.
+            flags = torch.tensor([p not in unused_here for p in params], dtype=torch.uint8).to(self.comm.device) \
+                if reads else torch.ones(len(params), dtype=torch.uint8, device=self.comm.device)
+            self.comm.any_rank_(flags)  # every rank takes part, whatever it reads
             unused = {p for p, used in zip(params, flags.tolist()) if not used} if reads else set()
         if unused and (self.config.delayed_param_update or self.config.offload_optimizer == "nvme"):
             names = sorted(self.params.managed[id(p)].name for p in unused)
@@ -580,9 +586,11 @@ class ZeroEngine(nn.Module):
         self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]
         self._skipped_steps = manifest["skipped_steps"]
         self.scaler.load_state_dict(manifest["loss_scaler"])
-        # The outcome of a step before the load is let go, not counted: the checkpoint brought the counters.
+        # The outcome of a step before the load is let go, not counted: the checkpoint brought the counters, and
+        # training goes on from it as from a finite step.
         self.sharded_optimizer.settle()
         self._unsettled_step, self._stop = None, None
+        self.skipped_in_a_row, self._last_step_skipped, self._global_grad_norm = 0, False, None
         self.params.reset()
         self.zero_grad()
         return manifest["client_state"]

@@ -198,6 +198,7 @@ def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.
             if _out_of_time(elapsed > budget, engine.world_comm):
                 bar.total = step + 1
                 break
+    engine.check_skipped_steps()  # the last steps' outcome, where the device decided it
     return losses, time.monotonic() - start
 
 

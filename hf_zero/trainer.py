@@ -88,6 +88,10 @@ class ZeroOptimizer(AcceleratedOptimizer):
         if closure is not None:
             raise ValueError("ZeRO shards the optimizer step and cannot re-run a closure")
         self.engine.optimizer_step()
+        # The Trainer asks at once whether the step was skipped (its lr schedule), which waits for the step's norm
+        # anyway: max_skipped_steps_in_a_row stops here, every rank alike, not at the next step (or never, at the
+        # last).
+        self.engine.check_skipped_steps()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         self.engine.zero_grad()

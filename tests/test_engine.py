@@ -166,9 +166,17 @@ def test_with_a_fused_optimizer_a_non_finite_step_is_skipped_on_the_device_and_c
         assert engine.skipped_steps == 2  # read: counted, the limit reached, and the next step stops
         with pytest.raises(NonFiniteGradientsError, match=r"2 optimizer steps in a row were skipped"):
             step(False, 3)
-    assert max_diff(named_copy(model), weights) == 0.0
+        assert max_diff(named_copy(model), weights) == 0.0
+        # The limit reached at a run's last step: training ends with check_skipped_steps, which every rank calls.
+        model = tiny_model("gpt2")
+        engine = hf_zero.initialize(model, make_optimizer(model, fused=True),
+                                    {"zero_stage": 2, "max_skipped_steps_in_a_row": 1})
+        step(True, 4)
+        with pytest.raises(NonFiniteGradientsError, match=r"1 optimizer steps in a row were skipped"):
+            engine.check_skipped_steps()
+        engine.check_skipped_steps()  # raised once
     warnings = hf_zero_messages(caplog.records)
-    assert len(warnings) == 2 and all("the gradients are not finite" in w for w in warnings)
+    assert len(warnings) == 3 and all("the gradients are not finite" in w for w in warnings)
 
 
 def with_an_empty_param_group(stage: int | None, empty_first: bool) -> dict[str, torch.Tensor]:

@@ -77,7 +77,7 @@ class ShardedOptimizer:
         self.norm: torch.Tensor | None = None  # the unscaled global norm, fp64 on the device, while norm_is_current
         self.norm_is_current = False  # computed for the gradients the next step() applies
         # The update is queued without the host reading the norm first when the device can skip it (torch's fused
-        # optimizers, bf16 or fp32: a dynamic loss scale must be updated on the host before the next backward).
+        # Adam/AdamW, no dynamic loss scale, which must change on the host before the next backward).
         # The norm then comes to the host by a copy of its own, which whoever needs the step's outcome waits on:
         # the host stays ahead of the device instead of draining its queue once a step.
         self.decided_on_device = backend.skips_on_device and not scaler.dynamic and delayed is None
@@ -103,7 +103,8 @@ class ShardedOptimizer:
             self.comm.all_reduce_(local_sq)
         if self.tp_comm is not None:
             self.tp_comm.all_reduce_(local_sq)
-        self.norm = local_sq[0].sqrt() / self.scaler.scale
+        root = local_sq[0].sqrt()
+        self.norm = torch.div(root, root.new_full((), self.scaler.scale))  # a division, as the host's
         self.norm_is_current = True
         return self.norm
 

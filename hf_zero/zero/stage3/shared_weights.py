@@ -84,7 +84,7 @@ class SharedWeights:
         tokens picked, just to add it into the bucket. It reads the weight through _EmbeddingRows instead,
         whose backward gives only those rows (PartitionedGradients.take_rows), summed by torch's own
         embedding backward in the same order: the bucket gets the same values, and the end of backward
-        holds the bucket and a few rows."""
+        holds the bucket and min(tokens, vocabulary) rows (a size known before the ids are: `_distinct_rows`)."""
         root_params = {id(s.param) for flat in self.root.flats for s in flat.slices}
         holders: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in model.modules():
