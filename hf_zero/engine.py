@@ -260,7 +260,6 @@ class ZeroEngine(nn.Module):
         self.micro_steps = self.global_steps = self._skipped_steps = self.skipped_in_a_row = 0
         self._global_grad_norm: float | None = None
         self._last_step_skipped = False
-        self._unsettled_step: int | None = None  # a step the device decided whose outcome the host has not read yet
         self._stop: NonFiniteGradientsError | None = None  # raised by the next optimizer_step, on every rank alike
         self.frozen_sources = FrozenSources()  # where the frozen weights come from, for checkpoints to record
         build_device = sync_module_states(model, self.comm, init_from)
@@ -294,7 +293,7 @@ class ZeroEngine(nn.Module):
         self.params.check_bound()
         if last_micro_batch is None:
             last_micro_batch = self.is_gradient_accumulation_boundary()
-        self.sharded_optimizer.norm_is_current = False
+        self.sharded_optimizer.norm = None  # the gradients change
         self.params.begin_backward(last_micro_batch)
         try:
             (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
@@ -310,8 +309,7 @@ class ZeroEngine(nn.Module):
     def compute_grad_norm(self) -> float:
         """The global gradient norm of the reduced gradients (one all-reduce); the next optimizer_step()
         clips to gradient_clipping with it instead of computing it again."""
-        self.params.grads.allocate()
-        return self.sharded_optimizer.compute_grad_norm()
+        return self.grad_norm_on_device().item()
 
     def grad_norm_on_device(self) -> torch.Tensor:
         """`compute_grad_norm` as a 0-dim fp64 tensor on the compute device, which nothing waits for (the Trainer
@@ -331,14 +329,12 @@ class ZeroEngine(nn.Module):
         self.check_skipped_steps()
         self.params.grads.allocate()
         unused = self._unused_on_every_rank()
-        stepped = self.sharded_optimizer.step(self.global_steps, self.params.chunk_ranges_of(unused) if unused
+        outcome = self.sharded_optimizer.step(self.global_steps, self.params.chunk_ranges_of(unused) if unused
                                               else None)
-        if stepped is None:  # the device decides: the outcome is taken in later
-            self._unsettled_step = self.global_steps
-        if stepped is not False:  # a step the device skipped re-shares the unchanged values
+        if outcome is None or outcome[1]:  # applied, or the device decides (a skip re-shares unchanged values)
             self.params.after_step()
-        if stepped is not None:
-            self._count(self.global_steps, self.sharded_optimizer.global_grad_norm, stepped)
+        if outcome is not None:
+            self._count(self.global_steps, *outcome)
             self._stop_if_skipping()
         self._update_state_bytes()  # at the step, while the gradient shards exist
         self.params.grads.zero_grad()
@@ -380,12 +376,9 @@ class ZeroEngine(nn.Module):
 
     def _settle(self) -> None:
         """Takes in the outcome of the last step the device decided, once its norm has reached the host."""
-        if self._unsettled_step is None:
-            return
-        step, self._unsettled_step = self._unsettled_step, None
         outcome = self.sharded_optimizer.settle()
-        assert outcome is not None, "a step the device decided has its norm on the way"
-        self._count(step, *outcome)
+        if outcome is not None:
+            self._count(*outcome)
 
     @property
     def global_grad_norm(self) -> float | None:
@@ -589,7 +582,7 @@ class ZeroEngine(nn.Module):
         # The outcome of a step before the load is let go, not counted: the checkpoint brought the counters, and
         # training goes on from it as from a finite step.
         self.sharded_optimizer.settle()
-        self._unsettled_step, self._stop = None, None
+        self._stop = None
         self.skipped_in_a_row, self._last_step_skipped, self._global_grad_norm = 0, False, None
         self.params.reset()
         self.zero_grad()

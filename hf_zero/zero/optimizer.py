@@ -73,16 +73,15 @@ class ShardedOptimizer:
         self.grads_replicated = grads_replicated
         self.delayed = delayed
         backend.measure_grads_with(self.chunk_square_sum)
-        self.global_grad_norm: float | None = None
-        self.norm: torch.Tensor | None = None  # the unscaled global norm, fp64 on the device, while norm_is_current
-        self.norm_is_current = False  # computed for the gradients the next step() applies
+        # The unscaled global norm of the gradients the next step() applies, fp64 on the device, once computed.
+        self.norm: torch.Tensor | None = None
         # The update is queued without the host reading the norm first when the device can skip it (torch's fused
         # Adam/AdamW, no dynamic loss scale, which must change on the host before the next backward).
         # The norm then comes to the host by a copy of its own, which whoever needs the step's outcome waits on:
         # the host stays ahead of the device instead of draining its queue once a step.
         self.decided_on_device = backend.skips_on_device and not scaler.dynamic and delayed is None
         self.norm_on_host = host_empty(1, torch.float64) if self.decided_on_device else None
-        self.norm_landing: Copy | None = None
+        self.unsettled: tuple[int, Copy] | None = None  # the last step the device decided, and its norm's copy
 
     @torch.no_grad()
     def norm_on_device(self) -> torch.Tensor:
@@ -91,7 +90,7 @@ class ShardedOptimizer:
         are summed in fp64 on the gradients' own device (fp32 sums over millions of elements drift by 1e-4
         relative, which moves clipping). At stages 2-3 the reducer measured each chunk as it settled (on the
         device, before an offloaded chunk went to the host): the sum is read, not taken again."""
-        if self.norm_is_current:
+        if self.norm is not None:
             return self.norm
         local_sq = self.grads.measured_square_sum()
         if local_sq is None:  # one fp64 sum per chunk, summed in chunk order as the reducer's are
@@ -105,13 +104,7 @@ class ShardedOptimizer:
             self.tp_comm.all_reduce_(local_sq)
         root = local_sq[0].sqrt()
         self.norm = torch.div(root, root.new_full((), self.scaler.scale))  # a division, as the host's
-        self.norm_is_current = True
         return self.norm
-
-    def compute_grad_norm(self) -> float:
-        """`norm_on_device`, read by the host (which waits for it)."""
-        self.global_grad_norm = self.norm_on_device().item()
-        return self.global_grad_norm
 
     def chunk_square_sum(self, g: int, k: int, grad: torch.Tensor) -> torch.Tensor:
         """The fp64 sum of squares of chunk k of group g's gradient as this rank adds it to the global norm:
@@ -124,30 +117,31 @@ class ShardedOptimizer:
         return square_sum
 
     @torch.no_grad()
-    def step(self, step_number: int = 0, untouched: list[list[list[tuple[int, int]]]] | None = None) -> bool | None:
-        """Unscales, clips and applies the update; returns False when the step was skipped (overflow), None when
-        the device decides that (`decided_on_device`: `settle` tells). `step_number` (from 0) tells a delayed update
-        whether its warm-up is over. `untouched[g][k]`: element ranges of chunk k of group g that keep their values
-        and states (parameters no rank used, which torch's optimizers skip); not with a delayed update or NVMe
-        states (the engine refuses those)."""
+    def step(self, step_number: int = 0, untouched: list[list[list[tuple[int, int]]]] | None = None
+             ) -> tuple[float, bool] | None:
+        """Unscales, clips and applies the update; returns the global norm and whether the step was applied (False:
+        skipped, an overflow), or None where the device decides that (`decided_on_device`: `settle` tells).
+        `step_number` (from 0) tells a delayed update whether its warm-up is over. `untouched[g][k]`: element
+        ranges of chunk k of group g that keep their values and states (parameters no rank used, which torch's
+        optimizers skip); not with a delayed update or NVMe states (the engine refuses those)."""
         norm = self.norm_on_device()
-        self.norm_is_current = False
+        self.norm = None
         if self.decided_on_device:
-            # The clipping coefficient as the host computes it below, in fp64 on the device; where it is not
-            # finite the flag skips the update.
             # The norm goes to the host first: whoever waits for it (the Trainer asks whether the step was skipped
             # right after it) leaves the update queued behind it.
-            self.norm_landing = copy_to_host(self.norm_on_host, norm.reshape(1), "the gradient norm")
+            self.unsettled = step_number, copy_to_host(self.norm_on_host, norm.reshape(1), "the gradient norm")
+            # The clipping coefficient as the host computes it below, in fp64 on the device; where it is not
+            # finite the flag skips the update.
             coef = 1.0 / self.scaler.scale
             if self.gradient_clipping > 0:  # one division, as the host's (clip / tensor takes a reciprocal first)
                 coef = torch.div(norm.new_full((), self.gradient_clipping), norm + 1e-6).clamp(max=1.0) * coef
             found_inf = torch.isfinite(norm).logical_not().to(torch.float32)
             self._apply(lambda grads: self.backend.step(coef, grads, found_inf=found_inf), untouched)
             return None
-        self.global_grad_norm = norm = norm.item()
+        norm = norm.item()
         if not math.isfinite(norm):
             self.scaler.update(overflow=True)
-            return False
+            return norm, False
         coef = 1.0 / self.scaler.scale
         if self.gradient_clipping > 0:
             coef *= min(1.0, self.gradient_clipping / (norm + 1e-6))
@@ -162,7 +156,7 @@ class ShardedOptimizer:
         else:
             self._apply(lambda grads: self.backend.step(coef, grads), untouched)
         self.scaler.update(overflow=False)
-        return True
+        return norm, True
 
     def _apply(self, step: Callable[[list[list[torch.Tensor]]], None],
                untouched: list[list[list[tuple[int, int]]]] | None) -> None:
@@ -173,15 +167,15 @@ class ShardedOptimizer:
         for tensor, lo, hi, values in kept:
             tensor[lo:hi].copy_(values)
 
-    def settle(self) -> tuple[float, bool] | None:
-        """The global norm of the last step the device decided, and whether it stepped, once its copy has landed
-        (the host waits for that copy only); None when there is no such step not yet settled."""
-        if self.norm_landing is None:
+    def settle(self) -> tuple[int, float, bool] | None:
+        """The last step the device decided (its `step_number`), its global norm and whether it was applied, once
+        the norm's copy has landed (the host waits for that copy only); None when every such step was settled."""
+        if self.unsettled is None:
             return None
-        self.norm_landing.wait()
-        self.norm_landing = None
-        self.global_grad_norm = float(self.norm_on_host[0])
-        return self.global_grad_norm, math.isfinite(self.global_grad_norm)
+        (step_number, landing), self.unsettled = self.unsettled, None
+        landing.wait()
+        norm = float(self.norm_on_host[0])
+        return step_number, norm, math.isfinite(norm)
 
     def _copy_ranges(self, ranges: list[list[list[tuple[int, int]]]]) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
         """Copies of the masters, elementwise optimizer states and parameters over `ranges`."""
