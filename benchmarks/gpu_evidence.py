@@ -15,7 +15,8 @@ What it runs, each part in a fresh process so that one part's allocator state is
              takes torch's AdamW as given). An offloaded system's extra step is timed phase by phase
              (forward and backward, the norm, the host update, the copies back and the all-gather). Per system: device memory allocated by `initialize` at its
              peak (torch.cuda.max_memory_allocated) beside the formula's model states, the per-step peak,
-             pinned host bytes before and after a save (torch.cuda.host_memory_stats), host synchronisations
+             pinned host bytes before and after a save (hf_zero.device.pinned_host_bytes: the caching host
+             allocator's torch.cuda.host_memory_stats and the blocks page-locked in place), host synchronisations
              per step (torch.cuda.set_sync_debug_mode counts the implicit ones), tokens per second and model
              TFLOPS (6Ψ per token plus attention, the Megatron-LM count).
 In the dry mode the same code runs on CPU under hf_zero.device's simulation with a gloo group, so the run is
@@ -98,6 +99,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     import hf_zero
     import model_zoo
     from hf_zero.construct import SeededInit
+    from hf_zero.device import pinned_host_bytes
     from hf_zero.launch import free_port
 
     cuda = torch.cuda.is_available() and not dry
@@ -175,10 +177,10 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     step_peak = peak()
     pinned = {}
     if engine is not None and cuda and hasattr(torch.cuda, "host_memory_stats"):
-        pinned["before_save"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+        pinned["before_save"] = pinned_host_bytes()[0]
         with tempfile.TemporaryDirectory() as folder:
             engine.save_checkpoint(folder)
-        pinned["after_save"] = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+        pinned["after_save"] = pinned_host_bytes()[0]
     phases = offloaded_step_phases(engine, ids, cuda) if engine is not None and \
         engine.config.offload_optimizer != "none" and not engine.config.delayed_param_update else {}
     if profile:

@@ -334,3 +334,56 @@ def test_initialize_with_offload_allocates_on_the_device_only_the_bf16_parameter
     kept_on_device = {"zero_stage": config["zero_stage"]}
     peak_without, _ = initialize_measured(kept_on_device, str(tmp_path))
     assert peak_without >= (2 + 4) * psi if config["zero_stage"] == 2 else 4 * psi
+
+
+class RecordingCudart:
+    """torch.cuda.cudart() as host_buffers_for_good calls it, recording what is page-locked and unlocked."""
+
+    def __init__(self, register_error: int = 0) -> None:
+        self.register_error = register_error
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", address, nbytes))
+        return self.register_error
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address, 0))
+        return 0
+
+
+def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view_is_gone(monkeypatch):
+    """Issue 51: the buffers an offloaded run keeps (gradient shards, staged parameters) no longer come from the caching
+    host allocator, which rounds each block up to a power of two (a 2.6 GB gradient shard took 4 GiB page-locked on
+    an H200). One block of exactly their bytes is page-locked where it lies, and unlocked only once no tensor views it
+    (a view still read by a copy must stay locked). tests/test_gpu.py checks the locking itself on CUDA."""
+    import gc
+
+    cudart = RecordingCudart()
+    monkeypatch.delenv(SIMULATE_ENV, raising=False)
+    monkeypatch.setattr(device, "_pins", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    before = device._page_locked["now"]
+    numels = [3, 1000, 5]
+    buffers = device.host_buffers_for_good(numels, torch.bfloat16)
+    assert [b.numel() for b in buffers] == numels and all(b.dtype == torch.bfloat16 for b in buffers)
+    address = buffers[0].data_ptr()
+    assert cudart.calls == [("register", address, 2 * sum(numels))]
+    assert device._page_locked["now"] - before == 2 * sum(numels)
+    kept = buffers[2][1:]  # a view of the last buffer alone keeps the whole block
+    del buffers
+    gc.collect()
+    assert len(cudart.calls) == 1
+    kept.fill_(1.0)
+    del kept
+    gc.collect()
+    assert cudart.calls[1:] == [("unregister", address, 0)]
+    assert device._page_locked["now"] == before
+
+
+def test_a_buffer_kept_for_good_that_cannot_be_page_locked_is_an_error_naming_the_limit(monkeypatch):
+    monkeypatch.delenv(SIMULATE_ENV, raising=False)
+    monkeypatch.setattr(device, "_pins", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RecordingCudart(register_error=2))
+    with pytest.raises(RuntimeError, match=r"page-locking 8 bytes of host memory failed \(CUDA error 2\).*ulimit -l"):
+        device.host_buffers_for_good([2], torch.float32)

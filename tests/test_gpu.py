@@ -220,3 +220,32 @@ def test_a_save_leaves_no_host_memory_pinned(tmp_path):
     before = pinned_host_bytes()[0]
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     assert pinned_host_bytes()[0] == before
+
+
+def test_buffers_kept_for_good_are_page_locked_to_the_byte_and_a_copy_into_them_leaves_the_host_free():
+    """Issue 51: the offloaded gradient shards, the staged parameters and the units' offloaded parameters are locked
+    where they lie, not taken from the caching host allocator (which rounded a 2.6 GB shard up to 4 GiB on an H200).
+    Locked they must really be: a copy from the device into pageable memory makes the host wait for the device's
+    queue, one into page-locked memory does not."""
+    import gc
+
+    from hf_zero.device import copy_to_host, host_buffers_for_good, pinned_host_bytes
+
+    gc.collect()
+    allocator_before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    before = pinned_host_bytes()[0]
+    numels = [3 << 20, (5 << 20) + 7]
+    buffers = host_buffers_for_good(numels, torch.bfloat16)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == allocator_before
+    assert pinned_host_bytes()[0] - before == 2 * sum(numels)
+    assert all(b.is_pinned() for b in buffers)
+    source = torch.randn(numels[1], device=CUDA).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of device time queued ahead of the copy
+    copy = copy_to_host(buffers[1], source, "a copy into a buffer kept for good")
+    assert not copy.event.query()  # queued behind the sleep: the host did not wait for it
+    copy.wait()
+    assert torch.equal(buffers[1], source.cpu())
+    del buffers, copy
+    gc.collect()
+    assert pinned_host_bytes()[0] == before

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from hf_zero.device import HOST, LatestCopy, copy_to_device, host_empty, host_memory_empty
+from hf_zero.device import DONE, HOST, LatestCopy, copy_to_device, host_buffers_for_good, host_memory_empty
 from hf_zero.environment import cpu_adam_threads
 from hf_zero.ops import CPUAdam, adam_step_with_state, cpu_adam_kernel
 from hf_zero.zero.update import UpdateBackend
@@ -80,17 +80,25 @@ class HostAdam:
 class StagedOutputs:
     """Where a host update writes the new compute-dtype values: the parameter chunks themselves when they are
     in host memory and nothing reads them meanwhile, else (`staged`) host buffers that `publish` copies over.
-    A staged buffer stays lent to its copy until `writable` waits on it."""
+    Each staged buffer stays lent to its copy until `writable` waits on that copy. Copies land in the order they
+    were queued, so an update that writes the chunks in the order `publish` queued them waits for one chunk's copy
+    at a time while the later ones are still on their way: a delayed update starts once the first chunk has left
+    for the device, not the whole model."""
 
     def __init__(self, param_chunks: list[list[torch.Tensor]], staged: bool) -> None:
         self.param_chunks = param_chunks
-        self.outs = [[host_empty(c.numel(), c.dtype).view(c.shape).zero_() if staged else c for c in chunks]
-                     for chunks in param_chunks]
-        self.published = LatestCopy()
+        every_chunk = [c for chunks in param_chunks for c in chunks]
+        # One block for every staged chunk: they share the compute dtype.
+        staging = iter(host_buffers_for_good([c.numel() for c in every_chunk], every_chunk[0].dtype)) \
+            if staged and every_chunk else None
+        self.outs = [[next(staging).view(c.shape).zero_() if staging else c for c in chunks] for chunks in param_chunks]
+        self.lent_to = [[DONE] * len(chunks) for chunks in param_chunks]
 
-    def writable(self) -> list[list[torch.Tensor]]:
-        self.published.wait()
-        return self.outs
+    def writable(self, g: int, k: int) -> torch.Tensor:
+        """Chunk k of param group g's buffer, once the copy that reads it has landed."""
+        self.lent_to[g][k].wait()
+        self.lent_to[g][k] = DONE
+        return self.outs[g][k]
 
     def publish(self) -> None:
         """Queues the copies of the staged values into the parameter chunks."""
@@ -102,7 +110,7 @@ class StagedOutputs:
         """Queues the copy of chunk k of param group g's staged values into the parameter chunk."""
         out, chunk = self.outs[g][k], self.param_chunks[g][k]
         if out is not chunk:
-            self.published.add(copy_to_device(chunk, out, f"the staged new values of chunk {k} of param group {g}"))
+            self.lent_to[g][k] = copy_to_device(chunk, out, f"the staged new values of chunk {k} of param group {g}")
 
 
 class HostUpdate(UpdateBackend):
@@ -132,13 +140,12 @@ class HostUpdate(UpdateBackend):
         self._retarget()
 
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
-        outs = self.outputs.writable() if self.staged else self._writable_chunks()
-        if self.publish_as_stepped:
+        if not self.staged or self.publish_as_stepped:
             self._writable_chunks()
         for g, (masters, grads) in enumerate(zip(self.masters, grad_chunks)):
             for k, (master, grad) in enumerate(zip(masters, grads)):
                 if self.host_adam is not None:
-                    self.host_adam.step_chunk(g, master, grad.to(HOST), outs[g][k], coef)
+                    self.host_adam.step_chunk(g, master, grad.to(HOST), self.outputs.writable(g, k), coef)
                     if self.publish_as_stepped:
                         self.outputs.publish_chunk(g, k)
                 else:
@@ -146,9 +153,9 @@ class HostUpdate(UpdateBackend):
         if self.host_adam is None:
             with intra_op_threads(self.threads):
                 self.optimizer.step()
-            for masters, outs_of_group in zip(self.masters, outs):
-                for master, out in zip(masters, outs_of_group):
-                    out.copy_(master)
+            for g, masters in enumerate(self.masters):
+                for k, master in enumerate(masters):
+                    self.outputs.writable(g, k).copy_(master)
                     master.grad = None
 
     def publish(self) -> None:

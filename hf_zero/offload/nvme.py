@@ -189,10 +189,10 @@ class NvmeAdamStates:
                      slot[kind][:tile.hi - tile.lo])
 
     @torch.no_grad()
-    def step(self, grad_chunks: list[list[torch.Tensor]], outs: list[list[torch.Tensor]] | None,
+    def step(self, grad_chunks: list[list[torch.Tensor]], outs: Callable[[int, int], torch.Tensor] | None,
              grad_scale: float) -> None:
-        """One Adam step over every tile; the new parameters go, in their dtype, to `outs` or (when the
-        parameters live here too) to the files. The gradients are `grad_chunks`, or when they live here
+        """One Adam step over every tile; the new parameters go, in their dtype, to `outs(g, k)` (chunk k of group
+        g's buffer, once no copy reads it) or (when the parameters live here too) to the files. The gradients are `grad_chunks`, or when they live here
         the side `seal_grads` last handed over."""
         tiles = self.tiles()
         grad_side = self.grad_read_side  # taken now: seal_grads may hand over the next side while this runs
@@ -213,7 +213,7 @@ class NvmeAdamStates:
                 state = {"step": self.steps[tile.g].clone(), "exp_avg": slot["exp_avg"][:n],
                          "exp_avg_sq": slot["exp_avg_sq"][:n]}
                 grad = slot["grad"][:n] if self.holds_grads else grad_chunks[tile.g][tile.k][tile.lo:tile.hi].to(HOST)
-                out = slot["param"][:n] if self.holds_params else outs[tile.g][tile.k][tile.lo:tile.hi]
+                out = slot["param"][:n] if self.holds_params else outs(tile.g, tile.k)[tile.lo:tile.hi]
                 self.host_adam.step_chunk(tile.g, slot["master"][:n], grad, out, grad_scale, state)
                 writes[i % SLOTS] = self.io.submit(self._transfer, False, tile, slot, grad_side)
         finally:  # never leave I/O running into the next step, even when one failed
@@ -295,7 +295,7 @@ class NvmeUpdate(UpdateBackend):
         self._retarget()
 
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
-        self.states.step(grad_chunks, None if self.outputs is None else self.outputs.writable(), coef)
+        self.states.step(grad_chunks, None if self.outputs is None else self.outputs.writable, coef)
 
     def gradient_files(self) -> NvmeAdamStates | None:
         return self.states if self.states.holds_grads else None

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.device import LatestCopy, copy_to_host, host_empty, host_memory_empty, to_device, to_host
+from hf_zero.device import LatestCopy, copy_to_host, host_buffers_for_good, host_memory_empty, to_device, to_host
 from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
 from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, BucketReduction, GradientReducer
 
@@ -102,9 +102,7 @@ class PartitionedGradients(GradientReducer):
         buckets are (released at once: it takes memory when its first chunk lands, `_grad_shard`)."""
         numels = [sum(b.chunk_numel for b in flat.buckets) for flat in self.flat_params]
         if self.offload == "cpu":
-            # One pinned block for all of them: the caching host allocator rounds each block up to a power of two
-            # and keeps it, which per flat buffer (a stage-3 unit's) would waste up to half of each.
-            return list(host_empty(sum(numels), self.dtype).split(numels))
+            return host_buffers_for_good(numels, self.dtype)
         return [host_memory_empty(numel, self.dtype) if self.offload == "nvme" else
                 torch.empty(numel, dtype=self.dtype, device=flat.data.device)
                 for flat, numel in zip(self.flat_params, numels)]

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.device import LatestCopy, host_empty, host_memory_empty
+from hf_zero.device import LatestCopy, host_buffers_for_good, host_memory_empty
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import (FlatParamBuffer, ParamSlice, model_order, partitioned_frozen, release_storage,
                                     set_data, wrap_like)
@@ -230,7 +230,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             # Only staged until `read_shards_from` gives it back, and no device copy reads it after: pinned
             # memory could not be given back in place (a pinned storage cannot be resized).
             return host_memory_empty(numel, dtype, zeroed=True)
-        return host_empty(numel, dtype).zero_()
+        return host_buffers_for_good([numel], dtype)[0].zero_()
 
     @property
     def shard(self) -> int:
