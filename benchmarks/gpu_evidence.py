@@ -13,8 +13,11 @@ What it runs, each part in a fresh process so that one part's allocator state is
              references, each inside a one-rank NCCL process group so that the communication stream and the NCCL
              call shapes really run; every system's AdamW is the fused one where it runs on the GPU (DeepSpeed
              takes torch's AdamW as given). An offloaded system's extra step is timed phase by phase
-             (forward and backward, the norm, the host update, the copies back and the all-gather). Per system: device memory allocated by `initialize` at its
-             peak (torch.cuda.max_memory_allocated) beside the formula's model states, the per-step peak,
+             (forward and backward, the norm, the host update, the copies back and the all-gather); with
+             `--memory_at_peak`, a system's extra step records the CUDA allocator's history and the table says
+             what is alive at that step's peak, by where it was allocated. Per system: device memory allocated by
+             `initialize` at its peak (torch.cuda.max_memory_allocated) beside the formula's model states, the
+             per-step peak,
              pinned host bytes before and after a save (hf_zero.device.pinned_host_bytes: the caching host
              allocator's torch.cuda.host_memory_stats and the blocks page-locked in place), host synchronisations
              per step (torch.cuda.set_sync_debug_mode counts the implicit ones), tokens per second and model
@@ -81,6 +84,60 @@ def write_profile(train_step, ids: torch.Tensor, cuda: bool, path: Path) -> None
                     + "\n" + averages.table(sort_by="cpu_time_total", row_limit=30))
 
 
+# Where a frame is worth naming an allocation by: the systems' own code before the model's or torch's.
+OWN_CODE = ("/hf_zero/", "/torch/distributed/fsdp/", "/deepspeed/")
+
+
+def live_at_peak(trace: list[dict], resident: int, top: int = 12) -> dict:
+    """Replays a CUDA caching allocator trace (torch.cuda.memory._snapshot()["device_traces"][i], recorded with Python
+    stacks) from `resident` bytes allocated when it started: the peak of allocated bytes, as max_memory_allocated
+    counts them (a block is freed when its free completes, after the streams recorded on it are done), and what was
+    alive then, summed by where it was allocated (the innermost frame in OWN_CODE, else the innermost one), largest
+    first. Blocks allocated before the trace are "resident before the step"."""
+    live: dict[int, tuple[int, str]] = {}
+    resident_now = peak = now = resident
+    at_peak: dict[int, tuple[int, str]] = {}
+    resident_at_peak = resident
+    for event in trace:
+        action, addr, size = event.get("action"), event.get("addr"), event.get("size", 0)
+        if action == "alloc":
+            frames = [f"{f['filename'].rsplit('/site-packages/', 1)[-1]}:{f['line']} {f['name']}"
+                      for f in event.get("frames", [])]
+            own = [f for f, raw in zip(frames, event.get("frames", [])) if any(o in raw["filename"] for o in OWN_CODE)]
+            live[addr] = (size, (own or frames or ["(no Python frame)"])[0])
+            now += size
+        elif action == "free_completed":
+            if addr in live:
+                now -= live.pop(addr)[0]
+            else:
+                now -= size
+                resident_now -= size
+        if now > peak:
+            peak, at_peak, resident_at_peak = now, dict(live), resident_now
+    sites: dict[str, int] = {"resident before the step": resident_at_peak}
+    for size, site in at_peak.values():
+        sites[site] = sites.get(site, 0) + size
+    largest = sorted(sites.items(), key=lambda item: -item[1])[:top]
+    return {"peak_bytes": peak, "by_site": [{"site": site, "bytes": size} for site, size in largest]}
+
+
+def memory_at_peak(train_step, ids: torch.Tensor) -> dict:
+    """One more step with the CUDA allocator's history recorded: what is alive at its peak (`live_at_peak`), to see
+    where stages 2-3 and FSDP2 part (issue 51: 31.5 against 28.9 GiB on an H100)."""
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        train_step(ids)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    replayed = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], resident)
+    return {**replayed, "max_memory_allocated": torch.cuda.max_memory_allocated()}
+
+
 def formula_device_bytes(config: dict | None, psi: int) -> float:
     """Model states per device by the paper's formula (hf_zero.estimate), one rank, bf16 with fp32 masters."""
     from hf_zero.estimate import Setting, model_states
@@ -92,7 +149,8 @@ def formula_device_bytes(config: dict | None, psi: int) -> float:
     return sum(model_states(psi, setting)[0].values())
 
 
-def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: Path, profile: bool) -> dict:
+def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: Path, profile: bool,
+               trace_memory: bool = False) -> dict:
     """Trains one system in this process (a one-rank process group) and measures it."""
     import torch.distributed as dist
 
@@ -185,6 +243,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
         engine.config.offload_optimizer != "none" and not engine.config.delayed_param_update else {}
     if profile:
         write_profile(train_step, ids, cuda, workdir / f"profile-{name}.txt")
+    at_peak = memory_at_peak(train_step, ids) if trace_memory and cuda else {}
     median = sorted(step_seconds)[len(step_seconds) // 2]
     tokens = batch * seq
     dist.destroy_process_group()
@@ -194,7 +253,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
             "step_peak_bytes": step_peak, "median_step_seconds": median, "tokens_per_second": tokens / median,
             "model_tflops": model_flops_per_token(psi, cfg.n_layer, cfg.n_embd, seq) * tokens / median / 1e12,
             "host_syncs_per_step": sorted(syncs)[len(syncs) // 2], "pinned_bytes": pinned,
-            "offloaded_step_seconds": phases}
+            "offloaded_step_seconds": phases, "memory_at_peak": at_peak}
 
 
 def reference_system(name: str, model: torch.nn.Module, batch: int, cuda: bool) -> Callable[[torch.Tensor], None]:
@@ -284,12 +343,14 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--profile", nargs="*", default=[], choices=[*SYSTEMS, *REFERENCES],
                    help="systems whose extra step runs under torch.profiler (profile-<system>.txt)")
+    p.add_argument("--memory_at_peak", nargs="*", default=[], choices=[*SYSTEMS, *REFERENCES],
+                   help="systems whose extra step records the CUDA allocator's history: what is alive at its peak")
     p.add_argument("--one_system", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one_system:
         result = one_system(args.one_system, args.dry, args.steps, args.batch, args.seq, args.out,
-                            args.one_system in args.profile)
+                            args.one_system in args.profile, args.one_system in args.memory_at_peak)
         print("RESULT " + json.dumps(result), flush=True)
         return
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -311,7 +372,8 @@ def main() -> None:
         rows = []
         for name in args.systems:
             done = in_fresh_process(["--out", str(args.out), "--one_system", name, "--steps", str(args.steps),
-                                     "--batch", str(args.batch), "--seq", str(args.seq), "--profile", *args.profile]
+                                     "--batch", str(args.batch), "--seq", str(args.seq), "--profile", *args.profile,
+                                     "--memory_at_peak", *args.memory_at_peak]
                                     + (["--dry"] if args.dry else []), env, 900)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode != 0 or not lines:
@@ -356,6 +418,12 @@ def markdown(evidence: dict) -> str:
             s = r["offloaded_step_seconds"]
             lines.append(f"| {r['system']} | {s['forward_backward']:.3f} | {s['norm']:.3f} | {s['host_update']:.3f} "
                          f"| {s['copies_back_and_all_gather']:.3f} |")
+    for r in (r for r in rows if r.get("memory_at_peak")):
+        m = r["memory_at_peak"]
+        lines += ["", f"{r['system']}: alive at the step's peak, {m['peak_bytes'] / gib:.2f} GiB replayed "
+                      f"(max_memory_allocated {m['max_memory_allocated'] / gib:.2f} GiB), by where it was allocated:", "",
+                  "| GiB | allocated at |", "|---|---|"]
+        lines += [f"| {site['bytes'] / gib:.2f} | `{site['site']}` |" for site in m["by_site"]]
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,8 @@ def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
     # The path with the most device-layer work, and FSDP2 as the reference beside it; each is a fresh process.
     systems = ["stage3+cpu", "fsdp2"]
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_evidence", "--dry", "--out", str(tmp_path),
-                           "--systems", *systems, "--steps", "1", "--profile", "stage3+cpu"],
+                           "--systems", *systems, "--steps", "1", "--profile", "stage3+cpu",
+                           "--memory_at_peak", "fsdp2"],  # a GPU's only: the option is taken, nothing recorded
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     evidence = json.loads((tmp_path / "evidence.json").read_text())
@@ -34,3 +35,32 @@ def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
     phases = rows[0]["offloaded_step_seconds"]  # the offloaded step's breakdown
     assert set(phases) == {"forward_backward", "norm", "host_update", "copies_back_and_all_gather"}
     assert phases["host_update"] > 0 and "An offloaded step, phase by phase" in table
+    assert rows[1]["memory_at_peak"] == {}
+
+
+def test_what_is_alive_at_a_steps_peak_is_replayed_from_the_allocators_trace():
+    """The replay behind `--memory_at_peak`, on a trace in the format torch.cuda.memory._snapshot() records (frames
+    innermost first): a block counts until its free completes (a block recorded on a side stream outlives its free
+    request), a block from before the trace leaves "resident" when freed, and a block is named by its innermost
+    frame in the systems' own code."""
+    from benchmarks.gpu_evidence import live_at_peak
+
+    def frame(filename: str, line: int, name: str) -> dict:
+        return {"filename": filename, "line": line, "name": name}
+
+    model = frame("/usr/lib/python3/site-packages/transformers/models/gpt2/modeling_gpt2.py", 10, "forward")
+    bucket = [frame("/usr/lib/python3/site-packages/torch/functional.py", 5, "empty"),
+              frame("/work/hf_zero/zero/reducer.py", 172, "reduce"), model]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": [model]},
+             {"action": "alloc", "addr": 2, "size": 40, "frames": bucket},
+             {"action": "free_requested", "addr": 2, "size": 40},  # still in use by the communication stream
+             {"action": "free_completed", "addr": 9, "size": 30},  # allocated before the trace
+             {"action": "alloc", "addr": 3, "size": 50, "frames": bucket},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "free_completed", "addr": 2, "size": 40},
+             {"action": "alloc", "addr": 4, "size": 60, "frames": []}]
+    replayed = live_at_peak(trace, resident=1000)
+    assert replayed["peak_bytes"] == 1000 + 100 + 40 - 30 + 50
+    assert replayed["by_site"] == [{"site": "resident before the step", "bytes": 970},
+                                   {"site": "transformers/models/gpt2/modeling_gpt2.py:10 forward", "bytes": 100},
+                                   {"site": "/work/hf_zero/zero/reducer.py:172 reduce", "bytes": 90}]
