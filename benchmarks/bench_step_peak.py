@@ -6,12 +6,13 @@ peaked at 31.5 GiB, FSDP2 at 28.9).
 
 On CPU, under hf_zero.device's simulation of a GPU, `DeviceMemory` counts every tensor storage the ops of a run
 create, as `max_memory_allocated` does on a GPU: from before the model is built, so the resident states count too.
-What it cannot see is what only a GPU does: the caching allocator keeping a block freed on one stream until another
-stream recorded on it is done, kernels' workspaces, NCCL's buffers. Each system in a fresh process, in a one-rank
-gloo group: plain torch (fp32 weights, bf16 autocast, AdamW), FSDP2 (each block and the root sharded, bf16
-parameters, fp32 reduction), hf_zero stages 2 and 3 (bf16, fp32 masters). A GPT-2 of byte vocabulary, `--width` x
-`--layers`, micro-batch 4 x 128 tokens, two steps: "resident" is what the first step leaves, "step peak" the second
-step's peak, both per parameter (16 bytes: the model states of mixed-precision Adam). On a GPU,
+What it cannot see is what only the GPU path allocates or holds: buffers kept alive until another stream is done
+with them, kernels' workspaces (cuBLAS's, per stream), GPU-only kernels' temporaries, the allocator's rounding. Each
+system in a fresh process, in a one-rank gloo group: plain torch (fp32 weights, bf16 autocast, AdamW), FSDP2 (each
+block and the root sharded, bf16 parameters, fp32 reduction), hf_zero stages 2 and 3 (bf16, fp32 masters). A GPT-2
+of byte vocabulary, `--width` x `--layers`, micro-batch 4 x 128 tokens, two steps: "resident" is what the first step
+leaves, "step peak" the second step's peak, both per parameter (16 bytes: the model states of mixed-precision
+Adam). On a GPU,
 `benchmarks/gpu_evidence.py --memory_at_peak` says what is alive at the peak, by where it was allocated.
 """
 from __future__ import annotations

@@ -91,9 +91,10 @@ OWN_CODE = ("/hf_zero/", "/torch/distributed/fsdp/", "/deepspeed/")
 def live_at_peak(trace: list[dict], resident: int, top: int = 12) -> dict:
     """Replays a CUDA caching allocator trace (torch.cuda.memory._snapshot()["device_traces"][i], recorded with Python
     stacks) from `resident` bytes allocated when it started: the peak of allocated bytes, as max_memory_allocated
-    counts them (a block is freed when its free completes, after the streams recorded on it are done), and what was
-    alive then, summed by where it was allocated (the innermost frame in OWN_CODE, else the innermost one), largest
-    first. Blocks allocated before the trace are "resident before the step"."""
+    counts them (a block stops counting when its free is requested, even while a stream recorded on it keeps it from
+    reuse; sizes as requested, so within the allocator's rounding of that), and what was alive then, summed by where
+    it was allocated (the innermost frame in OWN_CODE, else the innermost one), largest first. Blocks allocated before
+    the trace are "resident before the step"."""
     live: dict[int, tuple[int, str]] = {}
     resident_now = peak = now = resident
     at_peak: dict[int, tuple[int, str]] = {}
@@ -101,12 +102,14 @@ def live_at_peak(trace: list[dict], resident: int, top: int = 12) -> dict:
     for event in trace:
         action, addr, size = event.get("action"), event.get("addr"), event.get("size", 0)
         if action == "alloc":
-            frames = [f"{f['filename'].rsplit('/site-packages/', 1)[-1]}:{f['line']} {f['name']}"
-                      for f in event.get("frames", [])]
-            own = [f for f, raw in zip(frames, event.get("frames", [])) if any(o in raw["filename"] for o in OWN_CODE)]
-            live[addr] = (size, (own or frames or ["(no Python frame)"])[0])
+            frames = event.get("frames", [])
+            own = [f for f in frames if any(o in f["filename"] for o in OWN_CODE)]
+            innermost = (own or frames or [None])[0]
+            live[addr] = (size, "(no Python frame)" if innermost is None else
+                          f"{innermost['filename'].rsplit('/site-packages/', 1)[-1]}:{innermost['line']} "
+                          f"{innermost['name']}")
             now += size
-        elif action == "free_completed":
+        elif action == "free_requested":
             if addr in live:
                 now -= live.pop(addr)[0]
             else:
@@ -121,21 +124,26 @@ def live_at_peak(trace: list[dict], resident: int, top: int = 12) -> dict:
     return {"peak_bytes": peak, "by_site": [{"site": site, "bytes": size} for site, size in largest]}
 
 
+TRACE_ENTRIES = 2_000_000  # the allocator's history is a ring: a step that records more loses its first events
+
+
 def memory_at_peak(train_step, ids: torch.Tensor) -> dict:
     """One more step with the CUDA allocator's history recorded: what is alive at its peak (`live_at_peak`), to see
     where stages 2-3 and FSDP2 part (issue 51: 31.5 against 28.9 GiB on an H100)."""
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES, stacks="python")
     try:
         train_step(ids)
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    replayed = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], resident)
-    return {**replayed, "max_memory_allocated": torch.cuda.max_memory_allocated()}
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    if len(trace) >= TRACE_ENTRIES:
+        return {"error": f"the step made more than {TRACE_ENTRIES} allocator events: its first ones were lost"}
+    return {**live_at_peak(trace, resident), "max_memory_allocated": torch.cuda.max_memory_allocated()}
 
 
 def formula_device_bytes(config: dict | None, psi: int) -> float:
@@ -420,6 +428,9 @@ def markdown(evidence: dict) -> str:
                          f"| {s['copies_back_and_all_gather']:.3f} |")
     for r in (r for r in rows if r.get("memory_at_peak")):
         m = r["memory_at_peak"]
+        if "error" in m:
+            lines += ["", f"{r['system']}: what is alive at the step's peak: {m['error']}"]
+            continue
         lines += ["", f"{r['system']}: alive at the step's peak, {m['peak_bytes'] / gib:.2f} GiB replayed "
                       f"(max_memory_allocated {m['max_memory_allocated'] / gib:.2f} GiB), by where it was allocated:", "",
                   "| GiB | allocated at |", "|---|---|"]

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -166,39 +168,42 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, pin_memory=_pins())
 
 
-class _PageLocked(mmap.mmap):
-    """Anonymous host memory that `host_buffers_for_good` page-locks in place. torch.frombuffer keeps the map
-    alive while a tensor views it; the last view gone, the memory is unlocked, then unmapped."""
-    address = 0
-
-    def __del__(self) -> None:
-        if self.address:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            _page_locked["now"] -= len(self)
-
-
 _page_locked = {"now": 0, "peak": 0}  # bytes `host_buffers_for_good` holds page-locked, and their peak
+
+
+def _unlock(address: int, nbytes: int, owner: int) -> None:
+    """Unlocks a block of `host_buffers_for_good` whose last view is gone, before its memory is unmapped. The device
+    finishes first: a copy dropped unwaited (at teardown) may still be moving the block's bytes. Not in a forked
+    child, which never locked it."""
+    if os.getpid() != owner:
+        return
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(address)
+    _page_locked["now"] -= nbytes
 
 
 def host_buffers_for_good(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Host buffers that copies use for the whole run (the offloaded gradient shards, the staged new parameters, a
     unit's offloaded parameters), uninitialised, cut from one block of exactly their size, pinned where `_pins`. Not from the
     caching host allocator, which would round the block up to a power of two and gains nothing from a block never
-    handed back (the 1.31B GPT-2's 2.6 GB gradient shard took 4 GiB page-locked): the block is page-locked where it
-    lies (cudaHostRegister), as much as asked for, and given back with its last view."""
+    handed back (the 1.31B GPT-2's 2.6 GB gradient shard took 4 GiB page-locked): the block is page-locked where
+    it lies (cudaHostRegister), as much as asked for, and given back with its last view."""
     total = sum(numels)
     if simulating():
         flat = sim.as_if_pinned(total, dtype)
     elif not _pins() or total == 0:
         flat = torch.empty(total, dtype=dtype)
     else:
-        block = _PageLocked(-1, total * dtype.itemsize)
+        # torch.frombuffer keeps the map alive while a tensor views it; the last view gone, `_unlock` runs, then the
+        # map is unmapped.
+        block = mmap.mmap(-1, total * dtype.itemsize)
         flat = torch.frombuffer(block, dtype=dtype, count=total)
-        error = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), len(block), 0)
-        if int(error) != 0:
-            raise RuntimeError(f"page-locking {len(block)} bytes of host memory failed (CUDA error {int(error)}): "
+        status = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), len(block), 0)
+        if int(status) != 0:
+            raise RuntimeError(f"page-locking {len(block)} bytes of host memory failed (CUDA error {int(status)}): "
                                f"the host may be short of memory, or of the locked-memory limit (ulimit -l)")
-        block.address = flat.data_ptr()
+        # Not at exit: the process's end gives everything back, and CUDA may be gone by then.
+        weakref.finalize(block, _unlock, flat.data_ptr(), len(block), os.getpid()).atexit = False
         _page_locked["now"] += len(block)
         _page_locked["peak"] = max(_page_locked["peak"], _page_locked["now"])
     return list(flat.split(numels))

@@ -363,6 +363,7 @@ def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view
     monkeypatch.delenv(SIMULATE_ENV, raising=False)
     monkeypatch.setattr(device, "_pins", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: cudart.calls.append(("synchronize", 0, 0)))
     before = device._page_locked["now"]
     numels = [3, 1000, 5]
     buffers = device.host_buffers_for_good(numels, torch.bfloat16)
@@ -377,7 +378,7 @@ def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view
     kept.fill_(1.0)
     del kept
     gc.collect()
-    assert cudart.calls[1:] == [("unregister", address, 0)]
+    assert cudart.calls[1:] == [("synchronize", 0, 0), ("unregister", address, 0)]  # no copy still moving it
     assert device._page_locked["now"] == before
 
 

@@ -88,9 +88,9 @@ class StagedOutputs:
     def __init__(self, param_chunks: list[list[torch.Tensor]], staged: bool) -> None:
         self.param_chunks = param_chunks
         every_chunk = [c for chunks in param_chunks for c in chunks]
-        # One block for every staged chunk: they share the compute dtype.
+        assert len({c.dtype for c in every_chunk}) <= 1, "the parameter chunks share the engine's compute dtype"
         staging = iter(host_buffers_for_good([c.numel() for c in every_chunk], every_chunk[0].dtype)) \
-            if staged and every_chunk else None
+            if staged and every_chunk else None  # one block for every staged chunk
         self.outs = [[next(staging).view(c.shape).zero_() if staging else c for c in chunks] for chunks in param_chunks]
         self.lent_to = [[DONE] * len(chunks) for chunks in param_chunks]
 

@@ -40,9 +40,9 @@ def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
 
 def test_what_is_alive_at_a_steps_peak_is_replayed_from_the_allocators_trace():
     """The replay behind `--memory_at_peak`, on a trace in the format torch.cuda.memory._snapshot() records (frames
-    innermost first): a block counts until its free completes (a block recorded on a side stream outlives its free
-    request), a block from before the trace leaves "resident" when freed, and a block is named by its innermost
-    frame in the systems' own code."""
+    innermost first): a block stops counting when its free is requested, as the allocator's allocated bytes do (its
+    free completes later, once the streams recorded on it are done), a block from before the trace leaves "resident"
+    when freed, and a block is named by its innermost frame in the systems' own code."""
     from benchmarks.gpu_evidence import live_at_peak
 
     def frame(filename: str, line: int, name: str) -> dict:
@@ -52,15 +52,18 @@ def test_what_is_alive_at_a_steps_peak_is_replayed_from_the_allocators_trace():
     bucket = [frame("/usr/lib/python3/site-packages/torch/functional.py", 5, "empty"),
               frame("/work/hf_zero/zero/reducer.py", 172, "reduce"), model]
     trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": [model]},
-             {"action": "alloc", "addr": 2, "size": 40, "frames": bucket},
-             {"action": "free_requested", "addr": 2, "size": 40},  # still in use by the communication stream
-             {"action": "free_completed", "addr": 9, "size": 30},  # allocated before the trace
+             {"action": "alloc", "addr": 2, "size": 20, "frames": bucket},
+             {"action": "free_requested", "addr": 2, "size": 20},  # the communication stream still reads it
+             {"action": "free_requested", "addr": 9, "size": 30},  # allocated before the trace
+             {"action": "free_completed", "addr": 9, "size": 30},
              {"action": "alloc", "addr": 3, "size": 50, "frames": bucket},
-             {"action": "free_completed", "addr": 1, "size": 100},
-             {"action": "free_completed", "addr": 2, "size": 40},
+             {"action": "alloc", "addr": 5, "size": 15, "frames": []},
+             {"action": "free_completed", "addr": 2, "size": 20},
+             {"action": "free_requested", "addr": 1, "size": 100},
              {"action": "alloc", "addr": 4, "size": 60, "frames": []}]
     replayed = live_at_peak(trace, resident=1000)
-    assert replayed["peak_bytes"] == 1000 + 100 + 40 - 30 + 50
+    assert replayed["peak_bytes"] == 1000 + 100 - 30 + 50 + 15
     assert replayed["by_site"] == [{"site": "resident before the step", "bytes": 970},
                                    {"site": "transformers/models/gpt2/modeling_gpt2.py:10 forward", "bytes": 100},
-                                   {"site": "/work/hf_zero/zero/reducer.py:172 reduce", "bytes": 90}]
+                                   {"site": "/work/hf_zero/zero/reducer.py:172 reduce", "bytes": 50},
+                                   {"site": "(no Python frame)", "bytes": 15}]
