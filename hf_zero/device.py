@@ -22,11 +22,11 @@ system is a crash or silent garbage, so `bytes_of` refuses anything else.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
 import os
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -169,23 +169,36 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 _page_locked = {"now": 0, "peak": 0}  # bytes `host_buffers_for_good` holds page-locked, and their peak
+_unlocking = True  # until the interpreter exits: then the process's end gives every block back, CUDA maybe first
 
 
-def _unlock(address: int, nbytes: int, owner: int) -> None:
-    """Unlocks a block of `host_buffers_for_good` whose last view is gone, before its memory is unmapped. The device
-    finishes first: a copy dropped unwaited (at teardown) may still be moving the block's bytes. Not in a forked
-    child, which never locked it."""
-    if os.getpid() != owner:
-        return
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaHostUnregister(address)
-    _page_locked["now"] -= nbytes
+def _stop_unlocking() -> None:
+    global _unlocking
+    _unlocking = False
+
+
+atexit.register(_stop_unlocking)
+
+
+class _PageLocked(mmap.mmap):
+    """Anonymous memory that `host_buffers_for_good` page-locks where it lies. torch.frombuffer keeps the map alive
+    while a tensor views it; the last view gone, the block is unlocked here, before mmap's own deallocation unmaps it
+    (a weakref finalizer would run after). The device finishes first: a copy dropped unwaited (at teardown) may still
+    be moving the block's bytes. Not in a forked child, which never locked it."""
+    address = 0
+    owner = 0
+
+    def __del__(self) -> None:
+        if self.address and self.owner == os.getpid() and _unlocking:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            _page_locked["now"] -= len(self)
 
 
 def host_buffers_for_good(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Host buffers that copies use for the whole run (the offloaded gradient shards, the staged new parameters, a
-    unit's offloaded parameters), uninitialised, cut from one block of exactly their size, pinned where `_pins`. Not from the
-    caching host allocator, which would round the block up to a power of two and gains nothing from a block never
+    unit's offloaded parameters), uninitialised, cut from one block of exactly their size, pinned where `_pins`. Not
+    from the caching host allocator, which would round the block up to a power of two and gains nothing from a block never
     handed back (the 1.31B GPT-2's 2.6 GB gradient shard took 4 GiB page-locked): the block is page-locked where
     it lies (cudaHostRegister), as much as asked for, and given back with its last view."""
     total = sum(numels)
@@ -194,16 +207,14 @@ def host_buffers_for_good(numels: list[int], dtype: torch.dtype) -> list[torch.T
     elif not _pins() or total == 0:
         flat = torch.empty(total, dtype=dtype)
     else:
-        # torch.frombuffer keeps the map alive while a tensor views it; the last view gone, `_unlock` runs, then the
-        # map is unmapped.
-        block = mmap.mmap(-1, total * dtype.itemsize)
+        block = _PageLocked(-1, total * dtype.itemsize)
         flat = torch.frombuffer(block, dtype=dtype, count=total)
-        status = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), len(block), 0)
+        # cudaHostRegisterPortable, as torch's own pin_memory of a pointer: locked for every CUDA context.
+        status = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), len(block), 1)
         if int(status) != 0:
             raise RuntimeError(f"page-locking {len(block)} bytes of host memory failed (CUDA error {int(status)}): "
                                f"the host may be short of memory, or of the locked-memory limit (ulimit -l)")
-        # Not at exit: the process's end gives everything back, and CUDA may be gone by then.
-        weakref.finalize(block, _unlock, flat.data_ptr(), len(block), os.getpid()).atexit = False
+        block.address, block.owner = flat.data_ptr(), os.getpid()
         _page_locked["now"] += len(block)
         _page_locked["peak"] = max(_page_locked["peak"], _page_locked["now"])
     return list(flat.split(numels))

@@ -349,7 +349,15 @@ class RecordingCudart:
 
     def cudaHostUnregister(self, address: int) -> int:
         self.calls.append(("unregister", address, 0))
+        self.mapped_when_unlocked = mapped(address)
         return 0
+
+
+def mapped(address: int) -> bool:
+    """Whether `address` lies in one of this process's memory mappings."""
+    with open("/proc/self/maps") as maps:
+        spans = (line.split()[0].split("-") for line in maps)
+        return any(int(lo, 16) <= address < int(hi, 16) for lo, hi in spans)
 
 
 def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view_is_gone(monkeypatch):
@@ -379,6 +387,7 @@ def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view
     del kept
     gc.collect()
     assert cudart.calls[1:] == [("synchronize", 0, 0), ("unregister", address, 0)]  # no copy still moving it
+    assert cudart.mapped_when_unlocked and not mapped(address)  # unlocked, then unmapped
     assert device._page_locked["now"] == before
 
 
