@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -169,6 +170,7 @@ def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 _page_locked = {"now": 0, "peak": 0}  # bytes `host_buffers_for_good` holds page-locked, and their peak
+_page_locked_lock = threading.Lock()  # a block may be let go on another thread (a delayed update's)
 _unlocking = True  # until the interpreter exits: then the process's end gives every block back, CUDA maybe first
 
 
@@ -181,18 +183,26 @@ atexit.register(_stop_unlocking)
 
 
 class _PageLocked(mmap.mmap):
-    """Anonymous memory that `host_buffers_for_good` page-locks where it lies. torch.frombuffer keeps the map alive
-    while a tensor views it; the last view gone, the block is unlocked here, before mmap's own deallocation unmaps it
-    (a weakref finalizer would run after). The device finishes first: a copy dropped unwaited (at teardown) may still
-    be moving the block's bytes. Not in a forked child, which never locked it."""
+    """Anonymous private memory that `host_buffers_for_good` page-locks where it lies. torch.frombuffer keeps the map
+    alive while a tensor views it; the last view gone, the block is unlocked here, before mmap's own deallocation
+    unmaps it (a weakref finalizer would run after). The device finishes first: a copy dropped unwaited (at teardown)
+    may still be moving the block's bytes. On the device that locked it, whichever thread drops the last view; not
+    in a forked child, which never locked it."""
     address = 0
     owner = 0
+    device = 0
 
     def __del__(self) -> None:
-        if self.address and self.owner == os.getpid() and _unlocking:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            _page_locked["now"] -= len(self)
+        if not (_unlocking and self.address and self.owner == os.getpid()):
+            return
+        with torch.cuda.device(self.device):
+            try:
+                torch.cuda.synchronize()
+            finally:  # unlocked even when the device reports an error
+                status = torch.cuda.cudart().cudaHostUnregister(self.address)
+        if int(status) == 0:
+            with _page_locked_lock:
+                _page_locked["now"] -= len(self)
 
 
 def host_buffers_for_good(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -207,16 +217,18 @@ def host_buffers_for_good(numels: list[int], dtype: torch.dtype) -> list[torch.T
     elif not _pins() or total == 0:
         flat = torch.empty(total, dtype=dtype)
     else:
-        block = _PageLocked(-1, total * dtype.itemsize)
+        block = _PageLocked(-1, total * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         flat = torch.frombuffer(block, dtype=dtype, count=total)
-        # cudaHostRegisterPortable, as torch's own pin_memory of a pointer: locked for every CUDA context.
+        # cudaHostRegisterPortable, as torch.cuda._pin_memory_utils.pin_memory registers a pointer: locked for every
+        # CUDA context.
         status = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), len(block), 1)
         if int(status) != 0:
             raise RuntimeError(f"page-locking {len(block)} bytes of host memory failed (CUDA error {int(status)}): "
                                f"the host may be short of memory, or of the locked-memory limit (ulimit -l)")
-        block.address, block.owner = flat.data_ptr(), os.getpid()
-        _page_locked["now"] += len(block)
-        _page_locked["peak"] = max(_page_locked["peak"], _page_locked["now"])
+        block.address, block.owner, block.device = flat.data_ptr(), os.getpid(), torch.cuda.current_device()
+        with _page_locked_lock:
+            _page_locked["now"] += len(block)
+            _page_locked["peak"] = max(_page_locked["peak"], _page_locked["now"])
     return list(flat.split(numels))
 
 

@@ -2,6 +2,8 @@
 most unlucky, and catches the host touching a buffer that a queued copy still uses."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -372,6 +374,9 @@ def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view
     monkeypatch.setattr(device, "_pins", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: cudart.calls.append(("synchronize", 0, 0)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # the rank's GPU when locking
+    monkeypatch.setattr(torch.cuda, "device", lambda index: cudart.calls.append(("on device", index, 0))
+                        or contextlib.nullcontext())
     before = device._page_locked["now"]
     numels = [3, 1000, 5]
     buffers = device.host_buffers_for_good(numels, torch.bfloat16)
@@ -386,7 +391,8 @@ def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view
     kept.fill_(1.0)
     del kept
     gc.collect()
-    assert cudart.calls[1:] == [("synchronize", 0, 0), ("unregister", address, 0)]  # no copy still moving it
+    # On the rank's GPU whichever thread lets it go, once no copy is still moving it.
+    assert cudart.calls[1:] == [("on device", 3, 0), ("synchronize", 0, 0), ("unregister", address, 0)]
     assert cudart.mapped_when_unlocked and not mapped(address)  # unlocked, then unmapped
     assert device._page_locked["now"] == before
 
