@@ -432,7 +432,8 @@ def markdown(evidence: dict) -> str:
             lines += ["", f"{r['system']}: what is alive at the step's peak: {m['error']}"]
             continue
         lines += ["", f"{r['system']}: alive at the step's peak, {m['peak_bytes'] / gib:.2f} GiB replayed "
-                      f"(max_memory_allocated {m['max_memory_allocated'] / gib:.2f} GiB), by where it was allocated:", "",
+                      f"(max_memory_allocated {m['max_memory_allocated'] / gib:.2f} GiB), by where it was "
+                      f"allocated:", "",
                   "| GiB | allocated at |", "|---|---|"]
         lines += [f"| {site['bytes'] / gib:.2f} | `{site['site']}` |" for site in m["by_site"]]
     return "\n".join(lines) + "\n"

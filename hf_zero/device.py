@@ -208,9 +208,9 @@ class _PageLocked(mmap.mmap):
 def host_buffers_for_good(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Host buffers that copies use for the whole run (the offloaded gradient shards, the staged new parameters, a
     unit's offloaded parameters), uninitialised, cut from one block of exactly their size, pinned where `_pins`. Not
-    from the caching host allocator, which would round the block up to a power of two and gains nothing from a block never
-    handed back (the 1.31B GPT-2's 2.6 GB gradient shard took 4 GiB page-locked): the block is page-locked where
-    it lies (cudaHostRegister), as much as asked for, and given back with its last view."""
+    from the caching host allocator, which would round the block up to a power of two and gains nothing from a block
+    never handed back (the 1.31B GPT-2's 2.6 GB gradient shard took 4 GiB page-locked): the block is page-locked
+    where it lies (cudaHostRegister), as much as asked for, and given back with its last view."""
     total = sum(numels)
     if simulating():
         flat = sim.as_if_pinned(total, dtype)

@@ -192,8 +192,8 @@ class NvmeAdamStates:
     def step(self, grad_chunks: list[list[torch.Tensor]], outs: Callable[[int, int], torch.Tensor] | None,
              grad_scale: float) -> None:
         """One Adam step over every tile; the new parameters go, in their dtype, to `outs(g, k)` (chunk k of
-        group g's buffer, once no copy reads it) or (when the parameters live here too) to the files. The gradients are `grad_chunks`, or when they live here
-        the side `seal_grads` last handed over."""
+        group g's buffer, once no copy reads it) or (when the parameters live here too) to the files. The gradients
+        are `grad_chunks`, or when they live here the side `seal_grads` last handed over."""
         tiles = self.tiles()
         grad_side = self.grad_read_side  # taken now: seal_grads may hand over the next side while this runs
         reads: dict[int, Future] = {}
