@@ -6,6 +6,7 @@ invocation, whole on every rank first.
 
   python benchmarks/bench_pretrained_memory.py                 # gpt2-large's shape, 3 steps
   python benchmarks/bench_pretrained_memory.py --n_layer 6     # quicker, same width
+  python benchmarks/bench_pretrained_memory.py --n_layer 12 --runs nvme --do_eval   # 302M, NVMe, evaluated too
 
 Each rank's VmHWM is read from /proc while the job runs: when the Trainer logs "Running training" (the
 model is built, the Trainer and the engine exist, no step has run) and at the end. Runs: partitioned,
@@ -62,6 +63,14 @@ def vm_hwm(process: psutil.Process) -> int:
     return 0
 
 
+# The runs by name: what the table calls each, and its flags.
+RUNS = {"partitioned": ("partitioned", []),
+        "trimmed": ("partitioned, --zero_trim_host_heap", ["--zero_trim_host_heap", "true"]),
+        "whole": ("whole first", ["--zero_init_partitioned", "false"]),
+        "nvme": ("partitioned, NVMe params + optimizer", ["--zero_offload_param", "nvme", "--zero_offload_optimizer",
+                                                          "nvme"])}
+
+
 def run(name: str, checkpoint: Path, out: Path, steps: int, flags: list[str]) -> dict:
     """One `hf-zero run`; per rank the VmHWM before the first step and over the whole run, and the losses."""
     command = [sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "4", str(SCRIPT),
@@ -106,6 +115,9 @@ def main() -> None:
     parser.add_argument("--n_embd", type=int, default=1280)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--work", default="/tmp/hf_zero_bench_pretrained")
+    parser.add_argument("--do_eval", action="store_true", help="evaluate after training too (--do_eval): stage 3 keeps "
+                        "units gathered through the evaluation loop, within its keep limit")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="which runs (default: all)")
     args = parser.parse_args()
     work = Path(args.work)
     checkpoint = work / f"gpt2_{args.n_layer}x{args.n_embd}"
@@ -114,24 +126,21 @@ def main() -> None:
     (work / "nvme").mkdir(parents=True, exist_ok=True)
     print(f"checkpoint: {psi / 1e6:.0f}M parameters, {model_bytes / GIB:.2f} GiB in fp32; 4 ranks, "
           f"stage-3 formula 16Ψ/Nd = {4 * model_bytes / 4 / GIB:.2f} GiB")
-    runs = [run("partitioned", checkpoint, work / "a", args.steps, []),
-            run("partitioned, --zero_trim_host_heap", checkpoint, work / "d", args.steps,
-                ["--zero_trim_host_heap", "true"]),
-            run("whole first", checkpoint, work / "b", args.steps, ["--zero_init_partitioned", "false"]),
-            run("partitioned, NVMe params + optimizer", checkpoint, work / "c", args.steps,
-                ["--zero_offload_param", "nvme", "--zero_offload_optimizer", "nvme",
-                 "--zero_nvme_path", str(work / "nvme")])]
+    evaluating = ["--do_eval"] if args.do_eval else []
+    runs = [run(RUNS[name][0], checkpoint, work / name, args.steps,
+                [*RUNS[name][1], *(["--zero_nvme_path", str(work / "nvme")] if name == "nvme" else []), *evaluating])
+            for name in args.runs]
     print("| run | peak RSS per rank before the first step (GiB, x model) | over the run (GiB, x model) | s |")
     print("|---|---|---|---|")
     for r in runs:
         first = ", ".join(f"{b / GIB:.2f} ({b / model_bytes:.2f}x)" for b in r["before_first_step"])
         whole = ", ".join(f"{b / GIB:.2f} ({b / model_bytes:.2f}x)" for b in r["whole_run"])
         print(f"| {r['name']} | {first} | {whole} | {r['seconds']:.0f} |")
-    reference = runs[2]["losses"]
+    reference = runs[0]["losses"]
     for r in runs:
         worst = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], reference))
-        print(f"{r['name']}: losses {['%.5f' % x for x in r['losses']]}, worst relative difference to the whole "
-              f"build {worst:.1e}")
+        print(f"{r['name']}: losses {['%.5f' % x for x in r['losses']]}, worst relative difference to the "
+              f"{runs[0]['name']} run {worst:.1e}")
         assert len(r["losses"]) == args.steps and math.isfinite(worst) and worst <= 1e-5
 
 

@@ -30,7 +30,7 @@ from hf_zero.config import (ZeroConfig, ZeroConfigError, described_settings, fla
 from hf_zero.device import has_accelerator
 from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, processes_per_node
 from hf_zero.flag_names import DDP_TIMEOUT_FLAG, ENGINE_FLAGS, EXTRA_FLAGS, TRAINER_OWNED, check_flag_names
-from hf_zero.launch import collective_timeout
+from hf_zero.launch import collective_timeout, rendezvous_apart_from_earlier_starts
 from hf_zero.tensor_parallel import check_tp_within_a_node
 
 logger = logging.get_logger(__name__)
@@ -63,6 +63,7 @@ def _post_init(self: Any) -> None:
     per_node = processes_per_node(processes)
     if self.ddp_timeout is None:  # before transformers starts the process group with it
         self.ddp_timeout = math.ceil(collective_timeout().total_seconds())
+    rendezvous_apart_from_earlier_starts()  # a script under plain torchrun --max-restarts too
     super(ZeroArgumentsMixin, self).__post_init__()
     if self.torch_compile:  # also set by --torch_compile_mode or --torch_compile_backend
         raise ZeroConfigError("--torch_compile is not supported with hf_zero's ZeRO engine yet: the Trainer would "
@@ -103,13 +104,13 @@ def _accelerate_deepspeed(args: Any) -> str | dict[str, Any] | None:
     its --deepspeed_config_file, or its DeepSpeed flags as a configuration. Turned off in this process, so that
     accelerate builds no DeepSpeed plugin."""
     env = os.environ
-    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    if not environment.truth("ACCELERATE_USE_DEEPSPEED", False):  # "1" too, as transformers reads it
         return None
     env["ACCELERATE_USE_DEEPSPEED"] = "false"
     if env.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"):
         raise ZeroConfigError("accelerate launch --deepspeed_moe_layer_cls_names is DeepSpeed's; hf_zero gathers "
                               "whole units: drop it (and see --zero_unit_module_classes)")
-    if env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "").lower() == "false":
+    if not environment.truth("ACCELERATE_DEEPSPEED_ZERO3_INIT", True):
         args.zero_init_partitioned = False
     if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         return env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]

@@ -34,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator
@@ -324,6 +325,10 @@ def save(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
             except Timeout:
                 raise CheckpointError(f"another save of {final} is in progress (it holds {lock.lock_file}); wait "
                                       f"for it to end, or save to another folder") from None
+            except OSError as error:  # filelock opens the lock without following links: a link was ELOOP
+                what = "a symbolic link" if lock_path.is_symlink() else f"not a file it can lock ({error.strerror})"
+                raise CheckpointError(f"{lock_path}, the save's lock, is {what}: it must be a plain file or absent; "
+                                      f"remove it, or save to another folder") from None
             settle(final)
             partial.mkdir(parents=True)
             (partial / MARKER).write_text(f"{FORMAT}: a checkpoint folder, moved and removed by later saves\n")
@@ -457,12 +462,13 @@ def _manifest(layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
 
 
 # ---- load ------------------------------------------------------------------------------------
-def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend",
-         comm: Communicator, frozen_must_match: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBackend", comm: Communicator,
+         module: nn.Module, frozen_must_match: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Sets the backend's masters and optimizer state from a checkpoint saved at any data-parallel size and
     stage; returns the manifest (training state, client_state) and the module state for the caller to restore.
     Nothing changes unless every rank's checks passed: the whole manifest, every file's size and hash, and
-    every stored tensor this rank will read (present, fp32, of the size the manifest gives), and with
+    every stored tensor this rank will read (present, fp32, of the size the manifest gives), frozen weights recorded
+    by their source read from the tensors `module`'s own loading names (`frozen_source.check_keys`), and with
     `frozen_must_match` that the frozen weights are the model's already (a peft base that resumes must be the one its
     adapter was trained on). What can still fail after that is the disk itself; that too fails on every rank, never
     leaving one waiting."""
@@ -492,6 +498,7 @@ def load(directory: str | os.PathLike, layout: ShardLayout, backend: "UpdateBack
             for file in sorted(needed | {module_state_file(manifest)}):
                 files[file] = stack.enter_context(open_shard(folder, file))
             if source is not None:
+                frozen_source.check_keys(source, module, manifest["frozen"])
                 frozen_names = [p.name for p in layout.frozen_pieces]
                 sources.update(stack.enter_context(frozen_source.opened(source, frozen_names)))
             for chunks in layout.pieces:
@@ -592,19 +599,17 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
     def count(value: Any) -> bool:
         return type(value) is int and value >= 0
 
-    def finite(value: Any) -> bool:
-        return type(value) in (int, float) and math.isfinite(value)
-
     def all_finite(value: Any) -> bool:  # the numbers in hyper-parameters, however nested (betas)
         if isinstance(value, (list, tuple)):
             return all(map(all_finite, value))
-        return type(value) not in (int, float) or math.isfinite(value)
+        return type(value) not in (int, float) or finite_number(value)
 
     for key in ("zero_stage", "world_size", "global_steps", "micro_steps", "skipped_steps"):
         expect(count(manifest[key]), f"{key} must be a count; got {manifest[key]!r}")
     expect(manifest["dtype"] in DTYPES, f"dtype must be one of {', '.join(DTYPES)}; got {manifest['dtype']!r}")
     scaler = manifest["loss_scaler"]
-    expect(isinstance(scaler, dict) and finite(scaler["scale"]) and scaler["scale"] > 0 and count(scaler["clean_steps"]),
+    expect(isinstance(scaler, dict) and finite_number(scaler["scale"]) and scaler["scale"] > 0
+           and count(scaler["clean_steps"]),
            f"loss_scaler must hold a positive finite scale and a count of clean steps; got {scaler!r}")
     parameters = manifest["parameters"]
     expect(isinstance(parameters, dict), "parameters must be an object")
@@ -613,9 +618,13 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
     expect(isinstance(optimizer["class"], str), "optimizer.class must be a name")
     expect(isinstance(groups, list) and all(isinstance(g, dict) and all(map(all_finite, g.values())) for g in groups),
            "optimizer.param_groups must be a list of objects with finite numbers")
+    # A group's parameters are the engine's (its masters), never the checkpoint's: torch's load_state_dict would
+    # refuse a list of another length only after the masters were set.
+    expect(all("params" not in g for g in groups), "optimizer.param_groups must not list params (the engine's "
+                                                   "parameters are matched by name, under parameters)")
     scalars = optimizer["scalars"]
     expect(isinstance(scalars, list) and len(scalars) == len(groups) and all(
-        isinstance(g, dict) and all(finite(v) for v in g.values()) for g in scalars),
+        isinstance(g, dict) and all(finite_number(v) for v in g.values()) for g in scalars),
         "optimizer.scalars must hold finite numbers, one object per param group")
     for where, entries in (("param_groups", groups), ("scalars", scalars)):
         for g, entry in enumerate(entries):
@@ -680,10 +689,17 @@ _FLAGS = {"amsgrad", "nesterov", "maximize", "foreach", "capturable", "different
 _COUNTS = {"step"}
 
 
+def finite_number(value: Any) -> bool:
+    """A JSON number a float holds: not NaN or infinite, and no integer beyond a float's range (10**400, which
+    math.isfinite cannot even take)."""
+    if type(value) is int:
+        return abs(value) <= sys.float_info.max
+    return type(value) is float and math.isfinite(value)
+
+
 def hyper_parameter_problem(key: str, value: Any) -> str | None:
     """What is wrong with `value` as hyper-parameter or counter `key` of a checkpoint's optimizer, or None."""
-    def number(v: Any) -> bool:
-        return type(v) in (int, float) and math.isfinite(v)
+    number = finite_number
 
     if key in _AT_LEAST_ZERO and not (number(value) and value >= 0):
         return "must be a finite number of at least 0"
@@ -743,6 +759,7 @@ def _check_model(layout: ShardLayout, backend: "UpdateBackend", manifest: dict[s
     if len(manifest["optimizer"]["param_groups"]) != len(backend.optimizer.param_groups):
         raise CheckpointError(f"{folder / MANIFEST} holds {len(manifest['optimizer']['param_groups'])} param groups; "
                               f"this engine's optimizer has {len(backend.optimizer.param_groups)}")
+    _check_optimizer_flags(backend.optimizer, manifest, folder)
     saved_frozen = {name: entry["shape"] for name, entry in manifest.get("frozen", {}).items()}
     # Saved before frozen weights were stored apart: they are in the module state.
     saved_frozen |= {name: layout.frozen[name]["shape"] for name in manifest["module_state"] if name in layout.frozen}
@@ -758,6 +775,21 @@ def _check_model(layout: ShardLayout, backend: "UpdateBackend", manifest: dict[s
         where = "the checkpoint" if differ[0] in manifest["module_state"] else "this model"
         raise CheckpointError(f"{folder / MANIFEST} is from another model: only {where} has the frozen parameter or "
                               f"buffer {differ[0]!r}")
+
+
+def _check_optimizer_flags(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], folder: Path) -> None:
+    """The checkpoint's hyper-parameters replace the optimizer's at load (as torch's load_state_dict does), but its
+    flags (amsgrad, maximize, capturable, ...) may not: they choose another update (gradient ascent), states the
+    checkpoint does not hold (amsgrad's max_exp_avg_sq), or a device the states are not on (capturable). A flag
+    must be what the run built."""
+    for g, (group, saved) in enumerate(zip(optimizer.param_groups, manifest["optimizer"]["param_groups"])):
+        for flag in sorted(_FLAGS & saved.keys()):
+            if saved[flag] != group.get(flag):
+                raise CheckpointError(
+                    f"{folder / MANIFEST}: param group {g} has {flag}={json.dumps(saved[flag])} in the checkpoint and "
+                    f"{flag}={json.dumps(group.get(flag))} in this run's {type(optimizer).__name__}; a flag must "
+                    f"be the one the states were trained with. Build the optimizer with {flag}="
+                    f"{saved[flag]!r} to resume this checkpoint")
 
 
 def _describe_frozen(shape: list[int] | None) -> str:

@@ -29,6 +29,13 @@ def _seconds(value: str) -> float:
     return seconds(value, "the value")
 
 
+def _restarts(value: str) -> int:
+    """argparse type of --max_restarts: a count, 0 or more."""
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"must be a whole number, 0 or more; got {value!r}")
+    return int(value)
+
+
 def _nproc(value: str) -> int:
     """argparse type of --nproc_per_node: a process count of at least 1."""
     count = int(value)
@@ -38,7 +45,7 @@ def _nproc(value: str) -> int:
 
 
 LAUNCH_FLAGS = ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port", "--rdzv_backend",
-                "--rdzv_endpoint", "--rdzv_id", "--collective_timeout")
+                "--rdzv_endpoint", "--rdzv_id", "--collective_timeout", "--max_restarts")
 
 
 def _add_launch_arguments(parser: argparse.ArgumentParser, default_nproc: int) -> None:
@@ -58,6 +65,10 @@ def _add_launch_arguments(parser: argparse.ArgumentParser, default_nproc: int) -
                         "(--master_addr, --master_port and --node_rank; the default otherwise)")
     launch.add_argument("--rdzv_endpoint", metavar="HOST:PORT", help="where the nodes meet (c10d rendezvous)")
     launch.add_argument("--rdzv_id", help="a job id the nodes of one run share (c10d rendezvous; default hf_zero)")
+    launch.add_argument("--max_restarts", type=_typed(_restarts), default=0, metavar="N",
+                        help="when a rank dies (killed, out of memory), torchrun starts every rank again, up to N "
+                        "times; each restart resumes from the newest complete checkpoint in the output folder "
+                        "(default 0)")
     launch.add_argument("--collective_timeout", type=_typed(_seconds),
                         metavar="SECONDS", help=f"how long a rank waits in one collective for the others before it "
                         f"fails, naming the rank that stopped answering (default "
@@ -84,6 +95,20 @@ def _check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     return args.nproc_per_node * args.nnodes
 
 
+# What torchrun sets for each process it starts: which one it is, and how many there are.
+LAUNCHER_WORLD = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _forget_launcher_world(prog: str) -> None:
+    """For a launch of one process, which runs here without torchrun: the variables torchrun would set for it, left
+    over from another launch, are dropped and said to be, as torchrun overrides them for the processes it starts. A
+    leftover WORLD_SIZE=2 had the one process wait for a second (a 28-line error about RANK)."""
+    stale = [f"{name}={os.environ.pop(name)}" for name in LAUNCHER_WORLD if name in os.environ]
+    if stale:
+        print(f"{prog}: ignoring {', '.join(stale)} from the environment: this launch is one process, run here "
+              f"without torchrun (which sets them for the processes it starts)", file=sys.stderr)
+
+
 def _without_launch_flags(argv: list[str]) -> list[str]:
     kept, skip = [], False
     for arg in argv:
@@ -104,10 +129,12 @@ def _train(argv: list[str]) -> int:
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
+    if processes == 1:
+        _forget_launcher_world(parser.prog)
     check_environment()
     train_lm.check_args(args, processes, args.nproc_per_node)  # bad settings stop here, before any process starts
     use_mmap_for_large_allocations()
-    if processes == 1:
+    if processes == 1 and not args.max_restarts:  # restarts are torchrun's
         train_lm.main(args)
         return 0
     return _torchrun(args, "hf_zero.train_lm", _without_launch_flags(argv))
@@ -135,12 +162,14 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
+    if processes == 1:
+        _forget_launcher_world(parser.prog)
     check_environment()
     if not Path(args.script).is_file():
         parser.error(f"no such script: {args.script}")
     check_flag_names(args.script_args)  # a misspelt --zero_* flag, said before torch and transformers are imported
     use_mmap_for_large_allocations()
-    if processes == 1:
+    if processes == 1 and not args.max_restarts:  # restarts are torchrun's
         return run.main([args.script, *args.script_args])
     from hf_zero.arguments import check_script_flags
 
@@ -289,7 +318,7 @@ def _torchrun(launch: argparse.Namespace, module: str, module_args: list[str]) -
         os.environ[COLLECTIVE_TIMEOUT_ENV] = str(launch.collective_timeout)
     try:
         torchrun(["--nnodes", str(launch.nnodes), "--nproc_per_node", str(launch.nproc_per_node),
-                  *_rendezvous_args(launch), "-m", module, *module_args])
+                  "--max-restarts", str(launch.max_restarts), *_rendezvous_args(launch), "-m", module, *module_args])
     except ChildFailedError:  # torchrun has already printed which rank failed and why
         return 1
     return 0

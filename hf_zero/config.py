@@ -76,10 +76,12 @@ class ZeroConfig:
     # grows with the data-parallel world (`default_reduce_bucket_size`): a fixed 5M would cut each rank's piece
     # of a reduce-scatter to 5M/Nd elements, latency-bound across nodes, and 7B into 1,400 collectives.
     reduce_bucket_size: int | None = setting(None, "stages 0-2: gradient elements reduced per bucket (C_B); unset: "
-                                             "max(5e6, 1e6 x data-parallel ranks), at most 5e8",
-                                             "zero_optimization.reduce_bucket_size")
-    allgather_bucket_size: int = setting(50_000_000, "stages 1-2: parameter elements all-gathered at once "
-                                         "after the step", "zero_optimization.allgather_bucket_size")
+                                             "max(5e6, 1e6 x data-parallel ranks), at most 5e8, and at most what "
+                                             "three buckets (two reducing, one filling) may take of half the memory "
+                                             "the rank has left", "zero_optimization.reduce_bucket_size")
+    allgather_bucket_size: int | None = setting(None, "stages 1-2: parameter elements all-gathered at once after the "
+                                                "step; unset: 5e7 (DeepSpeed's), at most half the memory the rank has "
+                                                "left", "zero_optimization.allgather_bucket_size")
     # The compute dtype by default, as DeepSpeed's communication_data_type and FSDP2's reduce_dtype default
     # to, and as the paper's 2Ψ of traffic and 2Ψ/Nd of gradients per rank count it.
     reduce_dtype: str | None = setting(None, "dtype gradients are reduced in and, at stages 2-3, accumulated "
@@ -103,14 +105,17 @@ class ZeroConfig:
     # for no extra peak memory (FSDP2 does the same with its root).
     reshard_root_after_forward: bool = setting(False, "stage 3: free the root unit (embeddings, head) after "
                                                "forward and gather it again for backward, the paper's 3Ψ schedule")
-    # DeepSpeed's stage3_max_live_parameters default (1e9 elements: 2 GB in bf16). Generation runs one forward per
-    # token, and an evaluation loop one per batch, on weights that do not change: without this each gathers every
-    # unit again (stage 3's predict_with_generate at 2-4x stock's time on tiny models). The name is the first use's.
-    generation_max_live_parameters: int = setting(1_000_000_000, "stage 3: during model.generate() and the "
-                                                  "Trainer's evaluation and prediction loops, gathered units stay "
-                                                  "gathered after use, up to this many parameter elements in all, "
-                                                  "and are freed when the call or loop ends (0: free each unit after "
-                                                  "every forward, as in training)")
+    # Generation runs one forward per token, and an evaluation loop one per batch, on weights that do not change:
+    # without this each gathers every unit again (stage 3's predict_with_generate at 2-4x stock's time on tiny
+    # models). DeepSpeed's stage3_max_live_parameters is a fixed 1e9 elements, which holds a model that offloads
+    # its parameters because it does not fit whole for the length of an evaluation. The name is the first use's.
+    generation_max_live_parameters: int | None = setting(
+        None, "stage 3: during model.generate() and the Trainer's evaluation and prediction loops, gathered units "
+              "stay gathered after use, up to this many parameter elements in all, and are freed when the call or "
+              "loop ends (0: free each unit after every forward, as in training). Unset: half the memory the rank "
+              "has left (a GPU's free memory after the step's peak; on a CPU the host's available memory per local "
+              "rank), and with offload_param no more than a training step holds gathered (the largest unit and "
+              "prefetch_bucket_size)")
     # Off by default: what a trim gives back, the next step's activations take again through page faults (the
     # Quick-start job at stage 3: 0.78 -> 1.04 s/step); on where host memory is what limits the model.
     trim_host_heap: bool = setting(False, "stage 3: give the host heap that backward's freed activations leave "
@@ -201,9 +206,14 @@ class ZeroConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def bucket_numel(self, data_parallel_ranks: int) -> int:
-        """reduce_bucket_size, or when unset the size for this many ranks (`default_reduce_bucket_size`)."""
-        return self.reduce_bucket_size or default_reduce_bucket_size(data_parallel_ranks)
+    def bucket_numel(self, data_parallel_ranks: int, memory_cap: int) -> int:
+        """reduce_bucket_size, or when unset the size for this many ranks (`default_reduce_bucket_size`), three of
+        which fit in `memory_cap` elements (`memory.memory_left`'s share)."""
+        return self.reduce_bucket_size or max(1, min(default_reduce_bucket_size(data_parallel_ranks), memory_cap // 3))
+
+    def allgather_numel(self, memory_cap: int) -> int:
+        """allgather_bucket_size, or when unset DeepSpeed's 5e7 elements, at most `memory_cap`."""
+        return self.allgather_bucket_size or max(1, min(50_000_000, memory_cap))
 
     @property
     def torch_reduce_dtype(self) -> torch.dtype:
@@ -231,7 +241,7 @@ class ZeroConfig:
         for key in ("prefetch_bucket_size", "param_persistence_threshold", "delayed_param_update_warmup",
                     "max_skipped_steps_in_a_row", "generation_max_live_parameters"):
             value = getattr(self, key)
-            if value < 0:
+            if value is not None and value < 0:
                 fail(key, f"must be an integer >= 0; got {value!r}")
         for key in ("gradient_clipping", "loss_scale"):
             value = getattr(self, key)

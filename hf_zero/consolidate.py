@@ -108,7 +108,10 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
             shape, stored_dtype = module_meta[key]
             stored = TORCH_DTYPES[stored_dtype]
             planned[name] = meta_like(shape, out_dtype if stored.is_floating_point else stored)
-    layout = SavedLayout(_model_on_meta(config_path, config), planned)
+    model = _model_on_meta(config_path, config)
+    if "frozen_source" in manifest:
+        frozen_source.check_keys(manifest["frozen_source"], model, manifest["frozen"])
+    layout = SavedLayout(model, planned)
     rss_before = psutil.Process().memory_info().rss
     reset_peak_rss()
 
@@ -133,11 +136,18 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
 def _write_staged(output: Path, provenance: dict, write: Callable[[Path], list[str]]) -> list[str]:
     """`write(staging)` fills a staging folder inside `output` and names its files; the provenance record
     follows, and all of them replace what `output` held only once every one is written."""
+    created = [folder for folder in (output, *output.parents) if not folder.exists()]
     staging = _staging_folder(output)
     try:
         written = write(staging)
         (staging / PROVENANCE).write_text(json.dumps({**provenance, "files": written}, indent=1) + "\n")
         _move_into_place(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # a failed consolidation leaves no folder it made behind (deepest first)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return [*written, PROVENANCE]
@@ -172,6 +182,8 @@ def _consolidate_adapter(source: Path, manifest: dict, index: dict, output: Path
     with torch.device("meta"):  # the base model: no memory until the checkpoint's tensors are assigned
         base = base_class._from_config(config)
     model = get_peft_model(base, adapter_config)  # the adapter's modules and tensors (prompt tokens) where peft puts them
+    if merge and "frozen_source" in manifest:
+        frozen_source.check_keys(manifest["frozen_source"], model, manifest["frozen"])
     trained = {key for _, key in manifest["weights"] if key.startswith("master/")}
     wanted = [(name, key) for name, key in manifest["weights"] if merge or key in trained]
     _check_adapter_shapes(model, manifest, wanted, adapter_path)

@@ -28,6 +28,7 @@ import ctypes
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -121,6 +122,20 @@ def record_event(device: torch.device | None = None) -> Event:
 
 
 _copy_streams: dict[int, "torch.cuda.Stream"] = {}
+
+
+# ---- host threads beside the one driving the device ---------------------------------------------
+def run_beside(pool: ThreadPoolExecutor, work: Callable[[], None], name: str) -> Future:
+    """Submits `work` to `pool`'s thread, which runs it beside the thread that drives the device; `joined` waits for
+    it. Under the stream checker that thread is a timeline of its own, `name`: the host touching memory it writes (or
+    writing memory it reads) before joining it is refused, as an unordered stream's access is."""
+    begun = sim.fork_thread_timeline()
+    return pool.submit(sim.thread_timeline, name, begun, work)
+
+
+def joined(running: Future) -> None:
+    """Waits for work `run_beside` submitted, re-raising its error; what it did is ordered before the host's next op."""
+    sim.join_thread_timeline(running.result())
 
 
 def _copy_stream(device: torch.device) -> "torch.cuda.Stream | None":

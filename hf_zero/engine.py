@@ -450,7 +450,7 @@ class ZeroEngine(nn.Module):
     @contextlib.contextmanager
     def units_kept_gathered(self) -> Iterator[None]:
         """For a loop of forwards whose weights do not change (evaluation, prediction): at stage 3 the units stay
-        gathered inside, every one gathered on entry where they fit within generation_max_live_parameters
+        gathered inside, every one gathered on entry where they fit within Stage3Params.keep_limit()
         (Stage3Params.units_kept_gathered), instead of gathered again by every forward. Below stage 3 the
         parameters are whole already. The last update lands first (delayed_param_update)."""
         self.finish_pending_update()
@@ -573,7 +573,7 @@ class ZeroEngine(nn.Module):
         self.finish_pending_update()
         layout = self.checkpoint_layout()
         manifest, module_state = checkpoint.load(directory, layout, self.sharded_optimizer.backend, self.world_comm,
-                                                 frozen_must_match)
+                                                 self.module, frozen_must_match)
         self.frozen_sources.forget()  # the frozen weights may now be the checkpoint's
         checkpoint.restore_module_state(layout, module_state)
         self.global_steps, self.micro_steps = manifest["global_steps"], manifest["micro_steps"]

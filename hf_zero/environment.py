@@ -6,7 +6,8 @@ one line (rank_main.run_rank), not a traceback per rank.
 hf_zero's own: HF_ZERO_COLLECTIVE_TIMEOUT, HF_ZERO_CHECK_COLLECTIVES, HF_ZERO_EXTENSIONS_DIR, HF_ZERO_CPU_ADAM_ISA
 (read by the C++ kernels too, csrc/isa.h), HF_ZERO_CPU_ADAM_THREADS, HF_ZERO_SIMULATE_ASYNC and HF_ZERO_CUDA_DELAY (tests). The launchers':
 torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE and RANK, and what `accelerate launch --use_deepspeed` hands its processes
-(ACCELERATE_DEEPSPEED_ZERO_STAGE, ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_GRADIENT_ACCUMULATION_STEPS).
+(ACCELERATE_USE_DEEPSPEED and ACCELERATE_DEEPSPEED_ZERO3_INIT, truth values read as accelerate reads them;
+ACCELERATE_DEEPSPEED_ZERO_STAGE, ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_GRADIENT_ACCUMULATION_STEPS).
 """
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ CUDA_DELAY_ENV = "HF_ZERO_CUDA_DELAY"
 # Python's timedelta does (1e300 s raised OverflowError inside every rank).
 TIMEOUT_BOUNDS = (1.0, 30 * 24 * 3600.0)
 CPU_ADAM_ISAS = ("avx512", "avx2", "scalar")
+# What each instruction set needs of the CPU, as csrc/isa.h's supported_isa() asks the CPU for it; read from Linux's
+# /proc/cpuinfo before launch, so that an instruction set this CPU lacks is one line there, not a C++ error in every
+# rank's first step.
+ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
+CPU_INFO = Path("/proc/cpuinfo")
+# More threads than any one machine has cores; torch.set_num_threads takes a C int (1e20 overflowed in every rank).
+MAX_CPU_ADAM_THREADS = 4096
 SIMULATION_MODES = ("late", "early")
 DELAYED_STREAMS = ("compute", "comm", "copy")
 
@@ -57,8 +65,9 @@ def collective_timeout(default: timedelta | None) -> timedelta | None:
     return default if text is None else timedelta(seconds=seconds(text, COLLECTIVE_TIMEOUT_ENV))
 
 
-def integer(name: str, default: int, minimum: int) -> int:
-    """Environment variable `name` as a whole number of at least `minimum`, `default` when unset."""
+def integer(name: str, default: int, minimum: int, maximum: int | None = None) -> int:
+    """Environment variable `name` as a whole number of at least `minimum` (and at most `maximum` where given),
+    `default` when unset."""
     text = os.environ.get(name)
     if text is None:
         return default
@@ -66,9 +75,26 @@ def integer(name: str, default: int, minimum: int) -> int:
         value = int(text)
     except ValueError:
         value = None
-    if value is None or value < minimum:
-        raise ZeroConfigError(f"{name} must be a whole number of at least {minimum}; got {text!r}")
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"of at least {minimum}" if maximum is None else f"from {minimum} to {maximum:,}"
+        raise ZeroConfigError(f"{name} must be a whole number {bounds}; got {text!r}")
     return value
+
+
+def truth(name: str, default: bool) -> bool:
+    """Environment variable `name` as accelerate and transformers read a truth value (1, true, yes, on, ... and
+    their opposites), `default` when unset: read otherwise, `ACCELERATE_USE_DEEPSPEED=1` had transformers set up
+    DeepSpeed's configuration while hf_zero never took it over."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    from accelerate.utils.environment import str_to_bool  # imports torch: only where the variable is set
+
+    try:
+        return str_to_bool(text) == 1  # as accelerate's parse_flag_from_env
+    except ValueError:
+        raise ZeroConfigError(f"{name} must be a truth value as accelerate reads it: y, yes, t, true, on or 1; n, "
+                              f"no, f, false, off or 0; got {text!r}") from None
 
 
 def number(name: str) -> float:
@@ -126,7 +152,7 @@ def cuda_delay() -> tuple[str, int] | None:
     if not text:
         return None
     stream, _, cycles = text.partition(":")
-    if stream not in DELAYED_STREAMS or not cycles.isdigit():
+    if stream not in DELAYED_STREAMS or not (cycles.isascii() and cycles.isdigit()):  # isdigit() alone takes "²"
         raise ZeroConfigError(f"{CUDA_DELAY_ENV} must be STREAM:CYCLES, STREAM one of {', '.join(DELAYED_STREAMS)} "
                               f"and CYCLES a whole number; got {text!r}")
     return stream, int(cycles)
@@ -142,13 +168,39 @@ def processes_per_node(world: int) -> int:
     return integer("LOCAL_WORLD_SIZE", world, 1)
 
 
+def restarts_so_far() -> int:
+    """torchrun's TORCHELASTIC_RESTART_COUNT: how many times the ranks were started again after one died
+    (--max_restarts); 0 in a first start, or outside torchrun."""
+    return integer("TORCHELASTIC_RESTART_COUNT", 0, 0)
+
+
+def cpu_isas() -> list[str] | None:
+    """The kernels' instruction sets this CPU has (ISA_NEEDS), best first; None where /proc/cpuinfo cannot be read
+    (not Linux: the kernel then checks HF_ZERO_CPU_ADAM_ISA itself, in the first step)."""
+    try:
+        lines = CPU_INFO.read_text().splitlines()
+    except OSError:
+        return None
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    return [isa for isa in CPU_ADAM_ISAS if ISA_NEEDS[isa] <= flags]
+
+
+def cpu_adam_isa() -> str | None:
+    """HF_ZERO_CPU_ADAM_ISA (read by the kernels, csrc/isa.h), checked against this CPU; None when unset."""
+    isa = choice(CPU_ADAM_ISA_ENV, dict.fromkeys(CPU_ADAM_ISAS, ""))
+    has = cpu_isas()
+    if isa is not None and has is not None and isa not in has:
+        raise ZeroConfigError(f"{CPU_ADAM_ISA_ENV} must be one this CPU has: {', '.join(has)}; got {isa!r}")
+    return isa
+
+
 def cpu_adam_threads(beside_the_device: bool = False) -> tuple[int, str]:
     """The threads the offloaded update's CPU Adam runs on, and why: HF_ZERO_CPU_ADAM_THREADS where it is set, else
     the cores this process may run on shared by the processes on this node, less one when the update runs beside
     the thread that drives the device (a delayed update, during the next forward and backward: an OpenMP team
     sharing its cores with that thread waits for its slowest member). Not OMP_NUM_THREADS: torchrun sets it to 1
     whenever several processes share a node, which would leave each rank's update on one core."""
-    threads = integer(CPU_ADAM_THREADS_ENV, 0, 1)
+    threads = integer(CPU_ADAM_THREADS_ENV, 0, 1, MAX_CPU_ADAM_THREADS)
     if threads:
         return threads, CPU_ADAM_THREADS_ENV
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -166,11 +218,12 @@ def check_environment() -> None:
     simulation()
     cuda_delay()
     extensions_dir()
-    choice(CPU_ADAM_ISA_ENV, dict.fromkeys(CPU_ADAM_ISAS, ""))
+    cpu_adam_isa()
     cpu_adam_threads()
     processes_per_node(world_size())
     integer("RANK", 0, 0)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if truth("ACCELERATE_USE_DEEPSPEED", False):
+        truth("ACCELERATE_DEEPSPEED_ZERO3_INIT", True)
         integer("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2, 0)
         integer("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1, 1)
         if os.environ.get("ACCELERATE_GRADIENT_CLIPPING") not in (None, "none"):

@@ -14,8 +14,14 @@ on another machine), unless HF_HUB_OFFLINE says not to.
 A base with no such source is stored as before, with a log line saying why: built from a config, loaded from a Hub
 cache other than huggingface_hub's (`cache_dir`) or from a revision other than the cached default branch's, or
 changed in memory since it was loaded. The comparison with the files is made once per engine (each rank compares
-the pieces it would store), and again only when a file's size or modification time changes, or a checkpoint was
-loaded into the engine.
+the pieces it would store), and again only when a file's size or modification time changes, a frozen weight was
+changed in place (torch's version counter of the parameter moved: `wpe.weight.add_(1.0)`; a write through `.data`,
+which has a counter of its own, is not seen), or a checkpoint was loaded into the engine. A weight changed after a
+save is thus stored by the next one, and the log says so once.
+
+A manifest's entry is checked as the files are: loading and `hf-zero consolidate` refuse an entry that reads a
+frozen weight from another tensor than the one the model's own loading names (`check_keys`), which files and shapes
+alone would let through where two weights have one shape.
 
 What a manifest names stays inside what it names: a source file is a plain `*.safetensors` name in the recorded
 folder, never a path, and a Hub id is a valid repository id with a commit of 40 hex digits (never a path in the
@@ -107,10 +113,11 @@ def _file_stats(folder: Path, files: list[str]) -> list[tuple[str, int, int]]:
 
 class FrozenSources:
     """An engine's record of where its frozen weights come from, found at its first save (`find`) and kept while
-    the source files are unchanged and no checkpoint was loaded."""
+    the source files and the frozen weights are unchanged and no checkpoint was loaded."""
 
     def __init__(self) -> None:
-        self._found: tuple[dict[str, Any] | None, list[list[tuple[str, int, int]]]] | None = None
+        # The entry (None: stored), and what each rank saw when it was found: its files' stats, its weights' versions.
+        self._found: tuple[dict[str, Any] | None, list[tuple[list[tuple[str, int, int]], list[int]]]] | None = None
 
     def forget(self) -> None:
         """The frozen weights may have been replaced (a checkpoint was loaded): compare them again at the next save."""
@@ -120,13 +127,13 @@ class FrozenSources:
         """The manifest's "frozen_source" entry, or None where the frozen weights must be stored (said in a log line
         on rank 0). Every rank of `comm` calls it, and all get the same answer."""
         if self._found is not None:
-            entry, stats = self._found
+            entry, seen = self._found
             if entry is None:
                 return None
             files = [f["file"] for f in entry["files"]]
-            now = comm.agree(lambda: _file_stats(source_folder(entry), files), "checking the base model's files",
-                             CheckpointError)
-            if now == stats:
+            now = comm.agree(lambda: (_file_stats(source_folder(entry), files), _versions(module, layout)),
+                             "checking the base model's files", CheckpointError)
+            if now == seen:
                 return entry
         reasons = comm.agree(lambda: _why_not(module, layout), "comparing the frozen weights with their source",
                              CheckpointError)
@@ -139,16 +146,16 @@ class FrozenSources:
             return None
         entry = _entry(module, layout)
         files = [f["file"] for f in entry["files"]]
-        def hash_share_then_stat() -> tuple[dict[str, str], list[tuple[str, int, int]]]:
+        def hash_share_then_stat() -> tuple[dict[str, str], tuple[list[tuple[str, int, int]], list[int]]]:
             folder = source_folder(entry)
             share = {f: sha256(folder / f) for f in files[comm.rank::comm.world_size]}
-            return share, _file_stats(folder, files)
+            return share, (_file_stats(folder, files), _versions(module, layout))
 
         hashed = comm.agree(hash_share_then_stat, "hashing the base model's files", CheckpointError)
         digest = {file: h for share, _ in hashed for file, h in share.items()}
         for record in entry["files"]:
             record["sha256"] = digest[record["file"]]
-        self._found = (entry, [stats for _, stats in hashed])
+        self._found = (entry, [seen for _, seen in hashed])
         if comm.rank == 0:
             where = f"the Hub's {entry['name_or_path']} at commit {entry['revision']}" if "revision" in entry \
                 else entry["name_or_path"]
@@ -157,22 +164,34 @@ class FrozenSources:
         return entry
 
 
+def _versions(module: nn.Module, layout: Any) -> list[int]:
+    """Each frozen weight's version counter, which torch advances at every in-place change made through the
+    parameter: a weight changed since it was compared with its source shows here without reading either."""
+    return [p._version for name, p in module.named_parameters() if name in layout.frozen]
+
+
 def _source_keys(module: nn.Module, layout: Any) -> tuple[Path, dict[str, str], dict[str, list[str]]]:
     """The pretrained folder, what names it (`base_source`) and, for each frozen weight, [file, tensor] there.
     KeyError or ValueError saying why not."""
-    from hf_zero.construct import PretrainedWeights
-
     source = base_source(module)
     if source is None:
         raise ValueError("the model was not loaded with from_pretrained from a local folder or from a Hub id whose "
                          "files are in huggingface_hub's cache (built from a config, or loaded with another cache_dir)")
     folder, hub = source
+    return folder, hub, _keys_in(folder, module, layout.frozen)
+
+
+def _keys_in(folder: Path, module: nn.Module, frozen: dict[str, Any]) -> dict[str, list[str]]:
+    """For each of `module`'s frozen weights (name -> its "shape"), [file, tensor] of `folder` that its loading reads
+    it from (`PretrainedWeights.key_of`). KeyError or ValueError saying why not."""
+    from hf_zero.construct import PretrainedWeights
+
     try:
         weights = PretrainedWeights(folder)
     except (FileNotFoundError, SafetensorError, OSError) as e:
         raise ValueError(f"{folder} has no readable safetensors weights ({e})") from None
     keys = {}
-    for name, entry in layout.frozen.items():
+    for name, entry in frozen.items():
         key = weights.key_of(module, name)
         file = weights.file_of[key].relative_to(folder)
         if not SOURCE_FILE.fullmatch(str(file)):
@@ -181,7 +200,7 @@ def _source_keys(module: nn.Module, layout: Any) -> tuple[Path, dict[str, str], 
             raise ValueError(f"{name} has shape {entry['shape']} and {folder / file}'s {key} "
                              f"{list(weights.header_of[key][0])}")
         keys[name] = [str(file), key]
-    return folder, hub, keys
+    return keys
 
 
 def _why_not(module: nn.Module, layout: Any) -> str | None:
@@ -263,6 +282,27 @@ def check_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = No
                 f"SHA-256; the checkpoint recorded {record['bytes']}): the checkpoint reads its frozen weights from "
                 f"this base model, and this is not the one it was trained on. Put that base model back, or start a "
                 f"new run instead of resuming")
+
+
+def check_keys(entry: dict[str, Any], module: nn.Module, frozen: dict[str, Any]) -> None:
+    """Each frozen weight's tensor in a manifest's "frozen_source" entry (its files checked) is the one a save of
+    `module` records, the tensor the model's own loading reads it from; CheckpointError names the first that is not.
+    An entry edited to read a weight from another tensor of its shape passes every check of files and shapes, and
+    would load each weight where the other belongs. Loading and consolidation both call it."""
+    folder = source_folder(entry)
+    try:
+        expected = _keys_in(folder, module, frozen)
+    except (KeyError, ValueError) as e:
+        reason = str(e).strip("'\"")
+        raise CheckpointError(f"the base model in {folder} does not hold this model's frozen weights: "
+                              f"{reason}") from None
+    for name in sorted(frozen):
+        if entry["keys"][name] != expected[name]:
+            (file, key), (loaded_file, loaded_key) = entry["keys"][name], expected[name]
+            raise CheckpointError(
+                f"frozen_source.keys reads the frozen weight {name} from {file}'s {key!r}, but the model loads it from "
+                f"{loaded_file}'s {loaded_key!r} of {folder}: the manifest was edited or damaged. Use an intact copy "
+                f"of the checkpoint")
 
 
 @contextlib.contextmanager

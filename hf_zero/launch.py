@@ -18,7 +18,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,34 @@ def collective_timeout(default: timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT) -
     return environment.collective_timeout(default)
 
 
+@functools.cache  # once per process
+def rendezvous_apart_from_earlier_starts() -> None:
+    """After torchrun started the ranks again (--max_restarts), they meet in the store the earlier start used:
+    torchrun keeps its store across restarts, and torch's env:// rendezvous adds no prefix for it (it expects a new
+    store each time). A restarted rank then read the address a dead rank had published and waited on it until the
+    timeout (gloo's connectFullMesh: "Connection refused"). Each start after the first meets under a prefix of its
+    own: torch's env:// handler, wrapped in its registry of rendezvous handlers, for whichever code starts the
+    process group (accelerate's, under the Trainer)."""
+    restart = environment.restarts_so_far()
+    if restart == 0:
+        return
+    from torch.distributed.rendezvous import _rendezvous_handlers  # register_rendezvous_handler refuses "env"
+
+    env_handler = _rendezvous_handlers["env"]
+
+    def env_handler_of_this_start(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any):
+        for store, rank, world_size in env_handler(url, timeout, **kwargs):
+            yield dist.PrefixStore(f"hf_zero/restart_{restart}/", store), rank, world_size
+
+    _rendezvous_handlers["env"] = env_handler_of_this_start
+
+
 def init_distributed(backend: str | None = None) -> None:
     """Initialises torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
     A single process without that environment runs without a process group."""
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
+    rendezvous_apart_from_earlier_starts()
     if backend is None:
         backend = "nccl" if has_accelerator() else "gloo"
     if backend == "nccl":
@@ -52,14 +75,20 @@ def init_distributed(backend: str | None = None) -> None:
     try:
         dist.init_process_group(backend, timeout=timeout)
     except dist.DistError as error:  # torch's says which store key it waited for, not which rank never came
+        missing = _never_started(store, rank)
         raise JoinError(f"rank {rank}: the {environment.world_size()} processes did not all join the process group "
-                        f"within {timeout.total_seconds():.0f} s{_not_joined(store, rank)} (torch: "
-                        f"{str(error).splitlines()[0]})") from None
+                        f"within {timeout.total_seconds():.0f} s{_not_joined(missing)} (torch: "
+                        f"{str(error).splitlines()[0]})", missing or ()) from None
     start_heartbeat()
 
 
 class JoinError(RuntimeError):
-    """Some rank never joined the process group: the message names it where the rendezvous store can tell."""
+    """Some rank never joined the process group: the message names it where the rendezvous store can tell, and
+    `never_started` holds the ranks that never started to join."""
+
+    def __init__(self, message: str, never_started: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.never_started = list(never_started)
 
 
 def _joining_key(rank: int) -> str:
@@ -80,17 +109,42 @@ def _announce_joining(rank: int) -> dist.TCPStore | None:
         return None
 
 
-def _not_joined(store: dist.TCPStore | None, me: int) -> str:
+def _never_started(store: dist.TCPStore | None, me: int) -> list[int] | None:
+    """The ranks other than `me` that never started to join, by the rendezvous store; None where it cannot tell."""
     if store is None:
+        return None
+    try:
+        return [r for r in range(environment.world_size()) if r != me and not store.check([_joining_key(r)])]
+    except Exception:  # the store gone: the error is said without the names
+        return None
+
+
+def _not_joined(missing: list[int] | None) -> str:
+    if missing is None:
         return ""
-    with contextlib.suppress(Exception):
-        missing = [r for r in range(environment.world_size()) if r != me and not store.check([_joining_key(r)])]
-        if missing:
-            return (f": rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never started to join "
-                    f"(stopped, crashed before its join, or still starting; --collective_timeout sets how long the "
-                    f"others wait)")
-        return ": every rank started to join, and some rank did not finish"
-    return ""
+    if missing:
+        return (f": rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never started to join "
+                f"(stopped, crashed before its join, or still starting; --collective_timeout sets how long the "
+                f"others wait)")
+    return ": every rank started to join, and some rank did not finish"
+
+
+def end_local_ranks(ranks: list[int]) -> None:
+    """Kills those of `ranks` that the torchrun which started this rank started on this node, once this rank has said
+    why the run ends: a rank stopped before its join (SIGSTOP, a debugger) acts on torchrun's SIGTERM only when it
+    goes on, so torchrun waited another 30 s for its SIGKILL before the run ended. Elsewhere nothing."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not ranks or run_id is None:
+        return
+    import psutil
+
+    wanted = {str(rank) for rank in ranks}
+    with contextlib.suppress(psutil.Error):  # torchrun gone: nobody waits
+        for sibling in psutil.Process(os.getppid()).children():
+            with contextlib.suppress(psutil.Error):  # it ended meanwhile, or is not ours to read
+                environ = sibling.environ()
+                if environ.get("TORCHELASTIC_RUN_ID") == run_id and environ.get("RANK") in wanted:
+                    sibling.kill()
 
 
 # ---- heartbeat: which rank stopped answering ------------------------------------------------------

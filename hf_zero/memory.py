@@ -7,6 +7,11 @@ Stage 1 divides the optimizer states by Nd, stage 2 the gradients too, stage 3 e
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -32,6 +37,27 @@ def model_state_bytes(stage: int, psi: int, nd: int, dtype: str = "bf16",
 def communication_elements(stage: int, psi: int) -> int:
     """Elements each rank moves per step (section 7): 2Ψ for stages 0-2, 3Ψ for stage 3."""
     return 3 * psi if stage == 3 else 2 * psi
+
+
+# The share of what a rank has left that an automatic budget (stage 3's units kept gathered) may take: the rest is
+# for what the loop itself allocates (activations, generated tokens, the allocator's fragmentation).
+BUDGET_SHARE = 0.5
+
+
+def memory_left(device: "torch.device", ranks_on_node: int) -> tuple[int, str]:
+    """The bytes this rank can still take where `device` holds its tensors, and where that figure comes from. On a
+    GPU: what the driver reports free, plus what torch's allocator holds unused, less what the steps so far took
+    beyond what is allocated now (their peak comes back at the next step). On a CPU: the host memory available,
+    shared by the `ranks_on_node` processes of this node."""
+    import psutil
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        left = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+        return max(0, left), f"{device}'s free memory after the step's peak"
+    available = psutil.virtual_memory().available
+    return available // ranks_on_node, f"the host's available memory over {ranks_on_node} local rank(s)"
 
 
 def reset_peak_rss() -> None:

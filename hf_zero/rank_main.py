@@ -6,7 +6,8 @@ from typing import Callable, NoReturn
 from hf_zero.checkpoint import CheckpointError
 from hf_zero.comm import CollectiveError
 from hf_zero.config import ZeroConfigError
-from hf_zero.launch import JoinError, die_with_launcher, exit_skipping_teardown, say_once
+from hf_zero.launch import (JoinError, die_with_launcher, end_local_ranks, exit_skipping_teardown,
+                            rendezvous_apart_from_earlier_starts, say_once)
 
 
 def run_rank(main: Callable[[], int | str | None], prog: str) -> NoReturn:
@@ -14,11 +15,14 @@ def run_rank(main: Callable[[], int | str | None], prog: str) -> NoReturn:
     bad setting, a damaged checkpoint, a rank that stopped answering) is one line, said once, instead of a
     traceback on every rank and torchrun's report of each."""
     die_with_launcher()
+    rendezvous_apart_from_earlier_starts()  # before the script starts its process group
     try:
         code = main()
     except SystemExit as stop:  # the script's own sys.exit
         code = stop.code
     except (ZeroConfigError, CheckpointError, CollectiveError, JoinError) as error:
         say_once(f"{prog}: {error}")
+        if isinstance(error, JoinError):  # said once: the run ends now, not when torchrun gives up on them
+            end_local_ranks(error.never_started)
         code = 2
     exit_skipping_teardown(code)

@@ -32,8 +32,10 @@ since the host issues every later op. So:
   (`record_stream`), as the allocator then keeps the block until that stream is done;
 - allocating is a write by the allocating stream: another stream that fills new memory (a collective issued on
   the copy stream into a buffer the compute stream allocated) must have waited on the allocating stream.
-Ops issued from other threads (the delayed update's) are not seen by the dispatch mode; they touch host memory
-only, which the copy engine's checks above cover.
+A host thread that runs beside the one driving the device (the delayed update's, `thread_timeline`) is a
+timeline of its own: its ops (a dispatch mode of that thread) and its waits are ordered after what the host did
+before it started and before what the host does after it joined, and concurrent with the rest, so that the host
+touching memory the thread writes (or writing memory it reads) in between is refused as any unordered stream is.
 
 Host memory that the layer made (`host_empty`, `host_memory_empty`, `in_host_memory`) is the host's: an op on
 host memory only runs on the host timeline; one that mixes host and device memory is a synchronous copy (the host
@@ -86,6 +88,43 @@ _current = threading.local()  # the stream device work is queued on now (`stream
 
 def stream_now() -> str:
     return getattr(_current, "stream", COMPUTE)
+
+
+def _host_of_this_thread() -> str:
+    """The host timeline of the calling thread: HOST, or a background thread's own (`thread_timeline`)."""
+    return getattr(_current, "host_timeline", HOST)
+
+
+def fork_thread_timeline() -> int | None:
+    """Before a host thread starts work beside this one: an event on the host that the thread's timeline starts
+    after (None when nothing is checked)."""
+    return checker.record(HOST) if checker is not None else None
+
+
+def thread_timeline(name: str, begun: int | None, work: Callable[[], None]) -> int | None:
+    """Runs `work` in this thread as timeline `name`, after event `begun` (`fork_thread_timeline`); returns the
+    event on that timeline at its end, which the host waits on when it joins the thread (`join_thread_timeline`)."""
+    if begun is None or checker is None:
+        work()
+        return None
+    checker.synchronous.add(checker.stream(name))
+    checker.wait(name, begun)
+    # Ordered by its start and end events only: not issued by the host as it goes, as device work is.
+    _current.host_timeline, _current.issued_earlier = name, True
+    mode = _Dispatch()
+    mode.start()
+    try:
+        work()
+    finally:
+        mode.stop()
+        del _current.host_timeline, _current.issued_earlier
+    return checker.record(name) if checker is not None else None
+
+
+def join_thread_timeline(ended: int | None) -> None:
+    """The host has joined a thread whose timeline ended at event `ended`."""
+    if ended is not None and checker is not None:
+        checker.wait(HOST, ended)
 
 
 @contextlib.contextmanager
@@ -276,6 +315,9 @@ class StreamChecker:
         self.names: dict[int, str] = {0: COMPUTE}
         self.ids: dict[str, int] = {COMPUTE: 0}
         self.host = self.stream(HOST)
+        # Timelines whose accesses are over by the time memory they touched can be freed, as they run synchronously:
+        # the host's, and each host thread's (`thread_timeline`).
+        self.synchronous = {self.host}
         self.seq = 0
         self.records: dict[int, _Record] = {}
         self.event_ids = itertools.count(1)
@@ -284,8 +326,8 @@ class StreamChecker:
         # What the host waited on lately, in order: an event's id, or the name of a stream whose whole queue it waited
         # for (a value read back, a synchronous copy), which on a GPU leaves the device idle until the host queues more.
         self.host_waits: deque[int | str] = deque(maxlen=4096)
-        # The thread whose ops the dispatch mode sees: the host's timeline. Other threads (the delayed update's)
-        # touch host memory only, under the copy engine's checks.
+        # The thread whose ops the dispatch mode sees as the host's timeline; a background thread is a timeline of
+        # its own (`thread_timeline`).
         self.thread = threading.current_thread()
 
     def stream(self, name: str) -> int:
@@ -314,7 +356,7 @@ class StreamChecker:
                fresh: set[int] = frozenset()) -> None:
         """An op on `stream` that reads and writes those tensors; `fresh`: storages it allocated."""
         with self.lock:
-            sid = self.stream(stream)
+            sid = self.stream(_host_of_this_thread() if stream == HOST else stream)
             self._issue(sid)
             for tensor in reads:
                 self._touch(tensor, sid, False, what, fresh)
@@ -355,7 +397,9 @@ class StreamChecker:
         return self.syncs.is_ordered_after(sid, earlier.seq, earlier.stream)
 
     def _on(self, sid: int) -> str:
-        return "on the host" if sid == self.host else f"on the {self.names[sid]} stream"
+        if sid == self.host:
+            return "on the host"
+        return f"in the {self.names[sid]}" if self.names[sid].endswith("thread") else f"on the {self.names[sid]} stream"
 
     def _refuse(self, earlier: _Access, sid: int, write: bool, what: str, tensor: torch.Tensor) -> None:
         other = self.names[earlier.stream]
@@ -385,9 +429,9 @@ class StreamChecker:
     def _check_free(self, record: _Record, what: str) -> None:
         if record.host:  # pinned blocks go back only once their copies' events passed (the caching host allocator)
             return
-        # The host's own accesses are over when it frees: they ran synchronously.
+        # The host's own accesses (and a host thread's) are over when it frees: they ran synchronously.
         for earlier in record.accesses:
-            if earlier.stream not in (record.alloc, self.host, *record.recorded) \
+            if earlier.stream not in (record.alloc, *self.synchronous, *record.recorded) \
                     and not self._ordered(record.alloc, earlier):
                 raise StreamOrderError(
                     f"{what} ({_where()}) gives memory back to the {self.names[record.alloc]} stream that allocated "
@@ -422,7 +466,7 @@ class StreamChecker:
     def record(self, stream: str) -> int:
         """An event recorded on `stream` now; its id."""
         with self.lock:
-            sid = self.stream(stream)
+            sid = self.stream(_host_of_this_thread() if stream == HOST else stream)
             event = next(self.event_ids)
             self.syncs.create_event(event)
             if sid != self.host and not getattr(_current, "issued_earlier", False):
@@ -433,6 +477,7 @@ class StreamChecker:
 
     def wait(self, stream: str, event: int) -> None:
         """Stream `stream` waits on `event` (HOST: the host does, and so everything it issues later)."""
+        stream = _host_of_this_thread() if stream == HOST else stream
         with self.lock:
             if stream == HOST:
                 self.host_waits.append(event)
@@ -443,6 +488,7 @@ class StreamChecker:
     def wait_stream(self, waiting: str, waited: str) -> None:
         """Stream `waiting` waits on the work queued so far on stream `waited`, as on an event recorded there now
         (HOST: the host does, and so everything it issues later)."""
+        waiting = _host_of_this_thread() if waiting == HOST else waiting
         with self.lock:
             state = self.syncs.current_sync_states
             waited_id, waiting_id = self.stream(waited), self.stream(waiting)
@@ -693,7 +739,8 @@ class CopyEngine:
                     what = ("reads it, to the device" if copy.to_device else "will fill it, from the device")
                     raise PendingCopyError(f"the host {'writes' if writing else 'reads'} {copy.name} while a queued "
                                            f"copy still {what}: wait on the copy first")
-        if checker is not None and threading.current_thread() is checker.thread:
+        if checker is not None and (threading.current_thread() is checker.thread or
+                                    _host_of_this_thread() != HOST):
             checker.access(HOST, [] if writing else [tensor], [tensor] if writing else [], "the host")
 
     def land_through(self, copy: QueuedCopy) -> None:

@@ -7,9 +7,12 @@ which starts the processes itself.
 from __future__ import annotations
 
 import argparse
+import base64
 import logging
 import math
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
@@ -25,7 +28,8 @@ from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.config import add_arguments as add_engine_arguments
 from hf_zero.device import compute_device
-from hf_zero.environment import processes_per_node
+from hf_zero.checkpoint import is_complete
+from hf_zero.environment import processes_per_node, restarts_so_far
 from hf_zero.launch import init_distributed
 from hf_zero.memory import model_state_bytes
 from hf_zero.tensor_parallel import apply_tensor_parallel, check_tp_within_a_node, init_mesh
@@ -72,6 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_minutes", type=float, default=3.0, help="stop after this much training time")
     p.add_argument("--log_every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default=None,
+                   help="where checkpoints go (step-N folders); after a restart (--max_restarts) training resumes "
+                   "from the newest complete one there")
+    p.add_argument("--save_steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, object]:
@@ -86,6 +95,11 @@ def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     for flag in ("max_minutes", "lr"):
         if not (math.isfinite(getattr(args, flag)) and getattr(args, flag) > 0):
             raise ZeroConfigError(f"--{flag} must be a positive number; got {getattr(args, flag)}")
+    if args.save_steps < 0 or (args.save_steps and not args.output_dir):
+        raise ZeroConfigError(f"--save_steps must be 0 or more, and above 0 needs --output_dir; got {args.save_steps}"
+                              f"{'' if args.output_dir else ' without --output_dir'}")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        raise ZeroConfigError(f"--save_total_limit must be at least 1; got {args.save_total_limit}")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ZeroConfigError(f"--dropout must be in [0, 1); got {args.dropout}")
     _check_text(args)
@@ -112,11 +126,13 @@ def _check_activations_fit(args: argparse.Namespace, per_node: int) -> None:
     else:
         memory = psutil.virtual_memory().available // per_node
         where = f"the host memory available to each of the {per_node} ranks on this node"
-    if per_sequence * args.batch_size > memory:
+    fits = int(memory // per_sequence)  # the largest batch accepted, named by the refusal (it said "below" it)
+    if args.batch_size > fits:
+        use = f"a --batch_size of at most {fits}, or a shorter --seq_len" if fits else "a shorter --seq_len"
         raise ZeroConfigError(f"--batch_size {args.batch_size} of --seq_len {args.seq_len} needs at least "
                               f"{per_sequence * args.batch_size / 2**30:,.1f} GiB of activations per rank for "
-                              f"{args.model} ({args.dtype}), more than {where}, {memory / 2**30:,.1f} GiB: use a "
-                              f"--batch_size below {max(1, int(memory // per_sequence))}, or a shorter --seq_len")
+                              f"{args.model} ({args.dtype}), more than {where}, {memory / 2**30:,.1f} GiB: use "
+                              f"{use}")
 
 
 TRAIN_FRACTION = 0.95  # of the text; the rest validates
@@ -171,17 +187,62 @@ def build_engine(args: argparse.Namespace, rank: int, world: int
     return engine, schedule, dp_rank
 
 
+CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+
+
+def checkpoints(output_dir: str) -> list[Path]:
+    """The complete step-N checkpoints in `output_dir`, oldest first."""
+    found = [(int(m.group(1)), entry) for entry in Path(output_dir).iterdir()
+             if (m := CHECKPOINT_NAME.fullmatch(entry.name)) and is_complete(entry)] \
+        if Path(output_dir).is_dir() else []
+    return [entry for _, entry in sorted(found)]
+
+
+def resume(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.optim.lr_scheduler.LRScheduler,
+           rank: int) -> int:
+    """After torchrun started the ranks again (--max_restarts), loads the newest complete checkpoint in --output_dir,
+    its schedule and random state; returns the step it was saved after (0: none, training starts over)."""
+    if restarts_so_far() == 0 or not args.output_dir:
+        return 0
+    saved = checkpoints(args.output_dir)
+    if not saved:
+        if rank == 0:
+            logger.warning(f"restart {restarts_so_far()}: no complete checkpoint in {args.output_dir}; training from "
+                           f"the start")
+        return 0
+    client_state = engine.load_checkpoint(saved[-1])
+    schedule.load_state_dict(client_state["schedule"])
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(client_state["rng_state"])), dtype=torch.uint8))
+    if rank == 0:
+        logger.warning(f"restart {restarts_so_far()}: resuming from {saved[-1]} (step {client_state['step']}), the "
+                       f"newest complete checkpoint in {args.output_dir}")
+    return client_state["step"]
+
+
+def save(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.optim.lr_scheduler.LRScheduler,
+         step: int, rank: int) -> None:
+    """A checkpoint after `step` steps (the schedule and torch's random state in its client state), then the oldest
+    beyond --save_total_limit removed: only once every rank's save is complete (save_checkpoint returns then)."""
+    rng_state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")
+    engine.save_checkpoint(Path(args.output_dir, f"step-{step}"),
+                           client_state={"step": step, "schedule": schedule.state_dict(), "rng_state": rng_state})
+    if rank == 0 and args.save_total_limit is not None:
+        for old in checkpoints(args.output_dir)[:-args.save_total_limit]:
+            shutil.rmtree(old)
+
+
 def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.optim.lr_scheduler.LRScheduler,
-          stream: Iterator[torch.Tensor], rank: int) -> tuple[list[float], float]:
-    """Steps until --max_steps or --max_minutes; returns each step's loss and the seconds spent."""
+          stream: Iterator[torch.Tensor], rank: int, first_step: int = 0) -> tuple[list[float], float]:
+    """Steps from `first_step` until --max_steps or --max_minutes, saving every --save_steps; returns each step's
+    loss and the seconds spent."""
     start, losses = time.monotonic(), []
     budget = 60 * args.max_minutes
     # Counts steps towards whichever limit comes first: the total is the steps the time budget allows at the
     # speed so far, so the bar and its ETA end when training does. Closed also when a step fails, so that the
     # error is printed on a line of its own.
-    with tqdm(total=args.max_steps, desc=f"train ({args.max_minutes:g} min budget)", unit="step",
+    with tqdm(total=args.max_steps, initial=first_step, desc=f"train ({args.max_minutes:g} min budget)", unit="step",
               disable=rank != 0) as bar:
-        for step in range(args.max_steps):
+        for step in range(first_step, args.max_steps):
             for _ in range(args.gradient_accumulation_steps):
                 x = next(stream).to(compute_device())
                 loss = engine(input_ids=x[:, :-1], labels=x[:, :-1]).loss
@@ -189,8 +250,11 @@ def train(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.
                 engine.step()
             schedule.step()
             losses.append(loss.item())
+            if args.save_steps and (step + 1) % args.save_steps == 0:
+                save(args, engine, schedule, step + 1, rank)
             elapsed = time.monotonic() - start
-            bar.total = min(args.max_steps, max(step + 1, math.ceil((step + 1) * budget / elapsed)))
+            done = step + 1 - first_step
+            bar.total = min(args.max_steps, max(step + 1, first_step + math.ceil(done * budget / elapsed)))
             bar.update(1)
             if (step + 1) % args.log_every == 0 and rank == 0:
                 bar.write(f"step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.3f} "
@@ -227,9 +291,13 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     check_args(args, world, processes_per_node(world))
     train_text, val_text = split_text(args)
     engine, schedule, dp_rank = build_engine(args, rank, world)
-    # The ranks of a tp group compute one batch together, so they draw the same windows.
+    first_step = resume(args, engine, schedule, rank)
+    # The ranks of a tp group compute one batch together, so they draw the same windows; a resumed run skips the
+    # windows the steps before it drew.
     stream = batches(train_text, args.batch_size, args.seq_len + 1, seed=args.seed * 1000 + dp_rank)
-    losses, elapsed = train(args, engine, schedule, stream, rank)
+    for _ in range(first_step * args.gradient_accumulation_steps):
+        next(stream)
+    losses, elapsed = train(args, engine, schedule, stream, rank, first_step)
     val_loss = validation_loss(args, engine, val_text)
     # Every rank reports what it holds and sends, in rank order.
     for r in range(world):
@@ -237,11 +305,13 @@ def main(args: argparse.Namespace) -> dict[str, float]:
             logger.info(engine.ledger.report(rank))
         if world > 1:
             dist.barrier()
-    summary = {"steps": len(losses), "seconds_per_step": elapsed / len(losses),
+    steps = len(losses)
+    losses = losses or [math.nan]  # resumed from a checkpoint of the last step: nothing left to train
+    summary = {"steps": steps, "seconds_per_step": elapsed / len(losses),
                "first_loss": losses[0], "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
                "val_loss": val_loss}
     if rank == 0:
-        logger.info(f"{len(losses)} steps in {elapsed:.0f} s ({summary['seconds_per_step']:.3f} s/step): "
+        logger.info(f"{steps} steps in {elapsed:.0f} s ({summary['seconds_per_step']:.3f} s/step): "
                     f"loss {summary['first_loss']:.3f} -> {summary['final_train_loss']:.3f}, "
                     f"validation loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits per byte)")
     if owns_process_group and dist.is_initialized():

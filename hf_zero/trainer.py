@@ -33,6 +33,7 @@ import functools
 import inspect
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,6 +52,7 @@ from hf_zero import pretrained
 from hf_zero.checkpoint import TRAINER_SUBFOLDER, CheckpointError, newest_complete, read_json_object
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
+from hf_zero.environment import restarts_so_far
 from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh
 from hf_zero.zero.partition import local, wrap_like
 
@@ -123,16 +125,46 @@ def last_complete_checkpoint(output_dir: str, save_only_model: bool = False) -> 
     """The newest checkpoint-N the Trainer finished writing. transformers takes the highest N, which after a
     crash in the middle of a save is a folder that cannot be resumed while the one before it can. The
     trainer state is written last; without --save_only_model the engine checkpoint must be complete too."""
+    complete, interrupted = _checkpoint_folders(output_dir, save_only_model)
+    for folder in interrupted:
+        logger.warning(f"{folder} is incomplete (a save was interrupted); resuming from an earlier checkpoint")
+    if complete is None:
+        raise ValueError(f"no complete checkpoint in {output_dir} to resume from")
+    return str(complete)
+
+
+def _checkpoint_folders(output_dir: str, save_only_model: bool) -> tuple[Path | None, list[Path]]:
+    """The newest complete checkpoint-N folder in `output_dir` (None: none), and the newer ones a save left
+    incomplete."""
     candidates = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
                         if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name))
-                        and os.path.isdir(os.path.join(output_dir, name)))
+                        and os.path.isdir(os.path.join(output_dir, name))) if os.path.isdir(output_dir) else []
+    interrupted = []
     for _, name in reversed(candidates):
         folder = Path(output_dir, name)
         if (folder / TRAINER_STATE_NAME).is_file() and (
                 save_only_model or newest_complete(folder / TRAINER_SUBFOLDER) is not None):
-            return str(folder)
-        logger.warning(f"{folder} is incomplete (a save was interrupted); resuming from an earlier checkpoint")
-    raise ValueError(f"no complete checkpoint in {output_dir} to resume from")
+            return folder, interrupted
+        interrupted.append(folder)
+    return None, interrupted
+
+
+def checkpoint_to_restart_from(output_dir: str, save_only_model: bool, removes: bool) -> str | None:
+    """After torchrun started the ranks again (--max_restarts): the newest complete checkpoint in `output_dir`, as
+    torchtitan loads its newest at start (None: none was finished, the run starts over). The checkpoint folders after
+    it, which a rank died writing, are removed where `removes` (one process): the run writes them again, and a save
+    into a folder of another save's files is refused."""
+    complete, interrupted = _checkpoint_folders(output_dir, save_only_model)
+    if removes:
+        for folder in interrupted:
+            logger.warning(f"restart {restarts_so_far()}: removing {folder}, which a save left incomplete when a rank "
+                           f"died")
+            shutil.rmtree(folder)
+        logger.warning(f"restart {restarts_so_far()} (torchrun --max-restarts): "
+                       + (f"resuming from {complete}, the newest complete checkpoint in {output_dir}"
+                          if complete is not None else
+                          f"no complete checkpoint in {output_dir}; training from the start"))
+    return None if complete is None else str(complete)
 
 
 # What an adapter's weights mean, in peft's configs: a resume whose adapter differs in any of these would load weights
@@ -239,6 +271,9 @@ class ZeroTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, self.args.save_only_model)
+        elif resume_from_checkpoint is None and restarts_so_far() > 0:  # unless the script named a checkpoint
+            resume_from_checkpoint = checkpoint_to_restart_from(self.args.output_dir, self.args.save_only_model,
+                                                                removes=self.args.should_save)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:

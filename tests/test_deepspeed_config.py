@@ -278,3 +278,19 @@ def test_accelerate_launch_use_deepspeed_hands_its_configuration_to_the_engine(t
     config = parse().zero_engine_config
     assert (config.zero_stage, config.offload_optimizer, config.offload_param) == (3, "cpu", "cpu")
     assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "false"
+
+
+@pytest.mark.parametrize("on, init_off", [("1", "0"), ("yes", "off"), ("TRUE", "f")])
+def test_accelerate_use_deepspeed_is_on_for_every_value_transformers_reads_as_true(monkeypatch, on, init_off):
+    """Issue 60, item 8: transformers reads ACCELERATE_USE_DEEPSPEED=1 as true and set up DeepSpeed's configuration;
+    hf_zero read only "true", so it never took the configuration over, and the run died in partition.py
+    (`range() arg 3 must not be zero`). ACCELERATE_DEEPSPEED_ZERO3_INIT is read the same way."""
+    import os
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", on)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", init_off)
+    args = parse()
+    assert args.zero_engine_config.zero_stage == 3 and args.zero_config_flag == "accelerate launch --use_deepspeed"
+    assert not args.zero_init_partitioned and args.deepspeed is None
+    assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "false"

@@ -157,6 +157,55 @@ def test_a_crafted_source_file_name_is_refused_as_damage(base, tmp_path):
         engine.load_checkpoint(tmp_path / "ckpt")
 
 
+def test_a_base_changed_in_memory_after_a_save_is_stored_by_the_next_save_saying_so_once(base, tmp_path, caplog):
+    """The comparison with the files is not repeated at every save: the parameter's version counter tells the next
+    save that the first one's comparison no longer holds (issue 60, part 3, item 5)."""
+    engine = lora_engine({"zero_stage": 1}, base)
+    train(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "before")
+    wpe = engine.module.base_model.model.transformer.wpe.weight
+    with torch.no_grad():
+        wpe.add_(1.0)
+    with caplog.at_level(logging.INFO, logger="hf_zero"):
+        for step, name in ((1, "after"), (2, "after_again")):
+            train(engine, step, step + 1)
+            engine.save_checkpoint(tmp_path / name)
+    said = [m for m in hf_zero_messages(caplog.records) if "frozen weights" in m]
+    assert len(said) == 1 and "the frozen weight base_model.model.transformer.wpe.weight is not" in said[0]
+    sources = {name: "frozen_source" in json.loads((tmp_path / name / "manifest.json").read_text())
+               for name in ("before", "after", "after_again")}
+    assert sources == {"before": True, "after": False, "after_again": False}
+    resumed = lora_engine({"zero_stage": 1}, base, zeroed=True)
+    resumed.load_checkpoint(tmp_path / "after")
+    assert torch.equal(frozen_whole(resumed)["transformer.wpe.weight"], wpe)
+
+
+def test_a_manifest_reading_a_weight_from_another_tensor_of_its_shape_is_refused_by_merge_and_load_alike(
+        base, tmp_path):
+    """Files and shapes check out when two weights of one shape swap their tensors: only the names the model's own
+    loading gives them tell, which consolidation and loading check the same way (issue 60, part 3, item 4)."""
+    from hf_zero.consolidate import consolidate
+
+    saved_lora(base, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    keys = manifest["frozen_source"]["keys"]
+    first, second = (f"base_model.model.transformer.h.{layer}.attn.c_proj.weight" for layer in (0, 1))
+    keys[first], keys[second] = keys[second], keys[first]
+    path.write_text(json.dumps(manifest))
+    refused = (rf"frozen_source.keys reads the frozen weight {first} from model.safetensors's "
+               rf"'transformer.h.1.attn.c_proj.weight', but the model loads it from model.safetensors's "
+               rf"'transformer.h.0.attn.c_proj.weight'")
+    with pytest.raises(CheckpointError, match=refused):
+        consolidate(tmp_path / "ckpt", tmp_path / "merged", merge=True, progress=False)
+    assert not (tmp_path / "merged").exists()
+    engine = lora_engine({"zero_stage": 1}, base, zeroed=True)
+    before = whole_params(engine)
+    with pytest.raises(CheckpointError, match=refused):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(p, before[n]) for n, p in whole_params(engine).items())
+
+
 HUB_ID, COMMIT = "hf-zero-tests/tiny-gpt2", "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -3,6 +3,8 @@ and two accesses to the same bytes from different streams, one of them writing, 
 GPU. Then the GPU tests' configurations (tests/test_gpu.py) on one rank under it, against plain torch."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,10 +12,12 @@ from safetensors.torch import load_file
 import hf_zero
 from hf_zero import simulated_gpu
 from hf_zero.comm import Communicator, Ledger, _Done
-from hf_zero.device import HOST, CommStream, copy_to_host, on_copy_stream, record_event, release_storage, to_host
+from hf_zero.device import (HOST, CommStream, copy_to_host, host_memory_empty, on_copy_stream, record_event,
+                            release_storage, to_host)
 from hf_zero.environment import SIMULATE_ENV
 from hf_zero.simulated_gpu import COPY, StreamOrderError
 from hf_zero.launch import spawn_gloo
+from hf_zero.offload.delayed import DelayedUpdate
 from tests.helpers import (GPU_PATH_CONFIGS, batch, config_id, local_part, make_optimizer, named_copy,
                            simulated, tiny_model)
 
@@ -171,6 +175,29 @@ ONE_RANK_CONFIGS = GPU_PATH_CONFIGS + [
     {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
     {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "cpu_checkpointing": True},
 ]
+
+
+@pytest.mark.parametrize("host_access", ["reads", "writes"])
+def test_the_host_touching_what_a_running_delayed_update_wrote_is_refused_until_it_waits(checker, host_access):
+    """The delayed update's thread is a timeline of its own: the host reading what the update writes, or writing it,
+    before waiting on the update is a race (the update may run before or after), refused as an unordered stream's
+    access is; after the wait it is ordered."""
+    masters = host_memory_empty(8)
+    written, finish = threading.Event(), threading.Event()
+
+    def update() -> None:
+        masters.mul_(2.0)
+        written.set()
+        finish.wait(10)
+
+    delayed = DelayedUpdate(warmup_steps=0)
+    delayed.launch(update)
+    written.wait(10)
+    with pytest.raises(StreamOrderError, match="in the delayed update thread"):
+        masters.sum() if host_access == "reads" else masters.fill_(1.0)
+    finish.set()
+    delayed.wait()
+    masters.sum() if host_access == "reads" else masters.fill_(1.0)  # ordered now
 
 
 @pytest.mark.parametrize("config", ONE_RANK_CONFIGS, ids=config_id)

@@ -3,11 +3,14 @@ CPU checkpoints and CPU optimizer offload on 2 ranks it trains as the plain job 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from hf_zero import train_lm
 from hf_zero.config import ZeroConfigError
@@ -55,7 +58,7 @@ def test_a_micro_batch_whose_activations_cannot_fit_is_refused_before_launch_nam
     code, err = refused_before_launch("train", "--nproc_per_node", "2", "--batch_size", "1000000000")
     found = re.fullmatch(r"hf-zero train: --batch_size 1000000000 of --seq_len 128 needs at least [\d,.]+ GiB of "
                          r"activations per rank for gpt2-demo \(fp32\), more than the host memory available to each "
-                         r"of the 2 ranks on this node, [\d,.]+ GiB: use a --batch_size below (\d+), or a shorter "
+                         r"of the 2 ranks on this node, [\d,.]+ GiB: use a --batch_size of at most (\d+), or a shorter "
                          r"--seq_len\n", err)
     assert code == 2 and found, err
     suggested = int(found.group(1))
@@ -65,6 +68,31 @@ def test_a_micro_batch_whose_activations_cannot_fit_is_refused_before_launch_nam
     train_lm.check_args(parser.parse_args(["--batch_size", str(suggested // 2)]), 2, 2)
     with pytest.raises(ZeroConfigError, match="--batch_size"):
         train_lm.check_args(parser.parse_args(["--batch_size", str(10 * suggested)]), 2, 2)
+
+
+@pytest.mark.parametrize("sequences_that_fit", [682.5, 0.5])
+def test_the_batch_size_refusal_names_the_largest_batch_it_accepts(monkeypatch, sequences_that_fit):
+    """Issue 60, item 9: the refusal said "below 682" where 682 was accepted. Where not one sequence fits, it names
+    no batch size."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_zero.estimate import activation_bytes
+
+    per_sequence = activation_bytes("gpt2-demo", 1, 128, False, "fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the host's memory, as on this machine
+    monkeypatch.setattr(train_lm.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=int(2 * sequences_that_fit * per_sequence)))
+    parser = argparse.ArgumentParser()
+    train_lm.add_arguments(parser)
+    fits = int(sequences_that_fit)
+    if fits:
+        train_lm.check_args(parser.parse_args(["--batch_size", str(fits)]), 2, 2)
+    with pytest.raises(ZeroConfigError) as refused:
+        train_lm.check_args(parser.parse_args(["--batch_size", str(fits + 1)]), 2, 2)
+    assert str(refused.value).endswith(f"use a --batch_size of at most {fits}, or a shorter --seq_len" if fits else
+                                       "GiB: use a shorter --seq_len"), refused.value
 
 
 def test_a_misspelt_flag_is_one_line_naming_the_nearest_one(refused_before_launch):
@@ -106,3 +134,35 @@ def test_a_setting_the_job_cannot_run_with_is_one_line_before_any_process_starts
     code, err = refused_before_launch("train", "--nproc_per_node", "2", *flags)
     assert code == 2
     assert err.startswith("hf-zero train: --") and message in err and err.count("\n") == 1, err
+
+
+FAULTS = Path(__file__).parent / "scripts" / "faults"  # sitecustomize.py: SIGKILL a chosen rank at a chosen point
+
+
+def test_a_job_whose_rank_is_killed_restarts_from_its_newest_checkpoint_and_ends_as_the_uninterrupted_one(tmp_path):
+    """`hf-zero train --max_restarts 1` at stage 3 on 2 ranks, 12 steps with a checkpoint every 4 (the newest 2 kept):
+    rank 1 killed inside step 7 restarts from step-4 with its schedule, random state (dropout on) and place in the
+    data, and the checkpoint at step 12 holds the uninterrupted job's masters bit for bit."""
+    from safetensors.torch import load_file
+
+    def job(folder: str, *more: str, kills: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "2", "--model", "gpt2-tiny",
+             "--zero_stage", "3", "--max_steps", "12", "--seq_len", "32", "--batch_size", "2", "--log_every", "4",
+             "--output_dir", str(tmp_path / folder), "--save_steps", "4", "--save_total_limit", "2", *more],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")]),
+                 "HF_ZERO_TEST_KILLS": kills})
+
+    straight = job("straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    restarted = job("restarted", "--max_restarts", "1", kills="1:0:backward=7")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert f"restart 1: resuming from {tmp_path / 'restarted' / 'step-4'} (step 4)" in restarted.stderr
+    assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["step-12", "step-8"]  # the newest 2
+    for rank in range(2):
+        shard = f"rank{rank:05d}-of-00002.safetensors"
+        expected, resumed = (load_file(tmp_path / f / "step-12" / shard) for f in ("straight", "restarted"))
+        assert expected.keys() == resumed.keys()
+        for key, tensor in expected.items():
+            assert torch.equal(tensor, resumed[key]), key

@@ -1,6 +1,7 @@
 """ZeroTrainer against the stock transformers Trainer with DDP: same data, seed and schedule on 2 gloo ranks."""
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -16,8 +17,9 @@ from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
 from tests.helpers import assert_saved_as_stock_saves, tiny_converted_model
 from tests.hub_stand_in import HubStandIn, hub_env
 from tests.test_deepspeed_config import TRANSFORMERS_ZERO3
-from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf16_saving_runs, evaluation_gathers,
-                                    gpt2_model, lm_examples, logging_runs, pushing_run, resume_runs, run_trainers, saving_run,
+from tests.trainer_helpers import (EVAL_EXAMPLES, TRAIN_EXAMPLES, TrainerRun, bf16_saving_runs, delayed_update_run,
+                                    evaluation_gathers, evaluation_under_nvme_offload, gpt2_model, lm_examples,
+                                    logging_runs, pushing_run, resume_runs, run_trainers, saving_run,
                                     tensor_parallel_arguments, tensor_parallel_resume_runs, tensor_parallel_runs)
 
 STAGES = (0, 1, 2, 3)
@@ -313,6 +315,37 @@ def test_stage3_evaluation_gathers_each_unit_once_per_loop_not_once_per_batch(tm
         assert kept["gathers"] == kept["units"]  # each unit once, the root included
         assert per_forward["gathers"] >= 3 * (per_forward["units"] - 1)  # every batch gathers every block again
         assert kept["left_gathered"] == per_forward["left_gathered"] == 0
+
+
+def test_trainer_runs_with_the_delayed_update_are_equal_bitwise_whenever_the_update_runs(tmp_path):
+    """The Trainer's scheduler sets the next step's learning rate right after optimizer.step(), while the delayed
+    update of that step runs in the background: each update must step with its own step's rate, so that the run does
+    not depend on when the thread reads it (runs of one script parted at step 5 by 0.004 in the adapters)."""
+    runs = {when: delayed_update_run(str(tmp_path / when.replace(" ", "_")), when)
+            for when in ("in the background", "at once", "late")}
+    assert any("lora" in name for name in runs["at once"])
+    for name, tensor in runs["at once"].items():
+        assert torch.equal(tensor, runs["in the background"][name]) and torch.equal(tensor, runs["late"][name]), name
+
+
+def test_stage3_with_parameters_on_nvme_never_holds_the_whole_model_in_evaluation_unless_it_fits(tmp_path, caplog):
+    """A user offloads parameters because the model does not fit: evaluate(), predict() and generate() keep units
+    gathered only up to what a training step holds (the largest unit and prefetch_bucket_size), never every unit at
+    once; a model within that still has every unit gathered once per loop. Their results are the same bit for bit."""
+    with caplog.at_level(logging.INFO, logger="hf_zero"):
+        beyond = evaluation_under_nvme_offload(str(tmp_path / "beyond"), prefetch_bucket_size=0)
+    assert "budget" in caplog.text and "offload_param nvme: what a training step holds gathered" in caplog.text
+    assert len([r for r in caplog.records if "units gathered in generate() and evaluation loops" in r.message]) == 1
+    within = evaluation_under_nvme_offload(str(tmp_path / "within"), prefetch_bucket_size=10**9)
+    units = beyond["units"]
+    assert units >= 4  # the root and the blocks: holding all but one would still be most of the model
+    for loop in ("evaluate", "predict", "generate"):
+        assert beyond[loop]["most_gathered"] < units, loop
+        assert within[loop]["most_gathered"] == units and within[loop]["gathers"] == units, loop
+        assert beyond[loop]["gathers"] > units, loop  # gathered again by later forwards
+    assert beyond["evaluate"]["output"] == within["evaluate"]["output"]
+    assert (beyond["predict"]["output"] == within["predict"]["output"]).all()
+    assert torch.equal(beyond["generate"]["output"], within["generate"]["output"])
 
 
 @pytest.mark.slow

@@ -408,3 +408,68 @@ def evaluation_gathers(root: str) -> dict[str, dict[str, Any]]:
                          "units": sum(not u.persistent for u in trainer.engine.params.units),
                          "left_gathered": ledger.held["units gathered"]}
     return results
+
+
+def evaluation_under_nvme_offload(root: str, prefetch_bucket_size: int) -> dict[str, Any]:
+    """ZeroTrainer at stage 3 (8 blocks) with parameters and optimizer states on NVMe and the keep limit left to the
+    engine, one step, then evaluate(), predict() and generate(): for each, the most units gathered at once (the root
+    included), the unit all-gathers it took, and its result; with the units there are."""
+    Path(root, "nvme").mkdir(parents=True)
+    args = ZeroTrainingArguments(
+        output_dir=f"{root}/out", per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=1,
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0, zero_stage=3,
+        zero_offload_param="nvme", zero_offload_optimizer="nvme", zero_nvme_path=f"{root}/nvme",
+        zero_prefetch_bucket_size=prefetch_bucket_size, log_level="info")
+    trainer = ZeroTrainer(model=gpt2_model("gpt2-deep"), args=args, train_dataset=lm_examples(8, seed=1),
+                          eval_dataset=lm_examples(8, seed=2))
+    trainer.train()
+    ledger = trainer.engine.ledger
+    prompt = lm_examples(1, seed=3)[0]["input_ids"][:4].unsqueeze(0)
+    loops = {"evaluate": lambda: trainer.evaluate()["eval_loss"],
+             "predict": lambda: trainer.predict(lm_examples(8, seed=2)).predictions,
+             "generate": lambda: trainer.model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)}
+    results: dict[str, Any] = {"units": sum(not u.persistent for u in trainer.engine.params.units)}
+    for name, loop in loops.items():
+        ledger.close_step()
+        output = loop()
+        results[name] = {"most_gathered": ledger.peaks["units gathered"], "gathers": ledger.events["unit all-gathers"],
+                         "output": output}
+    return results
+
+
+def delayed_update_run(root: str, update_runs: str) -> dict[str, torch.Tensor]:
+    """ZeroTrainer in one process at stage 3 with LoRA, the optimizer offloaded and the delayed update from the first
+    step, 8 steps of a linear schedule; its trained weights. `update_runs`: "in the background" (its thread, as it
+    comes), "at once" (inside optimizer.step(), before the scheduler steps: the thread's earliest) or "late" (when
+    the next step waits for it, after the scheduler and the next forward and backward: the thread's latest)."""
+    from unittest import mock
+
+    from hf_zero.offload.delayed import DelayedUpdate
+
+    def launch_at_once(self: DelayedUpdate, update: Any) -> None:
+        update()
+        self.pending = lambda: None  # done: the next wait hands its parameters over
+
+    def launch_later(self: DelayedUpdate, update: Any) -> None:
+        self.pending = update
+
+    def run_now(self: DelayedUpdate) -> bool:
+        update, self.pending = self.pending, None
+        if update is not None:
+            update()
+        return update is not None
+
+    args = ZeroTrainingArguments(
+        output_dir=f"{root}/out", per_device_train_batch_size=4, max_steps=8, learning_rate=2e-2, warmup_steps=2,
+        lr_scheduler_type="linear", use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+        zero_stage=3, zero_offload_optimizer="cpu", zero_delayed_param_update=True,
+        zero_delayed_param_update_warmup=0)
+    model = get_peft_model(gpt2_model(), PEFT_METHODS["lora"]())
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=lm_examples(32, seed=1))
+    with contextlib.ExitStack() as patches:
+        if update_runs != "in the background":
+            patches.enter_context(mock.patch.object(DelayedUpdate, "launch",
+                                                    launch_at_once if update_runs == "at once" else launch_later))
+            patches.enter_context(mock.patch.object(DelayedUpdate, "wait", run_now))
+        trainer.train()
+        return {name: tensor.clone() for name, tensor in trainer.engine.trainable_weights().items()}

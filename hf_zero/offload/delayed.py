@@ -11,6 +11,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from hf_zero.device import joined, run_beside
+
 
 class DelayedUpdate:
     def __init__(self, warmup_steps: int) -> None:
@@ -24,12 +26,12 @@ class DelayedUpdate:
 
     def launch(self, update: Callable[[], None]) -> None:
         assert self.pending is None, "wait() for the previous update before launching the next"
-        self.pending = self.pool.submit(update)
+        self.pending = run_beside(self.pool, update, "delayed update thread")
 
     def wait(self) -> bool:
         """Waits for the update in flight (re-raising its error); False when there was none."""
         pending, self.pending = self.pending, None
         if pending is None:
             return False
-        pending.result()
+        joined(pending)
         return True

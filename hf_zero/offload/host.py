@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -57,6 +57,20 @@ def adamw_mode_of(optimizer: torch.optim.Optimizer) -> dict[int, bool] | None:
             for g, group in enumerate(optimizer.param_groups)}
 
 
+def step_with_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]] | None) -> None:
+    """`optimizer.step()`, its param groups' hyper-parameters taken from `settings` where given: the step runs on a
+    second optimizer object that shares the first's state (and hooks) and holds `settings` as its param groups, so
+    that a scheduler writing the live param groups meanwhile changes nothing here. The class's step is called
+    directly: an LR scheduler wraps the instance's `step` to count calls, and that wrapper is bound to the first."""
+    if settings is None:
+        optimizer.step()
+        return
+    stepping = object.__new__(type(optimizer))
+    stepping.__dict__.update(optimizer.__dict__)
+    stepping.param_groups = settings
+    type(optimizer).step(stepping)
+
+
 class HostAdam:
     """Steps the masters of an Adam/AdamW with the C++ kernel, keeping torch's state layout."""
 
@@ -68,11 +82,13 @@ class HostAdam:
 
     @torch.no_grad()
     def step_chunk(self, g: int, master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
-                   grad_scale: float, state: dict[str, torch.Tensor] | None = None) -> None:
+                   grad_scale: float, state: dict[str, torch.Tensor] | None = None,
+                   settings: list[dict[str, Any]] | None = None) -> None:
         """One update of `master` (fp32, host) from `grad` (any float dtype, host) times grad_scale;
-        `out` (host) receives the new values in its dtype. `state` defaults to optimizer.state[master]."""
+        `out` (host) receives the new values in its dtype. `state` defaults to optimizer.state[master];
+        `settings` (param_group_settings) to the optimizer's param groups as they are now."""
         with intra_op_threads(self.threads):
-            adam_step_with_state(self.optimizer.param_groups[g], self.adamw_mode[g],
+            adam_step_with_state((settings or self.optimizer.param_groups)[g], self.adamw_mode[g],
                                  self.optimizer.state[master] if state is None else state, master, grad, out,
                                  grad_scale, self.kernel)
 
@@ -139,20 +155,24 @@ class HostUpdate(UpdateBackend):
         self.outputs = StagedOutputs(param_chunks, staged)
         self._retarget()
 
-    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
+    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]],
+             settings: list[dict[str, Any]] | None = None) -> None:
+        """`settings`: the param groups' hyper-parameters to step with (param_group_settings), when not the
+        optimizer's as they are now."""
         if not self.staged or self.publish_as_stepped:
             self._writable_chunks()
         for g, (masters, grads) in enumerate(zip(self.masters, grad_chunks)):
             for k, (master, grad) in enumerate(zip(masters, grads)):
                 if self.host_adam is not None:
-                    self.host_adam.step_chunk(g, master, grad.to(HOST), self.outputs.writable(g, k), coef)
+                    self.host_adam.step_chunk(g, master, grad.to(HOST), self.outputs.writable(g, k), coef,
+                                              settings=settings)
                     if self.publish_as_stepped:
                         self.outputs.publish_chunk(g, k)
                 else:
                     master.grad = grad.to(HOST, torch.float32).mul_(coef)
         if self.host_adam is None:
             with intra_op_threads(self.threads):
-                self.optimizer.step()
+                step_with_settings(self.optimizer, settings)
             for g, masters in enumerate(self.masters):
                 for k, master in enumerate(masters):
                     self.outputs.writable(g, k).copy_(master)

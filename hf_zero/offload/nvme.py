@@ -190,10 +190,11 @@ class NvmeAdamStates:
 
     @torch.no_grad()
     def step(self, grad_chunks: list[list[torch.Tensor]], outs: Callable[[int, int], torch.Tensor] | None,
-             grad_scale: float) -> None:
+             grad_scale: float, settings: list[dict[str, Any]] | None = None) -> None:
         """One Adam step over every tile; the new parameters go, in their dtype, to `outs(g, k)` (chunk k of
         group g's buffer, once no copy reads it) or (when the parameters live here too) to the files. The gradients
-        are `grad_chunks`, or when they live here the side `seal_grads` last handed over."""
+        are `grad_chunks`, or when they live here the side `seal_grads` last handed over. `settings`: the param
+        groups' hyper-parameters (HostAdam.step_chunk)."""
         tiles = self.tiles()
         grad_side = self.grad_read_side  # taken now: seal_grads may hand over the next side while this runs
         reads: dict[int, Future] = {}
@@ -214,7 +215,7 @@ class NvmeAdamStates:
                          "exp_avg_sq": slot["exp_avg_sq"][:n]}
                 grad = slot["grad"][:n] if self.holds_grads else grad_chunks[tile.g][tile.k][tile.lo:tile.hi].to(HOST)
                 out = slot["param"][:n] if self.holds_params else outs(tile.g, tile.k)[tile.lo:tile.hi]
-                self.host_adam.step_chunk(tile.g, slot["master"][:n], grad, out, grad_scale, state)
+                self.host_adam.step_chunk(tile.g, slot["master"][:n], grad, out, grad_scale, state, settings)
                 writes[i % SLOTS] = self.io.submit(self._transfer, False, tile, slot, grad_side)
         finally:  # never leave I/O running into the next step, even when one failed
             pending = list(reads.values()) + list(writes.values())
@@ -294,8 +295,9 @@ class NvmeUpdate(UpdateBackend):
         self.masters = param_chunks
         self._retarget()
 
-    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
-        self.states.step(grad_chunks, None if self.outputs is None else self.outputs.writable, coef)
+    def step(self, coef: float, grad_chunks: list[list[torch.Tensor]],
+             settings: list[dict[str, Any]] | None = None) -> None:
+        self.states.step(grad_chunks, None if self.outputs is None else self.outputs.writable, coef, settings)
 
     def gradient_files(self) -> NvmeAdamStates | None:
         return self.states if self.states.holds_grads else None

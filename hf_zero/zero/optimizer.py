@@ -22,7 +22,7 @@ from hf_zero.offload.host import HostUpdate, adamw_mode_of
 from hf_zero.offload.nvme import NvmeUpdate
 from hf_zero.precision import LossScaler
 from hf_zero.zero.reducer import GradientReducer
-from hf_zero.zero.update import DeviceUpdate, UpdateBackend, is_elementwise
+from hf_zero.zero.update import DeviceUpdate, UpdateBackend, is_elementwise, param_group_settings
 
 
 def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
@@ -152,7 +152,9 @@ class ShardedOptimizer:
             grads = self.grad_chunks()
             if not self.grads.hand_over():
                 grads = self.backend.take_grads(grads, keep=True)
-            self.delayed.launch(lambda: self.backend.step(coef, grads))
+            # The hyper-parameters are this step's: the scheduler sets the next step's while this one runs.
+            settings = param_group_settings(self.optimizer)
+            self.delayed.launch(lambda: self.backend.step(coef, grads, settings=settings))
         else:
             self._apply(lambda grads: self.backend.step(coef, grads), untouched)
         self.scaler.update(overflow=False)

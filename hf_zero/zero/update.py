@@ -18,6 +18,13 @@ from hf_zero.device import HOST, LatestCopy
 SKIPPING_ON_DEVICE = (torch.optim.Adam, torch.optim.AdamW)
 
 
+def param_group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyper-parameters as they are now (a shallow copy, `params` included). A step that runs
+    later than it was asked for steps with these: a delayed update runs while the scheduler already sets the next
+    step's learning rate in the live param groups."""
+    return [dict(group) for group in optimizer.param_groups]
+
+
 def is_elementwise(value: Any, master: torch.Tensor) -> bool:
     """Optimizer state with one value per element (Adam's moments), as opposed to per-step scalars."""
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == master.numel()
@@ -72,7 +79,8 @@ class UpdateBackend(ABC):
     @abstractmethod
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]]) -> None:
         """Applies `coef` x the gradients to the masters; the new compute-dtype values are published next.
-        (`DeviceUpdate.step` also takes the coefficient as a device tensor, and a device flag that skips it.)"""
+        (`DeviceUpdate.step` also takes the coefficient as a device tensor, and a device flag that skips it; the
+        host backends take `settings`, the param groups' hyper-parameters of a step that runs in the background.)"""
 
     def publish(self) -> None:
         """Hands the last update's compute-dtype values to the parameter chunks."""

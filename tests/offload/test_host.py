@@ -183,7 +183,8 @@ def test_a_delayed_update_reads_gradients_the_next_backward_does_not_write(monke
     backend = engine.sharded_optimizer.backend
     handed: list[list[list[torch.Tensor]]] = []
     real_step = backend.step
-    monkeypatch.setattr(backend, "step", lambda coef, grads: handed.append(grads) or real_step(coef, grads))
+    monkeypatch.setattr(backend, "step",
+                        lambda coef, grads, **kwargs: handed.append(grads) or real_step(coef, grads, **kwargs))
     sets = [{s.untyped_storage().data_ptr() for s in shards} for shards in engine.params.grads.shard_sets]
     for step in range(3):
         engine.backward(engine(**batch("gpt2", step, 4)).loss)

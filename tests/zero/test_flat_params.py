@@ -4,11 +4,13 @@ Stage 3 gathers each unit (one flat buffer per param group) in one launch."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+import hf_zero
 from hf_zero.comm import Communicator
 from hf_zero.launch import spawn_gloo
 from tests.conftest import SMALL_BUCKETS
-from tests.helpers import Scenario, max_diff, run_scenarios, train_single_process
+from tests.helpers import Scenario, batch, max_diff, named_copy, run_scenarios, tiny_model, train_single_process
 
 STEPS = 3
 
@@ -57,3 +59,24 @@ def test_all_gathers_are_grouped_into_few_launches_and_match_one_process(grouped
                 assert r["launches"] < buckets
             else:
                 assert r["launches"] == 2 * buckets  # one broadcast per rank and bucket
+
+
+def test_left_unset_the_buckets_take_at_most_half_the_memory_the_rank_has_left(monkeypatch):
+    """reduce_bucket_size and allgather_bucket_size unset: three gradient buckets (two reducing, one filling), and the
+    all-gathers in flight, fit in half of what memory_left says the rank has; plenty leaves the defaults (one bucket
+    for this small model). Cut smaller, the step is the same."""
+    def trained(left: int) -> tuple[hf_zero.ZeroEngine, dict]:
+        monkeypatch.setattr("hf_zero.zero.flat_params.memory_left", lambda device, ranks: (left, "the test's figure"))
+        model = tiny_model("gpt2")
+        engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero_stage": 2})
+        for step in range(2):
+            engine.backward(engine(**batch("gpt2", step, 4)).loss)
+            engine.step()
+        return engine, named_copy(model)
+
+    plenty, plenty_weights = trained(10**12)
+    little, little_weights = trained(48_000)  # 24,000 bytes to take: 6,000 fp32 elements
+    assert [len(f.buckets) for f in plenty.params.flats] == [1]
+    assert max(b.numel for f in little.params.flats for b in f.buckets) <= 6_000 // 3
+    assert little.params.allgather_bucket_size == 6_000 and plenty.params.allgather_bucket_size == 50_000_000
+    assert max_diff(plenty_weights, little_weights) == 0

@@ -3,7 +3,8 @@ after, prefetching in the order the last pass of the same kind ran the units, an
 unit's reduction launches (Stage3Gradients), a point every rank reaches whatever its forward used.
 
 `Schedule` is a part of Stage3Params (params.py) kept apart for reading; it uses the holder's `units`, `root`,
-`grads`, `comm`, `in_backward`, `prefetch_numel` and `trim_host_heap`, and `SharedWeights` (shared_weights.py)."""
+`grads`, `comm`, `in_backward`, `prefetch_numel`, `trim_host_heap` and `keep_limit()`, and `SharedWeights`
+(shared_weights.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -86,7 +87,7 @@ class Schedule:
     @contextlib.contextmanager
     def units_kept_gathered(self) -> Iterator[None]:
         """Inside, the root stays gathered and every unit a forward uses stays gathered after it, up to
-        `generation_max_live_parameters` elements (`_keep_gathered`; FSDP2's reshard_after_forward=False, for
+        `keep_limit()` elements (`_keep_gathered`; FSDP2's reshard_after_forward=False, for
         the duration): for generate(), and for the Trainer's evaluation and prediction loops, where the weights do
         not change between forwards. When every unit fits, all are gathered on entry, in one order on every rank:
         no forward inside gathers, whatever each rank's inputs make it use (a branch, an expert first used late),
@@ -96,7 +97,7 @@ class Schedule:
             yield
             return
         self._fetch(self.root, backward=False)
-        self.keep_budget = self.generation_max_live_parameters
+        self.keep_budget = self.keep_entry_limit = self.keep_limit()
         try:
             if self.keeps_every_unit():
                 for unit in self.units:
@@ -106,7 +107,7 @@ class Schedule:
                     unit.wait()
             yield
         finally:
-            self.keep_budget = None
+            self.keep_budget = self.keep_entry_limit = None
             self.kept_gathered.clear()
             self._free_all_but_root()
             self.root.free()

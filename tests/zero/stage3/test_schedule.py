@@ -559,6 +559,21 @@ def test_generate_gathers_each_unit_once_per_call_within_its_live_parameter_limi
     assert one_block["peak_bytes"] <= one_block["root_bytes"] + 3 * one_block["block_bytes"]
 
 
+@pytest.mark.parametrize("memory_left, kept_blocks", [(10**12, 2), (0, 0), ("one block", 1)])
+def test_left_unset_the_live_parameter_limit_is_half_the_memory_the_rank_has_left(monkeypatch, memory_left,
+                                                                                  kept_blocks):
+    """Without generation_max_live_parameters, generate() keeps units gathered within half of what memory_left says
+    the rank has (on a GPU the free memory after the step's peak, on a CPU the host's available memory per local
+    rank): every unit where that is plenty, none where nothing is left, one where it holds one block."""
+    block_bytes = generate_at_stage3(0)["block_bytes"]
+    left = 2 * block_bytes + block_bytes // 2 if memory_left == "one block" else memory_left
+    monkeypatch.setattr("hf_zero.zero.stage3.params.memory_left", lambda device, ranks: (left, "the test's figure"))
+    run, blocks, tokens = generate_at_stage3(None), generate_at_stage3(0)["blocks"], 6
+    assert run["same_tokens"] and run["left_gathered"] == 0
+    # The root once, each kept block once, every other block for each token's forward.
+    assert run["gathers"] == 1 + kept_blocks + tokens * (blocks - kept_blocks)
+
+
 def generate_own_prompt(limit: int) -> bool:
     """Each rank generates from a prompt of its own, twice, then runs a forward: whether its tokens are stock's. With
     every unit kept (ZeroSeq2SeqTrainer's case for leaving synced_gpus off) each rank goes its own way, its only
