@@ -684,8 +684,11 @@ def _check_manifest(manifest: dict[str, Any]) -> dict[str, list[tuple[int, int, 
 _AT_LEAST_ZERO = {"lr", "initial_lr", "max_lr", "min_lr", "weight_decay", "eps", "momentum", "lr_decay",
                   "initial_accumulator_value", "alpha", "lambd", "t0", "max_eval", "tolerance_grad",
                   "tolerance_change", "history_size"}
-_FLAGS = {"amsgrad", "nesterov", "maximize", "foreach", "capturable", "differentiable", "fused", "centered",
-          "decoupled_weight_decay"}
+# Flags that choose another update or other states: a checkpoint may not change them. The kernel flags choose only
+# which of torch's implementations runs, and stay this run's (a GPU run's fused=True resumes on a CPU).
+_UPDATE_FLAGS = {"amsgrad", "nesterov", "maximize", "capturable", "differentiable", "centered", "decoupled_weight_decay"}
+_KERNEL_FLAGS = {"foreach", "fused"}
+_FLAGS = _UPDATE_FLAGS | _KERNEL_FLAGS
 _COUNTS = {"step"}
 
 
@@ -699,16 +702,14 @@ def finite_number(value: Any) -> bool:
 
 def hyper_parameter_problem(key: str, value: Any) -> str | None:
     """What is wrong with `value` as hyper-parameter or counter `key` of a checkpoint's optimizer, or None."""
-    number = finite_number
-
-    if key in _AT_LEAST_ZERO and not (number(value) and value >= 0):
+    if key in _AT_LEAST_ZERO and not (finite_number(value) and value >= 0):
         return "must be a finite number of at least 0"
-    if key in _COUNTS and not (number(value) and value >= 0 and float(value).is_integer()):
+    if key in _COUNTS and not (finite_number(value) and value >= 0 and float(value).is_integer()):
         return "must be a whole number of at least 0 (a count)"
-    if key == "dampening" and not (number(value) and 0 <= value <= 1):
+    if key == "dampening" and not (finite_number(value) and 0 <= value <= 1):
         return "must be a number from 0 to 1"
     if key == "betas" and not (isinstance(value, list) and len(value) == 2
-                               and all(number(b) and 0 <= b < 1 for b in value)):
+                               and all(finite_number(b) and 0 <= b < 1 for b in value)):
         return "must be two numbers, each at least 0 and below 1"
     if key in _FLAGS and value is not None and type(value) is not bool:
         return "must be true, false or null"
@@ -779,11 +780,11 @@ def _check_model(layout: ShardLayout, backend: "UpdateBackend", manifest: dict[s
 
 def _check_optimizer_flags(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], folder: Path) -> None:
     """The checkpoint's hyper-parameters replace the optimizer's at load (as torch's load_state_dict does), but its
-    flags (amsgrad, maximize, capturable, ...) may not: they choose another update (gradient ascent), states the
-    checkpoint does not hold (amsgrad's max_exp_avg_sq), or a device the states are not on (capturable). A flag
-    must be what the run built."""
+    update flags (amsgrad, maximize, capturable, ...) may not: they choose another update (gradient ascent), states
+    the checkpoint does not hold (amsgrad's max_exp_avg_sq), or a device the states are not on (capturable). Such a
+    flag must be what the run built."""
     for g, (group, saved) in enumerate(zip(optimizer.param_groups, manifest["optimizer"]["param_groups"])):
-        for flag in sorted(_FLAGS & saved.keys()):
+        for flag in sorted(_UPDATE_FLAGS & saved.keys()):
             if saved[flag] != group.get(flag):
                 raise CheckpointError(
                     f"{folder / MANIFEST}: param group {g} has {flag}={json.dumps(saved[flag])} in the checkpoint and "
@@ -901,7 +902,13 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, manifest: dict[str, Any], 
     current = optimizer.state_dict()
     for g, (group, saved) in enumerate(zip(current["param_groups"], manifest["optimizer"]["param_groups"])):
         _warn_of_replaced_hyper_parameters(g, group, saved)
+        kernels = {flag: group[flag] for flag in _KERNEL_FLAGS & group.keys()}
+        for flag, mine in kernels.items():
+            if flag in saved and saved[flag] != mine:
+                logger.warning(f"load_checkpoint: param group {g} has {flag}={mine} in this optimizer and "
+                               f"{saved[flag]} in the checkpoint; this run's is kept (it chooses torch's kernel only)")
         group.update(saved)
+        group.update(kernels)
     for entry in state.values():
         for key, value in entry.items():
             if not torch.is_tensor(value):

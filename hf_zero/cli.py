@@ -129,6 +129,9 @@ def _train(argv: list[str]) -> int:
     train_lm.add_arguments(parser)
     args = parser.parse_args(argv)
     processes = _check_launch(parser, args)
+    if args.max_restarts and not args.save_steps:
+        parser.error("--max_restarts resumes from the checkpoints that --output_dir and --save_steps write; without "
+                     "them each restart would train from the start: give both")
     if processes == 1:
         _forget_launcher_world(parser.prog)
     check_environment()

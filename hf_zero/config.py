@@ -208,7 +208,7 @@ class ZeroConfig:
 
     def bucket_numel(self, data_parallel_ranks: int, memory_cap: int) -> int:
         """reduce_bucket_size, or when unset the size for this many ranks (`default_reduce_bucket_size`), three of
-        which fit in `memory_cap` elements (`memory.memory_left`'s share)."""
+        which fit in `memory_cap` elements (`memory.budget_of_every_rank`)."""
         return self.reduce_bucket_size or max(1, min(default_reduce_bucket_size(data_parallel_ranks), memory_cap // 3))
 
     def allgather_numel(self, memory_cap: int) -> int:

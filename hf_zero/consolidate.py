@@ -137,19 +137,20 @@ def _write_staged(output: Path, provenance: dict, write: Callable[[Path], list[s
     """`write(staging)` fills a staging folder inside `output` and names its files; the provenance record
     follows, and all of them replace what `output` held only once every one is written."""
     created = [folder for folder in (output, *output.parents) if not folder.exists()]
-    staging = _staging_folder(output)
+    staging, moved = None, False
     try:
+        staging = _staging_folder(output)
         written = write(staging)
         (staging / PROVENANCE).write_text(json.dumps({**provenance, "files": written}, indent=1) + "\n")
         _move_into_place(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in created:  # a failed consolidation leaves no folder it made behind (deepest first)
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
+        moved = True
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not moved:
+            for folder in created:  # a failed consolidation leaves no folder it made behind (deepest first)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
     return [*written, PROVENANCE]
 
 

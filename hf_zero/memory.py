@@ -7,7 +7,7 @@ Stage 1 divides the optimizer states by Nd, stage 2 the gradients too, stage 3 e
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +58,18 @@ def memory_left(device: "torch.device", ranks_on_node: int) -> tuple[int, str]:
         return max(0, left), f"{device}'s free memory after the step's peak"
     available = psutil.virtual_memory().available
     return available // ranks_on_node, f"the host's available memory over {ranks_on_node} local rank(s)"
+
+
+def budget_of_every_rank(device: "torch.device", comm: Any) -> tuple[int, str]:
+    """BUDGET_SHARE of the bytes memory_left says this rank has, the smallest rank's for every rank of `comm` (a
+    Communicator): a budget that decides which collectives run (buckets cut, units kept gathered) must be the same on
+    every rank. Returns the bytes and where the figure comes from."""
+    left, where = memory_left(device, comm.ranks_per_node)
+    budgets = comm.all_gather_object(int(left * BUDGET_SHARE))
+    smallest = min(budgets)
+    where = f"{BUDGET_SHARE:.0%} of {where}" + (f" (rank {budgets.index(smallest)}'s, the smallest)"
+                                                 if smallest < budgets[comm.rank] else "")
+    return smallest, where
 
 
 def reset_peak_rss() -> None:

@@ -107,7 +107,8 @@ def thread_timeline(name: str, begun: int | None, work: Callable[[], None]) -> i
     if begun is None or checker is None:
         work()
         return None
-    checker.synchronous.add(checker.stream(name))
+    with checker.lock:
+        checker.threads.add(checker.stream(name))
     checker.wait(name, begun)
     # Ordered by its start and end events only: not issued by the host as it goes, as device work is.
     _current.host_timeline, _current.issued_earlier = name, True
@@ -315,9 +316,7 @@ class StreamChecker:
         self.names: dict[int, str] = {0: COMPUTE}
         self.ids: dict[str, int] = {COMPUTE: 0}
         self.host = self.stream(HOST)
-        # Timelines whose accesses are over by the time memory they touched can be freed, as they run synchronously:
-        # the host's, and each host thread's (`thread_timeline`).
-        self.synchronous = {self.host}
+        self.threads: set[int] = set()  # host threads' timelines (`thread_timeline`)
         self.seq = 0
         self.records: dict[int, _Record] = {}
         self.event_ids = itertools.count(1)
@@ -421,17 +420,18 @@ class StreamChecker:
         with self.lock:
             if self.records.get(key) is record:
                 del self.records[key]
-            try:
-                self._check_free(record, "torch's free of a tensor")
+            try:  # the last reference gone: a host thread that used it has let it go too
+                self._check_free(record, "torch's free of a tensor", over=self.threads)
             except StreamOrderError as race:
                 self.deferred.append(str(race))
 
-    def _check_free(self, record: _Record, what: str) -> None:
+    def _check_free(self, record: _Record, what: str, over: set[int] = frozenset()) -> None:
+        """`over`: timelines whose accesses are over by now, besides the host's."""
         if record.host:  # pinned blocks go back only once their copies' events passed (the caching host allocator)
             return
-        # The host's own accesses (and a host thread's) are over when it frees: they ran synchronously.
+        # The host's own accesses are over when it frees: they ran synchronously.
         for earlier in record.accesses:
-            if earlier.stream not in (record.alloc, *self.synchronous, *record.recorded) \
+            if earlier.stream not in (record.alloc, self.host, *over, *record.recorded) \
                     and not self._ordered(record.alloc, earlier):
                 raise StreamOrderError(
                     f"{what} ({_where()}) gives memory back to the {self.names[record.alloc]} stream that allocated "

@@ -212,7 +212,11 @@ def resume(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch
         return 0
     client_state = engine.load_checkpoint(saved[-1])
     schedule.load_state_dict(client_state["schedule"])
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(client_state["rng_state"])), dtype=torch.uint8))
+    rng = {device: torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8)
+           for device, state in client_state["rng_state"].items()}
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
     if rank == 0:
         logger.warning(f"restart {restarts_so_far()}: resuming from {saved[-1]} (step {client_state['step']}), the "
                        f"newest complete checkpoint in {args.output_dir}")
@@ -221,9 +225,10 @@ def resume(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch
 
 def save(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.optim.lr_scheduler.LRScheduler,
          step: int, rank: int) -> None:
-    """A checkpoint after `step` steps (the schedule and torch's random state in its client state), then the oldest
+    """A checkpoint after `step` steps (the schedule and torch's random states in its client state), then the oldest
     beyond --save_total_limit removed: only once every rank's save is complete (save_checkpoint returns then)."""
-    rng_state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")
+    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    rng_state = {device: base64.b64encode(state.numpy().tobytes()).decode("ascii") for device, state in rng.items()}
     engine.save_checkpoint(Path(args.output_dir, f"step-{step}"),
                            client_state={"step": step, "schedule": schedule.state_dict(), "rng_state": rng_state})
     if rank == 0 and args.save_total_limit is not None:

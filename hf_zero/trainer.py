@@ -159,7 +159,8 @@ def checkpoint_to_restart_from(output_dir: str, save_only_model: bool, removes: 
         for folder in interrupted:
             logger.warning(f"restart {restarts_so_far()}: removing {folder}, which a save left incomplete when a rank "
                            f"died")
-            shutil.rmtree(folder)
+            with contextlib.suppress(FileNotFoundError):  # under save_on_each_node another node's may have gone first
+                shutil.rmtree(folder)
         logger.warning(f"restart {restarts_so_far()} (torchrun --max-restarts): "
                        + (f"resuming from {complete}, the newest complete checkpoint in {output_dir}"
                           if complete is not None else

@@ -544,6 +544,20 @@ def test_an_optimizer_flag_the_checkpoint_changes_is_refused_naming_it_and_chang
     engine.load_checkpoint(clean_checkpoint)  # the unedited checkpoint loads: the refusal is the flag's
 
 
+def test_a_kernel_flag_the_checkpoint_changes_stays_this_runs_and_a_warning_says_so(clean_checkpoint, tmp_path,
+                                                                                     caplog):
+    """foreach and fused choose which of torch's kernels runs the same update: a checkpoint from a run that used
+    another (fused on a GPU) resumes, keeping this run's choice, and says so."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(clean_checkpoint, folder)
+    _edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(foreach=True))(folder)
+    engine = new_engine({"zero_stage": 1})
+    mine = engine.optimizer.param_groups[0]["foreach"]
+    engine.load_checkpoint(folder)
+    assert engine.optimizer.param_groups[0]["foreach"] == mine != True  # noqa: E712 (None, False: not the file's)
+    assert "has foreach=" in caplog.text and "this run's is kept" in caplog.text
+
+
 def test_consolidating_a_shape_no_memory_holds_fails_in_one_line_and_leaves_no_output_folder(clean_checkpoint,
                                                                                               tmp_path):
     folder = tmp_path / "ckpt"

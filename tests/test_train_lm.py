@@ -126,6 +126,9 @@ def test_the_progress_bar_ends_with_the_time_budget_not_the_step_limit():
     (["--text", "EMPTY"], "holds 0 bytes; its last 5% (0 bytes) validate, which needs more than --seq_len + 1 (129)"),
     (["--text", "MISSING"], "no readable file there"),
     (["--seq_len", "30000"], "give a longer text or a shorter --seq_len"),
+    (["--max_restarts", "2"], "--max_restarts resumes from the checkpoints that --output_dir and --save_steps write"),
+    (["--save_steps", "10"], "--save_steps must be 0 or more, and above 0 needs --output_dir; got 10 without"),
+    (["--output_dir", "OUT", "--save_steps", "5", "--save_total_limit", "0"], "--save_total_limit must be at least 1"),
 ])
 def test_a_setting_the_job_cannot_run_with_is_one_line_before_any_process_starts(refused_before_launch, tmp_path,
                                                                                   flags, message):

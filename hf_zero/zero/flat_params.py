@@ -23,20 +23,11 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
-from hf_zero.memory import BUDGET_SHARE, memory_left
+from hf_zero.memory import budget_of_every_rank
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import Bucket, FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
 from hf_zero.zero.reducer import BucketKey, BucketReduction, GradientReducer
 from hf_zero.zero.stage2 import PartitionedGradients
-
-
-def elements_the_buffers_may_take(device: torch.device, dtype: torch.dtype, comm: Communicator) -> int:
-    """Elements of `dtype` that the gradient buckets, or the parameters' all-gathers, may take where the bucket sizes
-    are left to the engine: BUDGET_SHARE of the memory the rank has left (memory_left), the smallest rank's on every
-    rank, whose buckets must be cut alike."""
-    left, _ = memory_left(device, comm.ranks_per_node)
-    cap = int(left * BUDGET_SHARE) // dtype.itemsize
-    return min(comm.all_gather_object(cap))
 
 
 class FlatParams(ParamHolder):
@@ -47,12 +38,16 @@ class FlatParams(ParamHolder):
                  comm: Communicator, config: ZeroConfig, position: dict[nn.Parameter, int]) -> None:
         self.comm, self.replicated = comm, stage == 0
         self.reduces_every_backward = stage == 2
-        memory_cap = elements_the_buffers_may_take(next(p for named in groups for _, p in named).device, dtype, comm) \
-            if config.reduce_bucket_size is None or config.allgather_bucket_size is None else 0  # both set: unused
-        self.allgather_bucket_size = config.allgather_numel(memory_cap)
+        # Bucket sizes left to the engine fit in the memory budget every rank agrees on (they cut the collectives):
+        # in the dtype gradients are reduced in, the larger of the two.
+        sized_by_memory = config.reduce_bucket_size is None or config.allgather_bucket_size is None
+        device = next(p for named in groups for _, p in named).device
+        budget = budget_of_every_rank(device, comm)[0] if sized_by_memory else 0
+        budget_numel = budget // max(dtype.itemsize, config.torch_reduce_dtype.itemsize)
+        self.allgather_bucket_size = config.allgather_numel(budget_numel)
         # One flat buffer per param group that has parameters (the Trainer's no-decay group is empty under LoRA).
         self.flats = [FlatParamBuffer(list(reversed(named)), 1 if self.replicated else comm.world_size, dtype,
-                                      config.bucket_numel(comm.world_size, memory_cap)) for named in groups if named]
+                                      config.bucket_numel(comm.world_size, budget_numel)) for named in groups if named]
         flat_of_group = iter(range(len(self.flats)))
         self.flat_of_group = [next(flat_of_group) if named else None for named in groups]
         fp32_empty = fp32_start_empty(config, self.flats[0].data.device)

@@ -19,10 +19,11 @@ SKIPPING_ON_DEVICE = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def param_group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's hyper-parameters as they are now (a shallow copy, `params` included). A step that runs
+    """Each param group's hyper-parameters as they are now (`params` included, the same list). A step that runs
     later than it was asked for steps with these: a delayed update runs while the scheduler already sets the next
-    step's learning rate in the live param groups."""
-    return [dict(group) for group in optimizer.param_groups]
+    step's learning rate in the live param groups (in place where it is a tensor, hence the copies)."""
+    return [{key: value.clone() if torch.is_tensor(value) else value for key, value in group.items()}
+            for group in optimizer.param_groups]
 
 
 def is_elementwise(value: Any, master: torch.Tensor) -> bool:

@@ -66,7 +66,7 @@ def test_left_unset_the_buckets_take_at_most_half_the_memory_the_rank_has_left(m
     all-gathers in flight, fit in half of what memory_left says the rank has; plenty leaves the defaults (one bucket
     for this small model). Cut smaller, the step is the same."""
     def trained(left: int) -> tuple[hf_zero.ZeroEngine, dict]:
-        monkeypatch.setattr("hf_zero.zero.flat_params.memory_left", lambda device, ranks: (left, "the test's figure"))
+        monkeypatch.setattr("hf_zero.memory.memory_left", lambda device, ranks: (left, "the test's figure"))
         model = tiny_model("gpt2")
         engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero_stage": 2})
         for step in range(2):

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig
 from hf_zero.device import LatestCopy, host_buffers_for_good, host_memory_empty
-from hf_zero.memory import BUDGET_SHARE, memory_left
+from hf_zero.memory import budget_of_every_rank
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import (FlatParamBuffer, ParamSlice, model_order, partitioned_frozen, release_storage,
                                     set_data, wrap_like)
@@ -310,36 +310,33 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
 
     def keep_limit(self) -> int:
         """The parameter elements units_kept_gathered may keep gathered: generation_max_live_parameters where set,
-        else BUDGET_SHARE of the memory this rank has left (memory_left), and with offloaded parameters no more than
-        a training step holds gathered besides the unit in use (the largest unit and prefetch_bucket_size): a
-        model offloaded because it does not fit is never held whole. Ranks have different memory left, and must keep
-        the same units (each kept unit is one gather fewer): the smallest rank's limit is every rank's (one
-        all-gather). Said once in the log, with how many units that keeps."""
+        else the memory budget every rank agrees on (memory.budget_of_every_rank: each kept unit is a gather fewer,
+        so all must keep the same), and with offloaded parameters no more than a training step holds gathered
+        besides the unit in use (the largest unit and prefetch_bucket_size): a model offloaded because it does not
+        fit is never held whole. Said once in the log, with how many units that keeps."""
         keepable = self._keepable()
         if self.generation_max_live_parameters is not None:
             limit, why = self.generation_max_live_parameters, "generation_max_live_parameters"
         else:
-            left, where = memory_left(self.units[0].flats[0].data.device, self.comm.ranks_per_node)
-            element_size = max((u.nbytes // max(u.numel, 1) for u in keepable), default=1)
-            limit, why = int(left * BUDGET_SHARE) // element_size, f"{BUDGET_SHARE:.0%} of {where}"
-            if self.offload_param != "none":
-                training_holds = max((u.numel for u in keepable), default=0) + self.prefetch_numel
-                if training_holds < limit:
-                    limit, why = training_holds, (f"offload_param {self.offload_param}: what a training step holds "
-                                                  f"gathered, the largest unit and prefetch_bucket_size")
-            if self.comm.world_size > 1:
-                limits = self.comm.all_gather_object(limit)
-                if min(limits) < limit:
-                    limit, why = min(limits), f"rank {limits.index(min(limits))}'s limit; {why} here"
+            budget, why = budget_of_every_rank(self.units[0].flats[0].data.device, self.comm)
+            limit = budget // max((u.nbytes // max(u.numel, 1) for u in keepable), default=1)
+            training_holds = max((u.numel for u in keepable), default=0) + self.prefetch_numel
+            if self.offload_param != "none" and training_holds < limit:
+                limit, why = training_holds, (f"offload_param {self.offload_param}: what a training step holds "
+                                              f"gathered, the largest unit and prefetch_bucket_size")
         if not self.keep_limit_said:
             self.keep_limit_said = True
-            kept, total = 0, 0
-            for unit in keepable:  # as _keep_gathered fills the budget: in order of use, each unit that still fits
-                if total + unit.numel <= limit:
-                    kept, total = kept + 1, total + unit.numel
-            logger.info("stage 3 keeps %d of %d units gathered in generate() and evaluation loops (%s elements; "
-                        "budget %s elements: %s)", kept, len(keepable), f"{total:,}", f"{limit:,}", why)
+            self._say_what_is_kept(keepable, limit, why)
         return limit
+
+    @staticmethod
+    def _say_what_is_kept(keepable: list[Unit], limit: int, why: str) -> None:
+        kept, total = 0, 0
+        for unit in keepable:  # as _keep_gathered fills the budget when the forwards use the units in model order
+            if total + unit.numel <= limit:
+                kept, total = kept + 1, total + unit.numel
+        logger.info("stage 3 keeps %d of %d units gathered in generate() and evaluation loops (%s elements; budget %s "
+                    "elements: %s)", kept, len(keepable), f"{total:,}", f"{limit:,}", why)
 
     def _free_all_but_root(self) -> None:
         """Frees every unit but the root, and but those kept gathered (units_kept_gathered)."""

@@ -567,11 +567,30 @@ def test_left_unset_the_live_parameter_limit_is_half_the_memory_the_rank_has_lef
     rank): every unit where that is plenty, none where nothing is left, one where it holds one block."""
     block_bytes = generate_at_stage3(0)["block_bytes"]
     left = 2 * block_bytes + block_bytes // 2 if memory_left == "one block" else memory_left
-    monkeypatch.setattr("hf_zero.zero.stage3.params.memory_left", lambda device, ranks: (left, "the test's figure"))
+    monkeypatch.setattr("hf_zero.memory.memory_left", lambda device, ranks: (left, "the test's figure"))
     run, blocks, tokens = generate_at_stage3(None), generate_at_stage3(0)["blocks"], 6
     assert run["same_tokens"] and run["left_gathered"] == 0
     # The root once, each kept block once, every other block for each token's forward.
     assert run["gathers"] == 1 + kept_blocks + tokens * (blocks - kept_blocks)
+
+
+def generate_with_memory_of_rank(block_bytes: int) -> int:
+    """Rank 0 has plenty of memory left, rank 1 room for one block (memory_left patched): the unit all-gathers of
+    one generate() under the limit left to the engine."""
+    from unittest import mock
+
+    left = 10**12 if torch.distributed.get_rank() == 0 else 2 * block_bytes + block_bytes // 2
+    with mock.patch("hf_zero.memory.memory_left", lambda device, ranks: (left, "the test's figure")):
+        return generate_at_stage3(None)["gathers"]
+
+
+def test_ranks_with_different_memory_left_keep_the_same_units_the_smallest_budgets():
+    """Each kept unit is a gather fewer, so ranks that kept different units would issue different collectives: the
+    limit left to the engine is the smallest rank's on every rank (one block here, on both)."""
+    reference = generate_at_stage3(0)
+    blocks, tokens = reference["blocks"], 6
+    for gathers in spawn_gloo(generate_with_memory_of_rank, 2, reference["block_bytes"]):
+        assert gathers == 1 + 1 + tokens * (blocks - 1)
 
 
 def generate_own_prompt(limit: int) -> bool:
