@@ -47,12 +47,14 @@ def save_checkpoint(folder: Path, n_layer: int, n_embd: int) -> int:
     return nbytes
 
 
-def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
-    """The ranks: torchrun's agent runs inside the launcher, so they are its own children."""
+def rank_processes(launcher: psutil.Process, module: str = "hf_zero.run") -> list[psutil.Process]:
+    """The ranks running `module`, by RANK: torchrun's agent runs inside the launcher, so they are its own
+    children."""
     try:
-        return [p for p in launcher.children() if "hf_zero.run" in " ".join(p.cmdline())]
-    except psutil.Error:  # a rank that has just exited
+        ranks = {int(p.environ()["RANK"]): p for p in launcher.children() if module in " ".join(p.cmdline())}
+    except (psutil.Error, KeyError):  # a rank that has just exited, or not yet set up
         return []
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def vm_hwm(process: psutil.Process) -> int:

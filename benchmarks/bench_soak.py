@@ -29,26 +29,15 @@ from pathlib import Path
 
 import psutil
 
-from hf_zero.train_lm import checkpoints
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_pretrained_memory import rank_processes  # noqa: E402
+from hf_zero.train_lm import checkpoints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
-
-
-def ranks_of(launcher: psutil.Process) -> list[psutil.Process]:
-    """The training processes under the launcher (torchrun's workers), by RANK."""
-    found = {}
-    for child in launcher.children(recursive=True):
-        try:
-            rank = child.environ().get("RANK")
-            if rank is not None and "hf_zero.train_lm" in " ".join(child.cmdline()):
-                found[int(rank)] = child
-        except psutil.Error:
-            continue
-    return [found[r] for r in sorted(found)]
 
 
 def soak(args: argparse.Namespace, work: Path) -> dict:
@@ -70,7 +59,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict:
         reader.start()
         launcher = psutil.Process(run.pid)
         while run.poll() is None:
-            ranks = ranks_of(launcher)
+            ranks = rank_processes(launcher, "hf_zero.train_lm")
             try:
                 rss = [p.memory_info().rss for p in ranks]
                 fds = [p.num_fds() for p in ranks]

@@ -219,6 +219,16 @@ def is_complete(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
+def numbered_folders(parent: str | os.PathLike, prefix: str) -> list[Path]:
+    """The folders `prefix`-N in `parent` (a training run's checkpoints), by N, oldest first; none where `parent` is
+    absent."""
+    parent = Path(parent)
+    found = [(int(m.group(1)), entry) for entry in parent.iterdir()
+             if (m := re.fullmatch(rf"{re.escape(prefix)}-(\d+)", entry.name)) and entry.is_dir()] \
+        if parent.is_dir() else []
+    return [entry for _, entry in sorted(found)]
+
+
 def made_here(folder: Path) -> bool:
     """Whether `folder` is a checkpoint folder this library made (also one saved before MARKER existed)."""
     if (folder / MARKER).is_file():

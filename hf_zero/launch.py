@@ -92,7 +92,7 @@ class JoinError(RuntimeError):
 
 
 def _joining_key(rank: int) -> str:
-    return f"hf_zero/joining/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    return f"hf_zero/joining/{environment.restarts_so_far()}/{rank}"
 
 
 def _announce_joining(rank: int) -> dist.TCPStore | None:
@@ -164,7 +164,7 @@ def note_collective(describe: Callable[[], str]) -> None:
 
 
 def _heartbeat_key(rank: int) -> str:
-    return f"hf_zero/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    return f"hf_zero/heartbeat/{environment.restarts_so_far()}/{rank}"
 
 
 def _store_client() -> dist.TCPStore:

@@ -11,7 +11,6 @@ import base64
 import logging
 import math
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from hf_zero.comm import Communicator
 from hf_zero.config import ZeroConfig, ZeroConfigError
 from hf_zero.config import add_arguments as add_engine_arguments
 from hf_zero.device import compute_device
-from hf_zero.checkpoint import is_complete
+from hf_zero.checkpoint import is_complete, numbered_folders
 from hf_zero.environment import processes_per_node, restarts_so_far
 from hf_zero.launch import init_distributed
 from hf_zero.memory import model_state_bytes
@@ -187,15 +186,9 @@ def build_engine(args: argparse.Namespace, rank: int, world: int
     return engine, schedule, dp_rank
 
 
-CHECKPOINT_NAME = re.compile(r"step-(\d+)")
-
-
 def checkpoints(output_dir: str) -> list[Path]:
     """The complete step-N checkpoints in `output_dir`, oldest first."""
-    found = [(int(m.group(1)), entry) for entry in Path(output_dir).iterdir()
-             if (m := CHECKPOINT_NAME.fullmatch(entry.name)) and is_complete(entry)] \
-        if Path(output_dir).is_dir() else []
-    return [entry for _, entry in sorted(found)]
+    return [folder for folder in numbered_folders(output_dir, "step") if is_complete(folder)]
 
 
 def resume(args: argparse.Namespace, engine: hf_zero.ZeroEngine, schedule: torch.optim.lr_scheduler.LRScheduler,

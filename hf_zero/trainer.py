@@ -32,7 +32,6 @@ import enum
 import functools
 import inspect
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -49,7 +48,8 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME, _is_peft_mo
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_zero import pretrained
-from hf_zero.checkpoint import TRAINER_SUBFOLDER, CheckpointError, newest_complete, read_json_object
+from hf_zero.checkpoint import (TRAINER_SUBFOLDER, CheckpointError, newest_complete, numbered_folders,
+                                read_json_object)
 from hf_zero.arguments import ZeroArgumentsMixin
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.environment import restarts_so_far
@@ -136,12 +136,8 @@ def last_complete_checkpoint(output_dir: str, save_only_model: bool = False) -> 
 def _checkpoint_folders(output_dir: str, save_only_model: bool) -> tuple[Path | None, list[Path]]:
     """The newest complete checkpoint-N folder in `output_dir` (None: none), and the newer ones a save left
     incomplete."""
-    candidates = sorted((int(m.group(1)), name) for name in os.listdir(output_dir)
-                        if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name))
-                        and os.path.isdir(os.path.join(output_dir, name))) if os.path.isdir(output_dir) else []
     interrupted = []
-    for _, name in reversed(candidates):
-        folder = Path(output_dir, name)
+    for folder in reversed(numbered_folders(output_dir, PREFIX_CHECKPOINT_DIR)):
         if (folder / TRAINER_STATE_NAME).is_file() and (
                 save_only_model or newest_complete(folder / TRAINER_SUBFOLDER) is not None):
             return folder, interrupted

@@ -56,7 +56,6 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         self.keep_budget: int | None = None
         self.kept_gathered: set[int] = set()
         self.keep_limit_said = False
-        self.keep_entry_limit: int | None = None  # keep_limit() as units_kept_gathered took it on entry
         self.trim_host_heap = config.trim_host_heap
         self.units = self._cut_into_units(model, groups, dtype, config, device)
         self.flats = [f for u in self.units for f in u.trained_flats]
@@ -302,8 +301,9 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         """Whether units_kept_gathered (generate(), an evaluation loop) keeps every unit, gathered on entry (they fit
         within keep_limit()): then no forward inside gathers, whatever the number of tokens each rank generates, and
         ranks need not step together (synced_gpus)."""
-        limit = self.keep_limit() if self.keep_entry_limit is None else self.keep_entry_limit
-        return sum(u.numel for u in self._keepable()) <= limit
+        if self.keep_budget is not None:  # inside: every unit was gathered on entry and kept where all fit
+            return len(self.kept_gathered) == len(self._keepable())
+        return sum(u.numel for u in self._keepable()) <= self.keep_limit()
 
     def _keepable(self) -> list[Unit]:
         return [u for u in self.units if not u.is_root and not u.persistent]

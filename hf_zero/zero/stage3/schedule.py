@@ -97,9 +97,9 @@ class Schedule:
             yield
             return
         self._fetch(self.root, backward=False)
-        self.keep_budget = self.keep_entry_limit = self.keep_limit()
+        self.keep_budget = self.keep_limit()
         try:
-            if self.keeps_every_unit():
+            if sum(u.numel for u in self._keepable()) <= self.keep_budget:
                 for unit in self.units:
                     if not unit.persistent and self._keep_gathered(unit):
                         unit.gather("forward")
@@ -107,7 +107,7 @@ class Schedule:
                     unit.wait()
             yield
         finally:
-            self.keep_budget = self.keep_entry_limit = None
+            self.keep_budget = None
             self.kept_gathered.clear()
             self._free_all_but_root()
             self.root.free()
