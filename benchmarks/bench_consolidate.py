@@ -25,7 +25,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_zero  # noqa: E402
 import model_zoo  # noqa: E402
-from hf_zero.launch import spawn_gloo  # noqa: E402
+from hf_zero.runtime.launch import spawn_gloo  # noqa: E402
 
 SYSTEMS = ["hf_zero", "deepspeed"]
 
@@ -33,12 +33,12 @@ CONVERT = """
 import json, sys, time, os
 os.environ["DS_ACCELERATOR"] = "cpu"
 import psutil
-from hf_zero.memory import peak_rss, reset_peak_rss
+from hf_zero.runtime.memory import peak_rss, reset_peak_rss
 system, checkpoint, output, shard = sys.argv[1:5]
 if system == "deepspeed":
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 else:
-    from hf_zero.consolidate import consolidate
+    from hf_zero.checkpoint.consolidate import consolidate
 before = psutil.Process().memory_info().rss
 reset_peak_rss()
 start = time.perf_counter()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_zero  # noqa: E402
-from hf_zero.launch import spawn_gloo  # noqa: E402
+from hf_zero.runtime.launch import spawn_gloo  # noqa: E402
 
 SYSTEMS = {"stock": None, "stage3": {"zero_stage": 3}, "stage3_per_forward": {"zero_stage": 3,
                                                                             "generation_max_live_parameters": 0}}
@@ -31,7 +31,12 @@ BATCH, PROMPT, NEW_TOKENS = 8, 16, 32
 
 
 def build(kind: str) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     if kind == "t5":

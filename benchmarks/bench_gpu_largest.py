@@ -12,7 +12,7 @@ shard by SeededInit; below that: whole on the device) and trains `--steps` AdamW
 sequence `--seq`, with transformers' gradient checkpointing so that activations stay small beside the
 model states. The depth is found by bisection between 1 and what the formula allows times `--headroom`.
 The table gives, per setting, the largest Ψ trained, the formula's largest Ψ for model states alone
-(`hf_zero.estimate.largest_params`: 16Ψ DDP ... 16Ψ/Nd stage 3, offloaded bytes off the device), their
+(`hf_zero.cli.estimate.largest_params`: 16Ψ DDP ... 16Ψ/Nd stage 3, offloaded bytes off the device), their
 ratio, and the trial's peak allocated device memory (torch.cuda.max_memory_allocated, rank 0).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model_zoo  # noqa: E402
-from hf_zero.estimate import Setting, largest_params, model_states  # noqa: E402
+from hf_zero.cli.estimate import Setting, largest_params, model_states  # noqa: E402
 
 OUT_OF_MEMORY = 3  # a trial's exit status when the model did not fit
 SETTINGS = {"0": {"zero_stage": 0}, "1": {"zero_stage": 1}, "2": {"zero_stage": 2},
@@ -47,7 +47,7 @@ def trial(config: dict, n_embd: int, n_layer: int, seq: int, steps: int) -> None
     import torch.distributed as dist
 
     import hf_zero
-    from hf_zero.construct import SeededInit
+    from hf_zero.zero.construct import SeededInit
 
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)

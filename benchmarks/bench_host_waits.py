@@ -5,7 +5,7 @@
 
 A host that reads back a value the device computed (`.item()`, `.tolist()`, `torch.unique`'s size, a copy from
 pageable memory) waits for the device's whole queue, and from then on feeds the device from behind. Plain torch and
-FSDP2 read nothing back in a step. This counts, per step, what the host waits on, under hf_zero.device's
+FSDP2 read nothing back in a step. This counts, per step, what the host waits on, under hf_zero.runtime.device's
 simulation of a GPU with its stream checker (`StreamChecker.host_waits`), on CPU: a stream's whole queue (a
 read-back), or an event recorded in an earlier step (on a GPU long passed: the host does not stall). GPT-2 (the
 zoo's tiny one), bf16 with fp32 masters, gradient clipping at 1.0, the third step of each run, each system on
@@ -34,7 +34,7 @@ def host_waits(system: str) -> dict[str, int]:
     """The host's waits during step MEASURED of `system` on this rank: read-backs (a stream's whole queue) and waits
     on events from earlier steps."""
     import hf_zero
-    from hf_zero import simulated_gpu
+    from hf_zero.testing import simulated_gpu
     from tests.helpers import batch, local_part, make_optimizer, tiny_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1)
     args = parser.parse_args()
     os.environ["HF_ZERO_SIMULATE_ASYNC"] = "late"
-    from hf_zero.launch import spawn_gloo
+    from hf_zero.runtime.launch import spawn_gloo
 
     print(f"Host waits in one training step, {args.ranks} rank(s), under the stream checker (the most of any rank)")
     print("| system | read-backs (the device's whole queue) | on this step's events | on earlier steps' events "

@@ -7,7 +7,7 @@ A shard of `numel` parameters as a rank offloading bf16 training with fp32 maste
 fp32 masters and Adam moments, bf16 parameters out. Per phase, what the host did per step before issue 51 and what
 it does now, each timed here (medians of `repeats`, round-robin after a warm-up):
   norm      before: the fp64 sum of squares of the host gradient shard, 2 MiB pieces converted to fp64
-            (hf_zero.zero.optimizer._square_sum, which the step ran over every chunk); now: nothing on the host, the
+            (hf_zero.optim.optimizer._square_sum, which the step ran over every chunk); now: nothing on the host, the
             device measures each chunk as it settles.
   landing   before: each bucket's chunk added into the host shard, which was zero-filled every step; now: nothing
             on the host, the chunks are copied into place by DMA.
@@ -33,10 +33,10 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_zero.environment import cpu_adam_threads  # noqa: E402
-from hf_zero.ops import adam_step, cpu_adam_kernel  # noqa: E402
-from hf_zero.zero.optimizer import _square_sum  # noqa: E402
 from benchmarks.bench_cpu_adam import HYPER, deepspeed_cpu_adam, median_seconds  # noqa: E402
+from hf_zero.ops import adam_step, cpu_adam_kernel  # noqa: E402
+from hf_zero.optim.optimizer import _square_sum  # noqa: E402
+from hf_zero.settings.environment import cpu_adam_threads  # noqa: E402
 
 ADAM_BYTES = 28  # per parameter: p, m, v read and written in fp32, a bf16 gradient read, a bf16 parameter written
 TRIAD_BYTES = 12  # a += s*c in fp32: two reads, one write

@@ -47,7 +47,7 @@ def save_checkpoint(folder: Path, n_layer: int, n_embd: int) -> int:
     return nbytes
 
 
-def rank_processes(launcher: psutil.Process, module: str = "hf_zero.run") -> list[psutil.Process]:
+def rank_processes(launcher: psutil.Process, module: str = "hf_zero.cli.run") -> list[psutil.Process]:
     """The ranks running `module`, by RANK: torchrun's agent runs inside the launcher, so they are its own
     children."""
     try:

@@ -31,7 +31,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_pretrained_memory import rank_processes  # noqa: E402
-from hf_zero.train_lm import checkpoints  # noqa: E402
+from hf_zero.cli.train_lm import checkpoints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict:
         reader.start()
         launcher = psutil.Process(run.pid)
         while run.poll() is None:
-            ranks = rank_processes(launcher, "hf_zero.train_lm")
+            ranks = rank_processes(launcher, "hf_zero.cli.train_lm")
             try:
                 rss = [p.memory_info().rss for p in ranks]
                 fds = [p.num_fds() for p in ranks]

@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_zero  # noqa: E402
-from hf_zero.launch import spawn_gloo  # noqa: E402
+from hf_zero.runtime.launch import spawn_gloo  # noqa: E402
 
 WIDTH, BATCH, WARMUP = 32, 4, 3
 SYSTEMS = ["plain", "hf_zero_2", "hf_zero_3", "hf_zero_3_unchecked", "fsdp2", "deepspeed_3"]

@@ -4,7 +4,7 @@ peaked at 31.5 GiB, FSDP2 at 28.9).
   python -m benchmarks.bench_step_peak
   python -m benchmarks.bench_step_peak --width 1024 --layers 12
 
-On CPU, under hf_zero.device's simulation of a GPU, `DeviceMemory` counts every tensor storage the ops of a run
+On CPU, under hf_zero.runtime.device's simulation of a GPU, `DeviceMemory` counts every tensor storage the ops of a run
 create, as `max_memory_allocated` does on a GPU: from before the model is built, so the resident states count too.
 What it cannot see is what only the GPU path allocates or holds: buffers kept alive until another stream is done
 with them, kernels' workspaces (cuBLAS's, per stream), GPU-only kernels' temporaries, the allocator's rounding. Each
@@ -35,7 +35,7 @@ def step_peak(system: str, width: int, layers: int) -> dict[str, float]:
     """(resident after a step, the next step's peak), in bytes per parameter, for `system` on this one rank."""
     import hf_zero
     import model_zoo
-    from hf_zero.simulated_gpu import DeviceMemory
+    from hf_zero.testing.simulated_gpu import DeviceMemory
 
     torch.manual_seed(0)
     with DeviceMemory() as memory:
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
     os.environ["HF_ZERO_SIMULATE_ASYNC"] = "early"
-    from hf_zero.launch import spawn_gloo
+    from hf_zero.runtime.launch import spawn_gloo
 
     rows = {system: spawn_gloo(step_peak, 1, system, args.width, args.layers, start_method="spawn")[0]
             for system in SYSTEMS}

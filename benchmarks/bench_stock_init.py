@@ -1,5 +1,5 @@
 """What transformers' own initialisation costs when stage 3 builds a model from its config partitioned
-(hf_zero/stock_init.py), beside a plain `from_config` in the same invocation: one process, each way in a fresh
+(hf_zero/hf/stock_init.py), beside a plain `from_config` in the same invocation: one process, each way in a fresh
 interpreter, `--repeats` times; medians of the seconds and of the peak RSS growth.
 
 - plain: `AutoModelForCausalLM.from_config` (every tensor whole, drawn once while built and once by the init);
@@ -29,9 +29,9 @@ def run_one(way: str, n_layer: int, n_embd: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from hf_zero.construct import _init_order
-    from hf_zero.memory import current_rss, peak_rss, reset_peak_rss
-    from hf_zero.stock_init import record_stock_init
+    from hf_zero.hf.stock_init import record_stock_init
+    from hf_zero.runtime.memory import current_rss, peak_rss, reset_peak_rss
+    from hf_zero.zero.construct import _init_order
 
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=16)
     reset_peak_rss()
@@ -78,7 +78,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {"plain": [], "stock_init": []}
     for _ in range(args.repeats):
         for way in runs:
-            # The mmap threshold `hf-zero run` gives the processes it launches (hf_zero.launch): the glibc default
+            # The mmap threshold `hf-zero run` gives the processes it launches (hf_zero.runtime.launch): the glibc default
             # moves up to 32 MiB and leaves freed unit-sized blocks in the heap.
             out = subprocess.run([sys.executable, __file__, "--_one", way, "--n_layer", str(args.n_layer),
                                   "--n_embd", str(args.n_embd)], capture_output=True, text=True, check=True,

@@ -27,8 +27,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_zero  # noqa: E402
 import model_zoo  # noqa: E402
-from hf_zero.launch import spawn_gloo  # noqa: E402
-from hf_zero.memory import model_state_bytes, peak_rss  # noqa: E402
+from hf_zero.runtime.launch import spawn_gloo  # noqa: E402
+from hf_zero.runtime.memory import model_state_bytes, peak_rss  # noqa: E402
 
 WORKLOADS = {
     # model, micro-batch, sequence, warm-up steps, timed steps

@@ -31,9 +31,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_zero  # noqa: E402
 import model_zoo  # noqa: E402
-from hf_zero.launch import spawn_gloo  # noqa: E402
-from hf_zero.memory import current_rss, peak_rss, reset_peak_rss  # noqa: E402
-from hf_zero.tensor_parallel import apply_tensor_parallel, init_mesh  # noqa: E402
+from hf_zero.runtime.launch import spawn_gloo  # noqa: E402
+from hf_zero.runtime.memory import current_rss, peak_rss, reset_peak_rss  # noqa: E402
+from hf_zero.runtime.tensor_parallel import apply_tensor_parallel, init_mesh  # noqa: E402
 
 MODEL, SEQ, GLOBAL_BATCH, TP, WORLD = "gpt2-demo", 256, 16, 2, 4
 WARMUP, STEPS = 1, 4

@@ -4,7 +4,7 @@
 same seed in fresh processes; runs are interleaved (plain, qwZ, hpZ, qgZ, all three, then again) so that
 drift of the machine hits all alike. Reported per configuration: the median step time over repeats (its
 ratio to plain is the CPU cost of quantizing, since gloo over loopback gains nothing from fewer bytes), and
-from the ledger (hf_zero/comm.py `link_bytes`): node 0's cross-node volume as the ZeRO++ paper counts it,
+from the ledger (hf_zero/runtime/comm.py `link_bytes`): node 0's cross-node volume as the ZeRO++ paper counts it,
 and the bytes each rank sent over its links, intra-node and inter-node, averaged over the ranks.
 
 hpZ with gradient accumulation: node 0's cross-node volume per step at 1, 2 and 4 micro-batches a step
@@ -38,10 +38,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_zero  # noqa: E402
 import model_zoo  # noqa: E402
-from hf_zero.comm import SPANS  # noqa: E402
-from hf_zero.config import ZeroConfig  # noqa: E402
-from hf_zero.launch import spawn_gloo  # noqa: E402
-from hf_zero.memory import BYTES_PER_ELEMENT  # noqa: E402
+from hf_zero.runtime.comm import SPANS  # noqa: E402
+from hf_zero.runtime.launch import spawn_gloo  # noqa: E402
+from hf_zero.runtime.memory import BYTES_PER_ELEMENT  # noqa: E402
+from hf_zero.settings.config import ZeroConfig  # noqa: E402
 
 CONFIGS = {"plain": {}, "qwZ": {"quantized_weights": True}, "hpZ": {"hpz_partition_size": 2},
            "qgZ": {"quantized_gradients": True},

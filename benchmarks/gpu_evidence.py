@@ -18,11 +18,11 @@ What it runs, each part in a fresh process so that one part's allocator state is
              what is alive at that step's peak, by where it was allocated. Per system: device memory allocated by
              `initialize` at its peak (torch.cuda.max_memory_allocated) beside the formula's model states, the
              per-step peak,
-             pinned host bytes before and after a save (hf_zero.device.pinned_host_bytes: the caching host
+             pinned host bytes before and after a save (hf_zero.runtime.device.pinned_host_bytes: the caching host
              allocator's torch.cuda.host_memory_stats and the blocks page-locked in place), host synchronisations
              per step (torch.cuda.set_sync_debug_mode counts the implicit ones), tokens per second and model
              TFLOPS (6Ψ per token plus attention, the Megatron-LM count).
-In the dry mode the same code runs on CPU under hf_zero.device's simulation with a gloo group, so the run is
+In the dry mode the same code runs on CPU under hf_zero.runtime.device's simulation with a gloo group, so the run is
 known to work before a GPU is at hand (tests/test_gpu_evidence.py).
 """
 from __future__ import annotations
@@ -147,8 +147,8 @@ def memory_at_peak(train_step, ids: torch.Tensor) -> dict:
 
 
 def formula_device_bytes(config: dict | None, psi: int) -> float:
-    """Model states per device by the paper's formula (hf_zero.estimate), one rank, bf16 with fp32 masters."""
-    from hf_zero.estimate import Setting, model_states
+    """Model states per device by the paper's formula (hf_zero.cli.estimate), one rank, bf16 with fp32 masters."""
+    from hf_zero.cli.estimate import Setting, model_states
 
     if config is None:
         return 16 * psi  # plain mixed precision: fp32 weights, gradients and Adam's two moments
@@ -164,9 +164,9 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
 
     import hf_zero
     import model_zoo
-    from hf_zero.construct import SeededInit
-    from hf_zero.device import pinned_host_bytes
-    from hf_zero.launch import free_port
+    from hf_zero.runtime.device import pinned_host_bytes
+    from hf_zero.runtime.launch import free_port
+    from hf_zero.zero.construct import SeededInit
 
     cuda = torch.cuda.is_available() and not dry
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

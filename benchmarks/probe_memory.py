@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_zero import SYSTEMS, WORKLOADS, build  # noqa: E402
+
 import hf_zero  # noqa: E402
 import model_zoo  # noqa: E402
-from bench_zero import SYSTEMS, WORKLOADS, build  # noqa: E402
-from hf_zero.comm import Ledger  # noqa: E402
-from hf_zero.launch import spawn_gloo  # noqa: E402
-from hf_zero.memory import current_rss  # noqa: E402
+from hf_zero.runtime.comm import Ledger  # noqa: E402
+from hf_zero.runtime.launch import spawn_gloo  # noqa: E402
+from hf_zero.runtime.memory import current_rss  # noqa: E402
 
 MIB = 2**20
 

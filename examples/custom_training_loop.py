@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import hf_zero
 import model_zoo
-from hf_zero.launch import init_distributed
-from hf_zero.train_lm import batches, load_text
+from hf_zero.cli.train_lm import batches, load_text
+from hf_zero.runtime.launch import init_distributed
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--zero_stage", type=int, default=2)

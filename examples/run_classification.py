@@ -14,11 +14,17 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
+from pydoc_data.topics import topics
 
 import numpy as np
 from datasets import Dataset
-from pydoc_data.topics import topics
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, EvalPrediction, HfArgumentParser, set_seed
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    EvalPrediction,
+    HfArgumentParser,
+    set_seed,
+)
 
 from hf_zero import ZeroTrainer
 from training_args import ZeroTrainingArguments

@@ -18,8 +18,15 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from datasets import load_dataset
-from transformers import (AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments,
-                          default_data_collator, set_seed)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
 
 import model_zoo
 

@@ -19,8 +19,15 @@ import os
 from dataclasses import dataclass, field
 
 from datasets import load_dataset
-from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser,
-                          Seq2SeqTrainer, Seq2SeqTrainingArguments, set_seed)
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    HfArgumentParser,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    set_seed,
+)
 
 
 @dataclass

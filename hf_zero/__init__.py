@@ -2,7 +2,7 @@
 import importlib
 from typing import Any
 
-from hf_zero.config import ZeroConfig, ZeroConfigError
+from hf_zero.settings.config import ZeroConfig, ZeroConfigError
 
 __all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "ZeroSeq2SeqTrainer", "ZeroTrainer", "initialize"]
 __version__ = "0.1.0"
@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 # Imported on first use: the trainers import all of transformers' Trainer, and the engine DTensor and
 # transformers' model utilities (1.2 s), which engine-only users and the hf-zero command's checks of its
 # flags (before any process starts) should not pay for.
-_LAZY = {"ZeroTrainer": "hf_zero.trainer", "ZeroSeq2SeqTrainer": "hf_zero.trainer",
+_LAZY = {"ZeroTrainer": "hf_zero.hf.trainer", "ZeroSeq2SeqTrainer": "hf_zero.hf.trainer",
          "ZeroEngine": "hf_zero.engine", "initialize": "hf_zero.engine"}
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from hf_zero.cli import main
+from hf_zero.cli.commands import main
 
 sys.exit(main())

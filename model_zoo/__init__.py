@@ -115,7 +115,7 @@ def config(name: str, **overrides: Any) -> PretrainedConfig:
 def build(name: str, **overrides: Any) -> PreTrainedModel:
     """A freshly initialised model (on the current default device, so `with torch.device("meta")` builds
     one without memory); MiniLM comes with its pretrained weights. For values that do not depend on how a
-    model is cut, `hf_zero.construct.build_seeded(lambda: model_zoo.build(name), seed)`."""
+    model is cut, `hf_zero.zero.construct.build_seeded(lambda: model_zoo.build(name), seed)`."""
     # The model classes are imported here: their modules take seconds, which `hf-zero estimate` (configs only)
     # should not pay.
     from transformers import BertForMaskedLM, BertModel, GPT2LMHeadModel

@@ -11,7 +11,14 @@ from safetensors.torch import load_file, save_file
 
 import hf_zero
 from hf_zero import checkpoint
-from tests.helpers import batch, local_part, make_optimizer, max_diff, named_copy, tiny_model
+from tests.helpers import (
+    batch,
+    local_part,
+    make_optimizer,
+    max_diff,
+    named_copy,
+    tiny_model,
+)
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4 ranks, so every world size sees the same global batches
 SAVE_AT, STOP = 3, 6

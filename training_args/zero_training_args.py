@@ -1,5 +1,9 @@
 """The classes as they were first published under this path (pickled training_args.bin files name it)."""
-from hf_zero.arguments import (ZeroArgumentsMixin, ZeroSeq2SeqTrainingArguments, ZeroTrainingArguments,
-                               zero_config_from_flags)
+from hf_zero.hf.arguments import (
+                               ZeroArgumentsMixin,
+                               ZeroSeq2SeqTrainingArguments,
+                               ZeroTrainingArguments,
+                               zero_config_from_flags,
+)
 
 __all__ = ["ZeroArgumentsMixin", "ZeroSeq2SeqTrainingArguments", "ZeroTrainingArguments", "zero_config_from_flags"]

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from hf_zero.environment import EXTENSIONS_DIR_ENV, extensions_dir
+from hf_zero.settings.environment import EXTENSIONS_DIR_ENV, extensions_dir
 
 logger = logging.getLogger("hf_zero")
 

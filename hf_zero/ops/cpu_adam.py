@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.adam import adam as torch_adam
 
-from hf_zero.device import check_host_access
 from hf_zero.ops.build import load_extension
+from hf_zero.runtime.device import check_host_access
 
 logger = logging.getLogger("hf_zero")
 _warned_fallback = False

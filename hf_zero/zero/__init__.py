@@ -17,13 +17,18 @@ The package, in the order a reader meets it:
     optimizer.py    ShardedOptimizer: the user's optimizer on this rank's chunks; norm, clipping, overflow,
                     the delayed update
     activations.py  ZeRO-R: partitioned, offloaded, contiguous activation checkpoints
+    zeropp.py       ZeRO++: quantized gathers and reductions, hierarchical (hpZ) secondary shards
+    construct.py    models built shard by shard under stage 3: seeded, pretrained or stock initialisation
+
+The optimizer step on the shards and where its states live are hf_zero/optim/, one layer up.
+May import hf_zero.settings, hf_zero.runtime and hf_zero.ops.
 
 The paper's symbols, as the code uses them:
 
     Ψ (psi)   the number of model parameters
     Nd        the data-parallel degree: ranks the states are partitioned over (`comm.world_size`)
     K         bytes of optimizer state per parameter: 12 for mixed-precision Adam (fp32 master, momentum,
-              variance), 8 in fp32 where the parameters are the masters (hf_zero/memory.py)
+              variance), 8 in fp32 where the parameters are the masters (hf_zero/runtime/memory.py)
     P_os      stage 1: optimizer states partitioned (4Ψ + 12Ψ/Nd bytes per rank in mixed precision)
     P_g       stage 2: gradients too (2Ψ + 14Ψ/Nd)
     P_p       stage 3: parameters too (16Ψ/Nd)

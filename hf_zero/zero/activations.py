@@ -26,8 +26,16 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from hf_zero.comm import Communicator
-from hf_zero.device import DONE, Copy, copy_to_host, host_empty, on_copy_stream, to_device, to_host
+from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.device import (
+    DONE,
+    Copy,
+    copy_to_host,
+    host_empty,
+    on_copy_stream,
+    to_device,
+    to_host,
+)
 
 logger = logging.getLogger("hf_zero")
 

@@ -21,11 +21,18 @@ from typing import Any, Callable, Collection, Iterator
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator
-from hf_zero.config import ZeroConfig
-from hf_zero.memory import budget_of_every_rank
+from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.memory import budget_of_every_rank
+from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
-from hf_zero.zero.partition import Bucket, FlatParamBuffer, ParamSlice, local, local_grad, wrap_like
+from hf_zero.zero.partition import (
+    Bucket,
+    FlatParamBuffer,
+    ParamSlice,
+    local,
+    local_grad,
+    wrap_like,
+)
 from hf_zero.zero.reducer import BucketKey, BucketReduction, GradientReducer
 from hf_zero.zero.stage2 import PartitionedGradients
 

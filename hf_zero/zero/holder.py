@@ -15,8 +15,8 @@ from typing import Any, Callable, Collection, Iterator
 import torch
 from torch import nn
 
-from hf_zero.config import ZeroConfig
-from hf_zero.device import LatestCopy, host_memory_empty
+from hf_zero.runtime.device import LatestCopy, host_memory_empty
+from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice
 from hf_zero.zero.reducer import GradientReducer
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from hf_zero.device import allocate_storage, release_storage
+from hf_zero.runtime.device import allocate_storage, release_storage
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

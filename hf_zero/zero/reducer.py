@@ -18,7 +18,7 @@ The order is the expected order of readiness: backward produces gradients roughl
 order the model registers its parameters, so a bucket is ready about when its earliest-registered parameter's
 gradient arrives, and buckets launch latest-registered first, whatever param group they belong to.
 
-Reductions run on the communication stream (`hf_zero.device.CommStream`: a CUDA stream of their own on a
+Reductions run on the communication stream (`hf_zero.runtime.device.CommStream`: a CUDA stream of their own on a
 GPU), so backward's compute never waits on a collective. At most `max_in_flight` reductions keep their
 buffers (MAX_IN_FLIGHT, one at stage 3): each holds a bucket buffer (stages 2-3), and letting them pile up
 until the end of backward would hold a whole gradient's worth of buffers, which is exactly the memory
@@ -35,8 +35,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator, issued_for
-from hf_zero.device import CommStream, Reduction
+from hf_zero.runtime.comm import Communicator, issued_for
+from hf_zero.runtime.device import CommStream, Reduction
 from hf_zero.zero.partition import FlatParamBuffer, Piece
 
 BucketKey = tuple[int, int]  # (flat buffer index, bucket index)

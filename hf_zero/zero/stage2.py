@@ -35,13 +35,31 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator
-from hf_zero.device import LatestCopy, copy_to_host, host_buffers_for_good, host_memory_empty, to_device, to_host
-from hf_zero.zero.partition import FlatParamBuffer, Piece, allocate_storage, local_grad, release_storage
-from hf_zero.zero.reducer import MAX_IN_FLIGHT, BucketKey, BucketReduction, GradientReducer
+from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.device import (
+    LatestCopy,
+    copy_to_host,
+    host_buffers_for_good,
+    host_memory_empty,
+    to_device,
+    to_host,
+)
+from hf_zero.zero.partition import (
+    FlatParamBuffer,
+    Piece,
+    allocate_storage,
+    local_grad,
+    release_storage,
+)
+from hf_zero.zero.reducer import (
+    MAX_IN_FLIGHT,
+    BucketKey,
+    BucketReduction,
+    GradientReducer,
+)
 
 if TYPE_CHECKING:
-    from hf_zero.offload.nvme import NvmeAdamStates
+    from hf_zero.optim.nvme import NvmeAdamStates
 
 
 EARLY_SHARE = 16  # a bucket takes memory once its pieces would fill 1/EARLY_SHARE of it (see write_piece)

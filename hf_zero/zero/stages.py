@@ -6,11 +6,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator
-from hf_zero.config import ZeroConfig
+from hf_zero.runtime.comm import Communicator
+from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.flat_params import FlatParams
-from hf_zero.zero.partition import model_order
 from hf_zero.zero.holder import ParamHolder
+from hf_zero.zero.partition import model_order
 from hf_zero.zero.stage3 import Stage3Params
 
 

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from hf_zero.comm import Communicator, _Done, _Pieces
 from hf_zero.ops.quantize import dequantize, quantize, senders_parts
+from hf_zero.runtime.comm import Communicator, _Done, _Pieces
 
 
 def consecutive_ranks(comm: Communicator, size: int) -> Communicator:

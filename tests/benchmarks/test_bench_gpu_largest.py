@@ -8,7 +8,7 @@ import pytest
 
 import model_zoo
 from benchmarks import bench_gpu_largest as bench
-from hf_zero.estimate import Setting
+from hf_zero.cli.estimate import Setting
 
 GIB = 2 ** 30
 

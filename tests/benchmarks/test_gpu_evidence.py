@@ -1,5 +1,5 @@
 """benchmarks/gpu_evidence.py runs end to end before a GPU is at hand: its dry mode trains the same systems on
-CPU at tiny sizes, under hf_zero.device's simulation, and writes the same JSON and table."""
+CPU at tiny sizes, under hf_zero.runtime.device's simulation, and writes the same JSON and table."""
 from __future__ import annotations
 
 import json

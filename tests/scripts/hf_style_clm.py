@@ -4,15 +4,22 @@ random tokens, evaluates, saves the model, and (with --do_predict) saves the log
 for the evaluation blocks, which the test compares with the saved model reloaded by from_pretrained. With
 --model_name_or_path it fine-tunes that checkpoint (AutoModelForCausalLM.from_pretrained), with --config_name
 it builds the model from that config (from_config), as run_clm.py does; it then writes the log history."""
-import evaluate  # noqa: F401  (first, as in run_clm.py: it swaps sys.modules["transformers"] for a new module)
-
 import json
 import os
 from dataclasses import dataclass
 
+import evaluate  # noqa: F401  (first, as in run_clm.py: it swaps sys.modules["transformers"] for a new module)
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer,
-                          TrainingArguments, set_seed)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
 
 
 @dataclass

@@ -7,7 +7,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+)
 
 VOCAB, MASK, SEQ = 64, 3, 16
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
-import re
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -106,10 +106,10 @@ def test_zero_r_flags_reach_the_engine_config():
 
 
 def test_the_readme_flag_table_is_the_one_the_settings_declare():
-    """Each setting is declared once (hf_zero.config): the README's table is made from the declarations."""
+    """Each setting is declared once (hf_zero.settings.config): the README's table is made from the declarations."""
     from pathlib import Path
 
-    from hf_zero.arguments import readme_flag_table
+    from hf_zero.hf.arguments import readme_flag_table
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert readme_flag_table() in readme, "README's flag table is not the declared one; regenerate it (readme_flag_table)"
@@ -118,7 +118,7 @@ def test_the_readme_flag_table_is_the_one_the_settings_declare():
 def test_every_engine_setting_is_a_trainer_flag_or_the_trainers_own():
     from dataclasses import fields
 
-    from hf_zero.config import trainer_flag
+    from hf_zero.settings.config import trainer_flag
 
     parser = HfArgumentParser(ZeroTrainingArguments)
     flags = {option for action in parser._actions for option in action.option_strings}

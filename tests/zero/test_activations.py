@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero.launch import spawn_gloo
+from hf_zero.runtime.launch import spawn_gloo
 from hf_zero.zero.activations import CheckpointStore, apply_activation_checkpointing
 from tests.helpers import SEQ, batch, make_optimizer, tiny_model
-from tests.test_tensor_parallel import tp_model
+from tests.runtime.test_tensor_parallel import tp_model
 
 # Immediate, and under each mode of the simulation of a GPU (tests/conftest.py: copies).
 pytestmark = pytest.mark.usefixtures("copies")

@@ -7,10 +7,18 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero.comm import Communicator
-from hf_zero.launch import spawn_gloo
+from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.launch import spawn_gloo
 from tests.conftest import SMALL_BUCKETS
-from tests.helpers import Scenario, batch, max_diff, named_copy, run_scenarios, tiny_model, train_single_process
+from tests.helpers import (
+    Scenario,
+    batch,
+    max_diff,
+    named_copy,
+    run_scenarios,
+    tiny_model,
+    train_single_process,
+)
 
 STEPS = 3
 
@@ -66,7 +74,7 @@ def test_left_unset_the_buckets_take_at_most_half_the_memory_the_rank_has_left(m
     all-gathers in flight, fit in half of what memory_left says the rank has; plenty leaves the defaults (one bucket
     for this small model). Cut smaller, the step is the same."""
     def trained(left: int) -> tuple[hf_zero.ZeroEngine, dict]:
-        monkeypatch.setattr("hf_zero.memory.memory_left", lambda device, ranks: (left, "the test's figure"))
+        monkeypatch.setattr("hf_zero.runtime.memory.memory_left", lambda device, ranks: (left, "the test's figure"))
         model = tiny_model("gpt2")
         engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero_stage": 2})
         for step in range(2):

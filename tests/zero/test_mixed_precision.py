@@ -19,9 +19,15 @@ import torch
 import torch.distributed as dist
 
 import hf_zero
-from hf_zero.launch import spawn_gloo
+from hf_zero.runtime.launch import spawn_gloo
 from tests.conftest import SMALL_BUCKETS
-from tests.helpers import assert_weights_round_the_masters, batch, local_part, make_optimizer, tiny_model
+from tests.helpers import (
+    assert_weights_round_the_masters,
+    batch,
+    local_part,
+    make_optimizer,
+    tiny_model,
+)
 
 STEPS, GLOBAL_BATCH, WORLD = 6, 8, 2
 # Per step, from the engine's own masters: measured 0 on the device, 3.7e-9 with the host kernel (a few fp32

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import hf_zero
-from hf_zero.launch import spawn_gloo
+from hf_zero.runtime.launch import spawn_gloo
 
 STEPS, WIDTH = 3, 16
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero.launch import spawn_gloo
-from hf_zero.memory import current_rss
-from tests.test_memory import Layers
+from hf_zero.runtime.launch import spawn_gloo
+from hf_zero.runtime.memory import current_rss
+from tests.runtime.test_memory import Layers
 
 WORLD, LAYERS, WIDTH = 2, 12, 1024  # Ψ = 12.6M: a 24 MiB fp32 gradient shard per rank
 
@@ -50,7 +50,8 @@ def accumulated_window(config: dict, mode: str | None) -> dict:
     gradients and norm the first step reads (before any update, so that runs whose optimizers round apart compare),
     how often the host waited on a reduced chunk's copy inside a backward
     and at each step, and the as-if-pinned bytes after the first step and at their peak over the later two."""
-    from hf_zero import device, simulated_gpu
+    from hf_zero.runtime import device
+    from hf_zero.testing import simulated_gpu
     from tests.conftest import SMALL_BUCKETS
     from tests.helpers import batch, make_optimizer, simulated, tiny_model
 

@@ -20,14 +20,18 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import hf_zero
-from hf_zero.comm import SPANS, Communicator, Ledger
-from hf_zero.consolidate import consolidate
-from hf_zero.launch import spawn_gloo
-from hf_zero.ops.quantize import dequantize_reference, quantize_reference, quantized_bytes
+from hf_zero.checkpoint.consolidate import consolidate
+from hf_zero.ops.quantize import (
+    dequantize_reference,
+    quantize_reference,
+    quantized_bytes,
+)
+from hf_zero.runtime.comm import SPANS, Communicator, Ledger
+from hf_zero.runtime.launch import spawn_gloo
 from hf_zero.zero.zeropp import QuantizedReduceScatter
 from tests.checkpoint_helpers import SAVE_AT, STOP, new_engine, train, whole_params
+from tests.engine.test_engine import FP32_TOL
 from tests.helpers import batch, local_part, make_optimizer, named_copy, tiny_model
-from tests.test_engine import FP32_TOL
 
 STEPS, GLOBAL_BATCH, BLOCK, WORLD = 3, 8, 64, 2
 

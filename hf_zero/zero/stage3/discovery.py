@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from hf_zero.comm import rank as global_rank
+from hf_zero.runtime.comm import rank as global_rank
 
 logger = logging.getLogger("hf_zero")
 

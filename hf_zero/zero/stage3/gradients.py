@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator
+from hf_zero.runtime.comm import Communicator
 from hf_zero.zero.reducer import BucketKey
 from hf_zero.zero.stage2 import PartitionedGradients
 

@@ -13,14 +13,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_zero.comm import Communicator
-from hf_zero.config import ZeroConfig
-from hf_zero.device import LatestCopy, host_buffers_for_good, host_memory_empty
-from hf_zero.memory import budget_of_every_rank
+from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.device import LatestCopy, host_buffers_for_good, host_memory_empty
+from hf_zero.runtime.memory import budget_of_every_rank
+from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
-from hf_zero.zero.partition import (FlatParamBuffer, ParamSlice, model_order, partitioned_frozen, release_storage,
-                                    set_data, wrap_like)
-from hf_zero.zero.stage3.discovery import find_unit_modules, refuse_layer_drop, units_using_each_param
+from hf_zero.zero.partition import (
+    FlatParamBuffer,
+    ParamSlice,
+    model_order,
+    partitioned_frozen,
+    release_storage,
+    set_data,
+    wrap_like,
+)
+from hf_zero.zero.stage3.discovery import (
+    find_unit_modules,
+    refuse_layer_drop,
+    units_using_each_param,
+)
 from hf_zero.zero.stage3.gradients import Stage3Gradients
 from hf_zero.zero.stage3.schedule import ExecutionOrder, Schedule
 from hf_zero.zero.stage3.shared_weights import SharedWeights
@@ -28,7 +39,7 @@ from hf_zero.zero.stage3.unit import Unit
 from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
 
 if TYPE_CHECKING:
-    from hf_zero.offload.nvme import ParamReader
+    from hf_zero.optim.nvme import ParamReader
 
 logger = logging.getLogger("hf_zero")
 PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
@@ -44,7 +55,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
     def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
                  comm: Communicator, config: ZeroConfig, init_from: Any = None,
                  device: torch.device | None = None) -> None:
-        """`init_from` (hf_zero/construct.py) fills a model built on meta, on `device`. With offload the
+        """`init_from` (hf_zero/zero/construct.py) fills a model built on meta, on `device`. With offload the
         parameter shards (offload_param) and gradient shards (offload_optimizer) live in host memory."""
         self.comm, self.prefetch_numel = comm, config.prefetch_bucket_size
         self.offload_param = config.offload_param

@@ -16,7 +16,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves, tree_map
 
-from hf_zero.host_memory import HeapTrimmer
+from hf_zero.runtime.host_memory import HeapTrimmer
 
 if TYPE_CHECKING:
     from hf_zero.zero.stage3.gradients import Stage3Gradients

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator, issued_for
-from hf_zero.device import Copy, LatestCopy, on_copy_stream, to_device
 from hf_zero.ops.quantize import dequantize_senders, quantize
+from hf_zero.runtime.comm import Communicator, issued_for
+from hf_zero.runtime.device import Copy, LatestCopy, on_copy_stream, to_device
 from hf_zero.zero.partition import FlatParamBuffer, set_data
 
 if TYPE_CHECKING:
-    from hf_zero.offload.nvme import ParamReader
+    from hf_zero.optim.nvme import ParamReader
 
 
 class Unit:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import hf_zero
-from hf_zero.launch import spawn_gloo
+from hf_zero.runtime.launch import spawn_gloo
 from tests.helpers import VOCAB, named_copy, sgd_steps, tiny_model
 
 WIDTH, BATCH = 16, 8
@@ -205,7 +205,10 @@ def test_models_whose_ranks_skip_and_reorder_at_random_train_as_one_process(seed
 def switch_transformers() -> nn.Module:
     """transformers' SwitchTransformers (one module per expert, each token routed to its top expert), tiny, every
     feed-forward a mixture of 4 experts, no jitter or dropout so that runs are deterministic."""
-    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+    from transformers import (
+        SwitchTransformersConfig,
+        SwitchTransformersForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     config = SwitchTransformersConfig(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2,
@@ -489,7 +492,7 @@ PARTING = {
 def test_a_unit_one_rank_skips_at_any_step_stops_every_rank_naming_the_units(skipping_step):
     """Rank 0 runs blocks 0 and 2 at `skipping_step`, rank 1 every block: the units themselves differ (as an expert
     made a unit of its own would), which no schedule can pair. Every rank stops at the first collective where they
-    part (hf_zero.comm's sequence check), naming it on each rank, instead of hanging or mixing the blocks."""
+    part (hf_zero.runtime.comm's sequence check), naming it on each rank, instead of hanging or mixing the blocks."""
     every_block = [{"order": (0, 1, 2)}, {"order": (0, 1, 2)}]
     plan = {"blocks": 3, "steps": [every_block] * skipping_step + [[{"order": (0, 2)}, {"order": (0, 1, 2)}]],
             "config": {"zero_stage": 3}}
@@ -567,7 +570,7 @@ def test_left_unset_the_live_parameter_limit_is_half_the_memory_the_rank_has_lef
     rank): every unit where that is plenty, none where nothing is left, one where it holds one block."""
     block_bytes = generate_at_stage3(0)["block_bytes"]
     left = 2 * block_bytes + block_bytes // 2 if memory_left == "one block" else memory_left
-    monkeypatch.setattr("hf_zero.memory.memory_left", lambda device, ranks: (left, "the test's figure"))
+    monkeypatch.setattr("hf_zero.runtime.memory.memory_left", lambda device, ranks: (left, "the test's figure"))
     run, blocks, tokens = generate_at_stage3(None), generate_at_stage3(0)["blocks"], 6
     assert run["same_tokens"] and run["left_gathered"] == 0
     # The root once, each kept block once, every other block for each token's forward.
@@ -580,7 +583,7 @@ def generate_with_memory_of_rank(block_bytes: int) -> int:
     from unittest import mock
 
     left = 10**12 if torch.distributed.get_rank() == 0 else 2 * block_bytes + block_bytes // 2
-    with mock.patch("hf_zero.memory.memory_left", lambda device, ranks: (left, "the test's figure")):
+    with mock.patch("hf_zero.runtime.memory.memory_left", lambda device, ranks: (left, "the test's figure")):
         return generate_at_stage3(None)["gathers"]
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
 import hf_zero
-from hf_zero.launch import spawn_gloo
-from hf_zero.memory import current_rss, peak_rss, reset_peak_rss
-from tests.helpers import VOCAB, batch as lm_batch, local_part, named_copy, sgd_steps, tiny_model
+from hf_zero.runtime.launch import spawn_gloo
+from hf_zero.runtime.memory import current_rss, peak_rss, reset_peak_rss
+from tests.helpers import VOCAB, local_part, named_copy, sgd_steps, tiny_model
+from tests.helpers import batch as lm_batch
 
 STEPS, WIDTH = 3, 32
 

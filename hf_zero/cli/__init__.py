@@ -1,0 +1,13 @@
+"""The hf-zero command: `hf-zero run`, `train`, `consolidate`, `estimate`, `build-ops`, `check-env`.
+
+    commands.py   the subcommands and their flags, checked before any process starts
+    run.py        `hf-zero run`: a user's script under torchrun with the engine's flags
+    train_lm.py   `hf-zero train`: a causal language model from the model zoo on a text file
+    rank_main.py  what each launched rank runs
+    estimate.py   `hf-zero estimate`: per-rank model-state memory from the paper's formulas
+
+The top layer: may import every other.
+"""
+from hf_zero.cli.commands import main
+
+__all__ = ["main"]

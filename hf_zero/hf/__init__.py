@@ -1,0 +1,10 @@
+"""The Hugging Face side: the Trainer, its arguments, and models built or loaded for ZeRO.
+
+    trainer.py     ZeroTrainer and ZeroSeq2SeqTrainer: transformers' Trainer with the engine in place of its
+                   optimizer, DDP and checkpoint handling
+    arguments.py   the Trainer's flags for the engine (ZeroArgumentsMixin)
+    pretrained.py  from_pretrained for stage 3: each rank reads only its shards
+    stock_init.py  transformers' own weight initialisation, run unit by unit under stage 3
+
+May import every layer below it: settings, runtime, ops, zero, optim, checkpoint, engine.
+"""
