@@ -12,10 +12,6 @@ The package, in the order a reader meets it:
     stage3/         stage 3: units gathered on use and freed after, their shards and construction, the
                     schedule of gathers and reductions, shared weights (its __init__ maps its files)
     reducer.py      bucket readiness during backward, shared by every stage
-    update.py       update backends: where the masters and optimizer states live (the device here; host
-                    memory and NVMe in hf_zero/offload/)
-    optimizer.py    ShardedOptimizer: the user's optimizer on this rank's chunks; norm, clipping, overflow,
-                    the delayed update
     activations.py  ZeRO-R: partitioned, offloaded, contiguous activation checkpoints
     zeropp.py       ZeRO++: quantized gathers and reductions, hierarchical (hpZ) secondary shards
     construct.py    models built shard by shard under stage 3: seeded, pretrained or stock initialisation
