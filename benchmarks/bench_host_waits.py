@@ -34,14 +34,14 @@ def host_waits(system: str) -> dict[str, int]:
     """The host's waits during step MEASURED of `system` on this rank: read-backs (a stream's whole queue) and waits
     on events from earlier steps."""
     import hf_zero
-    from hf_zero.testing import simulated_gpu
+    from hf_zero.testing import simulated_gpu, stream_checker
     from tests.helpers import batch, local_part, make_optimizer, tiny_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_model("gpt2")
     setting = SYSTEMS[system]
+    simulated_gpu.install()  # the stream checker from here on, whatever the system
     if setting is None:
-        simulated_gpu.start_checking()
         masters = [p.detach().clone() for p in model.parameters()]
         optimizer = torch.optim.AdamW(masters, lr=1e-3, fused=True)
         model.to(torch.bfloat16)
@@ -64,7 +64,7 @@ def host_waits(system: str) -> dict[str, int]:
         def step(b: dict[str, torch.Tensor]) -> None:
             engine.backward(engine(**b).loss)
             engine.step()
-    checker = simulated_gpu.checker
+    checker = stream_checker.checker
     # Who read back: torch's for-loop Adam reads its step counts (`.item()`), which on a GPU are host tensors (not
     # fused, not capturable), so only on CPU are they the simulated device's memory: counted apart.
     by_the_optimizer, wait_stream = [], checker.wait_stream
@@ -83,7 +83,7 @@ def host_waits(system: str) -> dict[str, int]:
         step(local_part(batch("gpt2", number, 8), rank, world))
         if number == MEASURED:
             waits = list(checker.host_waits)
-    simulated_gpu.stop_checking()
+    simulated_gpu.uninstall()
     return {"read-backs": by_the_optimizer.count(False), "optimizer step counts": by_the_optimizer.count(True),
             "earlier events": sum(not isinstance(w, str) and w <= before for w in waits),
             "this step's events": sum(not isinstance(w, str) and w > before for w in waits)}

@@ -4,7 +4,7 @@
 same seed in fresh processes; runs are interleaved (plain, qwZ, hpZ, qgZ, all three, then again) so that
 drift of the machine hits all alike. Reported per configuration: the median step time over repeats (its
 ratio to plain is the CPU cost of quantizing, since gloo over loopback gains nothing from fewer bytes), and
-from the ledger (hf_zero/runtime/comm.py `link_bytes`): node 0's cross-node volume as the ZeRO++ paper counts it,
+from the ledger (hf_zero/runtime/ledger.py `link_bytes`): node 0's cross-node volume as the ZeRO++ paper counts it,
 and the bytes each rank sent over its links, intra-node and inter-node, averaged over the ranks.
 
 hpZ with gradient accumulation: node 0's cross-node volume per step at 1, 2 and 4 micro-batches a step

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import hf_zero
-from hf_zero import checkpoint
+from hf_zero.checkpoint import MANIFEST, CheckpointError, sha256
+from hf_zero.checkpoint import write as checkpoint_write
 from tests.helpers import (
     batch,
     local_part,
@@ -76,20 +77,20 @@ def failing_save(folder: str, failing_rank: int) -> dict[str, Any]:
     engine.save_checkpoint(folder)
     good = whole_params(engine)
     train(engine, SAVE_AT, STOP)
-    original = checkpoint.save_file
+    original = checkpoint_write.save_file
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     if rank_world()[0] == failing_rank:
-        checkpoint.save_file = disk_full
+        checkpoint_write.save_file = disk_full
     try:
         engine.save_checkpoint(folder)
         error = None
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         error = str(e)
     finally:
-        checkpoint.save_file = original
+        checkpoint_write.save_file = original
     reloaded = new_engine({"zero_stage": 2})
     reloaded.load_checkpoint(folder)
     return {"error": error, "good": good, "reloaded": whole_params(reloaded),
@@ -99,11 +100,11 @@ def failing_save(folder: str, failing_rank: int) -> dict[str, Any]:
 def rehash(folder: Path) -> None:
     """Makes the manifest's sizes and hashes match the shard files as they are now: a crafted checkpoint,
     which the file checks let through."""
-    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    manifest = json.loads((folder / MANIFEST).read_text())
     for shard in manifest["shards"]:
         if (folder / shard["file"]).is_file():
-            shard["bytes"], shard["sha256"] = (folder / shard["file"]).stat().st_size, checkpoint.sha256(folder / shard["file"])
-    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+            shard["bytes"], shard["sha256"] = (folder / shard["file"]).stat().st_size, sha256(folder / shard["file"])
+    (folder / MANIFEST).write_text(json.dumps(manifest))
 
 
 def rewrite_shard(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
@@ -137,7 +138,7 @@ def a_rank_cannot_read_its_shard(folder: str) -> dict[str, Any]:
     try:
         loading.load_checkpoint(folder)
         error = None
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         error = str(e)
     return {"error": error, "unchanged": steps_like_a_fresh_engine(loading, config)}
 
@@ -252,11 +253,11 @@ def crash_during_save(folder: str) -> None:
     train(engine, 0, SAVE_AT)
     engine.save_checkpoint(folder)
     train(engine, SAVE_AT, STOP)
-    write = checkpoint.save_file
+    write = checkpoint_write.save_file
 
     def write_then_die(tensors, filename, *args, **kwargs):
         write(tensors, filename, *args, **kwargs)
         os._exit(17)
 
-    checkpoint.save_file = write_then_die
+    checkpoint_write.save_file = write_then_die
     engine.save_checkpoint(folder)

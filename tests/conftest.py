@@ -12,7 +12,7 @@ import torch
 
 from hf_zero.runtime.launch import spawn_gloo
 from hf_zero.settings.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATION_MODES
-from hf_zero.testing.simulated_gpu import simulation, stop_checking
+from hf_zero.testing.simulated_gpu import simulation, uninstall
 from tests.helpers import Scenario, run_scenarios, simulated
 
 # Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies
@@ -110,11 +110,11 @@ def refused_before_launch(monkeypatch, capsys):
 
 @pytest.fixture(autouse=True)
 def _stream_checker_ends_with_the_simulation():
-    """A test that left the simulation "late" (its monkeypatch undone) leaves no stream checker behind to slow, or
-    stop, the tests after it in this worker."""
+    """A test that left the simulation "late" (its monkeypatch undone) leaves no simulated GPU, nor its stream
+    checker, behind to slow, or stop, the tests after it in this worker."""
     yield
     if simulation() != "late":
-        stop_checking()
+        uninstall()
 
 
 @pytest.fixture(scope="module", params=["immediate", *SIMULATION_MODES])

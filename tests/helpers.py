@@ -32,7 +32,7 @@ from transformers.utils import logging as hf_logging
 
 import hf_zero
 from hf_zero.settings.environment import SIMULATE_ENV
-from hf_zero.testing.simulated_gpu import stop_checking
+from hf_zero.testing.simulated_gpu import install, uninstall
 
 hf_logging.set_verbosity_error()
 VOCAB, SEQ = 96, 16
@@ -236,10 +236,11 @@ def simulated(mode: str | None) -> Iterator[None]:
             patch.delenv(SIMULATE_ENV, raising=False)
         else:
             patch.setenv(SIMULATE_ENV, mode)
+            install()  # the stream checker ("late") from here on, not from the first device work
         try:
             yield
         finally:
-            stop_checking()
+            uninstall()
 
 
 def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:

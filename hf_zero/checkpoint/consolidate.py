@@ -22,13 +22,25 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from hf_zero import checkpoint
 from hf_zero.checkpoint import frozen_source
 from hf_zero.checkpoint.export import (
     SavedLayout,
     ShardedWeightsWriter,
     meta_like,
 )
+from hf_zero.checkpoint.files import CheckpointError, inside, open_shard, sha256
+from hf_zero.checkpoint.folders import TRAINER_SUBFOLDER, is_complete, readable_folder
+from hf_zero.checkpoint.layout import tp_part_name
+from hf_zero.checkpoint.manifest import (
+    MANIFEST,
+    module_state_file,
+    read_manifest,
+    stored_entry,
+    tp_size,
+    tp_split,
+    whole_shape,
+)
+from hf_zero.checkpoint.read import check_shard_files, read_json_object, read_range
 from hf_zero.runtime.dtypes import TORCH_DTYPES
 from hf_zero.runtime.memory import peak_rss, reset_peak_rss
 from hf_zero.runtime.tensor_parallel import join_parts
@@ -38,13 +50,13 @@ from hf_zero.settings.config import DTYPES
 def find_engine_checkpoint(folder: str | os.PathLike) -> Path:
     """The folder holding manifest.json: `folder` itself, or the engine part of a Trainer checkpoint."""
     folder = Path(folder)
-    for candidate in (folder, folder / checkpoint.TRAINER_SUBFOLDER):
-        found = checkpoint.readable_folder(candidate)
-        if checkpoint.is_complete(found):
+    for candidate in (folder, folder / TRAINER_SUBFOLDER):
+        found = readable_folder(candidate)
+        if is_complete(found):
             return found
-    raise checkpoint.CheckpointError(
-        f"{folder} is not an hf_zero checkpoint: neither it nor {folder / checkpoint.TRAINER_SUBFOLDER} holds a "
-        f"{checkpoint.MANIFEST} (engine.save_checkpoint or a ZeroTrainer checkpoint-N folder)")
+    raise CheckpointError(
+        f"{folder} is not an hf_zero checkpoint: neither it nor {folder / TRAINER_SUBFOLDER} holds a "
+        f"{MANIFEST} (engine.save_checkpoint or a ZeroTrainer checkpoint-N folder)")
 
 
 @dataclass
@@ -74,39 +86,39 @@ def consolidate(checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     source = find_engine_checkpoint(checkpoint_dir)
-    manifest, index = checkpoint.read_manifest(source)
+    manifest, index = read_manifest(source)
     output = Path(output_dir)
     adapter = (source / ADAPTER_CONFIG).is_file()
     if merge and not adapter:
-        raise checkpoint.CheckpointError(f"--merge merges a peft adapter into its base model, and {source} holds no "
-                                         f"{ADAPTER_CONFIG}: it is a whole model's checkpoint; drop --merge")
+        raise CheckpointError(f"--merge merges a peft adapter into its base model, and {source} holds no "
+                              f"{ADAPTER_CONFIG}: it is a whole model's checkpoint; drop --merge")
     # The checkpoint by its folder's name, not its path: the record is uploaded with the weights, and a local
     # path says who ran it where.
     named = source.name if source.parent == Path(checkpoint_dir).parent else f"{source.parent.name}/{source.name}"
     provenance = {"checkpoint": named,
-                  "manifest_sha256": checkpoint.sha256(source / checkpoint.MANIFEST),
+                  "manifest_sha256": sha256(source / MANIFEST),
                   "step": manifest.get("global_steps"), "dtype": dtype}
     _check_output_folder(Path(checkpoint_dir), source, output, provenance, overwrite)
-    checkpoint.check_files(manifest["shards"], source)
+    check_shard_files(manifest["shards"], source)
     if "frozen_source" in manifest and (merge or not adapter):  # the adapter alone reads no frozen weight
-        frozen_source.check_files(manifest["frozen_source"])
+        frozen_source.check_source_files(manifest["frozen_source"])
     config_path, config = _model_config(source)
     if adapter:
         return _consolidate_adapter(source, manifest, index, output, dtype, merge, {**provenance, "merged": merge},
                                     progress, config_path, config)
     out_dtype = DTYPES[dtype]
-    with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
+    with open_shard(source, module_state_file(manifest)) as rank0:
         stored = set(rank0.keys())
         missing = [key for _, key in manifest["weights"] if key.startswith("module/") and key not in stored]
         if missing:
-            raise checkpoint.CheckpointError(f"{source / checkpoint.module_state_file(manifest)} has no tensor "
-                                             f"{missing[0]!r}, which the manifest lists")
+            raise CheckpointError(f"{source / module_state_file(manifest)} has no tensor "
+                                  f"{missing[0]!r}, which the manifest lists")
         module_meta = {key: (rank0.get_slice(key).get_shape(), rank0.get_slice(key).get_dtype())
                        for _, key in manifest["weights"] if key.startswith("module/")}
     planned = {}
     for name, key in manifest["weights"]:
         if key.startswith("master/"):
-            planned[name] = meta_like(checkpoint.whole_shape(manifest, key[len("master/"):]), out_dtype)
+            planned[name] = meta_like(whole_shape(manifest, key[len("master/"):]), out_dtype)
         elif key.startswith("frozen/"):
             planned[name] = meta_like(manifest["frozen"][key[len("frozen/"):]]["shape"], out_dtype)
         else:
@@ -173,21 +185,22 @@ def _consolidate_adapter(source: Path, manifest: dict, index: dict, output: Path
 
     base_class = _base_model_class(config_path, config_json)
     adapter_path = source / ADAPTER_CONFIG
-    checkpoint.read_json_object(checkpoint.inside(source, ADAPTER_CONFIG))
+    read_json_object(inside(source, ADAPTER_CONFIG))
     try:
         config = transformers.AutoConfig.from_pretrained(source)
         adapter_config = PeftConfig.from_pretrained(source)
     except (ValueError, TypeError, KeyError, OSError) as error:
-        raise checkpoint.CheckpointError(f"{config_path} and {adapter_path} do not describe a model transformers "
-                                         f"{transformers.__version__} and peft can build: "
-                                         f"{str(error).strip().splitlines()[0]}") from None
+        raise CheckpointError(f"{config_path} and {adapter_path} do not describe a model transformers "
+                              f"{transformers.__version__} and peft can build: "
+                              f"{str(error).strip().splitlines()[0]}") from None
     if merge and adapter_config.is_prompt_learning:
-        raise checkpoint.CheckpointError(f"--merge: a {adapter_config.peft_type} adapter adds virtual tokens rather "
-                                         f"than changing weights, so it has nothing to merge; drop --merge to write "
-                                         f"the adapter folder")
+        raise CheckpointError(f"--merge: a {adapter_config.peft_type} adapter adds virtual tokens rather "
+                              f"than changing weights, so it has nothing to merge; drop --merge to write "
+                              f"the adapter folder")
     with torch.device("meta"):  # the base model: no memory until the checkpoint's tensors are assigned
         base = base_class._from_config(config)
-    model = get_peft_model(base, adapter_config)  # the adapter's modules and tensors (prompt tokens) where peft puts them
+    # The adapter's modules and tensors (prompt tokens), where peft puts them.
+    model = get_peft_model(base, adapter_config)
     if merge and "frozen_source" in manifest:
         frozen_source.check_keys(manifest["frozen_source"], model, manifest["frozen"])
     trained = {key for _, key in manifest["weights"] if key.startswith("master/")}
@@ -226,11 +239,11 @@ def _check_output_folder(given: Path, source: Path, output: Path, provenance: di
     out = output.resolve()
     for folder in {given.resolve(), source.resolve()}:
         if out == folder or folder in out.parents or out in folder.parents:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"output folder {output} is the checkpoint {given}, inside it, or holds it: writing there would "
                 f"replace checkpoint files; choose another output folder")
     if output.exists() and not output.is_dir():
-        raise checkpoint.CheckpointError(f"output folder {output} exists and is not a folder")
+        raise CheckpointError(f"output folder {output} exists and is not a folder")
     present = sorted(p.name for p in output.iterdir() if not p.name.startswith(STAGING_PREFIX)) \
         if output.is_dir() else []
     if not present or overwrite:
@@ -241,7 +254,7 @@ def _check_output_folder(given: Path, source: Path, output: Path, provenance: di
         return  # an earlier consolidation of this same checkpoint, and nothing added to it
     what = "a consolidation of another checkpoint" if earlier is not None else "files of its own"
     listed = ", ".join(present[:5]) + (f" and {len(present) - 5} more" if len(present) > 5 else "")
-    raise checkpoint.CheckpointError(
+    raise CheckpointError(
         f"output folder {output} is not empty and holds {what} ({listed}); choose an empty folder, or pass "
         f"--overwrite to replace everything in it")
 
@@ -259,7 +272,7 @@ def _staging_folder(output: Path) -> Path:
         output.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(dir=output, prefix=STAGING_PREFIX))
     except OSError as e:
-        raise checkpoint.CheckpointError(f"cannot write to output folder {output}: {e.strerror}") from None
+        raise CheckpointError(f"cannot write to output folder {output}: {e.strerror}") from None
 
 
 def _move_into_place(staging: Path, output: Path) -> None:
@@ -281,13 +294,13 @@ def _read_tensor(source: Path, manifest: dict, index: dict, key: str) -> torch.T
     tensor-parallel group), a frozen weight, or a module tensor."""
     kind, name = key.split("/", 1)
     if kind == "module":
-        with checkpoint.open_shard(source, checkpoint.module_state_file(manifest)) as rank0:
+        with open_shard(source, module_state_file(manifest)) as rank0:
             return rank0.get_tensor(key)
-    split = checkpoint.tp_split(manifest, name)
+    split = tp_split(manifest, name)
     if split is None:
         return _read_stored(source, manifest, index, kind, name)
-    parts = [_read_stored(source, manifest, index, kind, checkpoint.tp_part_name(name, r))
-             for r in range(checkpoint.tp_size(manifest))]
+    parts = [_read_stored(source, manifest, index, kind, tp_part_name(name, r))
+             for r in range(tp_size(manifest))]
     return join_parts(parts, split["dim"], split["split_factor"])
 
 
@@ -301,14 +314,14 @@ def _read_stored(source: Path, manifest: dict, index: dict, kind: str, name: str
             numel = math.prod(frozen[name]["shape"])
             return frozen_source.read(handles, entry, frozen, name, 0, numel).view(frozen[name]["shape"])
     with contextlib.ExitStack() as stack:
-        files = {file: stack.enter_context(checkpoint.open_shard(source, file))
+        files = {file: stack.enter_context(open_shard(source, file))
                  for file in sorted({file for _, _, file in index[name]})}
-        entry = checkpoint.stored_entry(manifest, name)
+        entry = stored_entry(manifest, name)
         dtype = entry.get("dtype", "F32")  # a frozen weight's, as the model held it; masters and states are fp32
         numel = math.prod(entry["shape"])
-        checkpoint.read_range(files, index, kind, name, 0, numel, None, dtype)  # the files hold it all: then allocate
+        read_range(files, index, kind, name, 0, numel, None, dtype)  # the files hold it all: then allocate
         whole = torch.empty(numel, dtype=TORCH_DTYPES[dtype])
-        checkpoint.read_range(files, index, kind, name, 0, numel, whole, dtype)
+        read_range(files, index, kind, name, 0, numel, whole, dtype)
         return whole.view(entry["shape"])
 
 
@@ -318,10 +331,10 @@ def _model_config(source: Path) -> tuple[Path, dict]:
     folders = _model_file_folders(source)
     config_from = next((f for f in folders if (f / "config.json").is_file()), None)
     if config_from is None:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"no config.json in {' or '.join(map(str, folders))}: the checkpoint was saved from a model that is "
             f"not a transformers PreTrainedModel, so there is no config to load it with")
-    return config_from / "config.json", checkpoint.read_json_object(config_from / "config.json")
+    return config_from / "config.json", read_json_object(config_from / "config.json")
 
 
 def _model_on_meta(config_path: Path, config_json: dict) -> torch.nn.Module:
@@ -333,20 +346,20 @@ def _model_on_meta(config_path: Path, config_json: dict) -> torch.nn.Module:
 
     try:
         model_class = _base_model_class(config_path, config_json)
-    except checkpoint.CheckpointError as error:
+    except CheckpointError as error:
         model_type = config_json.get("model_type")
         if get_checkpoint_conversion_mapping(model_type) is not None:
-            raise checkpoint.CheckpointError(f"{error}, and transformers saves {model_type} models in another layout "
-                                             f"than it holds them in, which only the model's class can revert: load the "
-                                             f"checkpoint into the model (engine.load_checkpoint) and save it with "
-                                             f"engine.save_weights or the Trainer's save_model") from None
+            raise CheckpointError(f"{error}, and transformers saves {model_type} models in another layout "
+                                  f"than it holds them in, which only the model's class can revert: load the "
+                                  f"checkpoint into the model (engine.load_checkpoint) and save it with "
+                                  f"engine.save_weights or the Trainer's save_model") from None
         return torch.nn.Module()
     try:
         config = transformers.AutoConfig.from_pretrained(config_path.parent)
     except (ValueError, TypeError, KeyError, OSError) as error:
-        raise checkpoint.CheckpointError(f"{config_path} does not describe a model transformers "
-                                         f"{transformers.__version__} can build: "
-                                         f"{str(error).strip().splitlines()[0]}") from None
+        raise CheckpointError(f"{config_path} does not describe a model transformers "
+                              f"{transformers.__version__} can build: "
+                              f"{str(error).strip().splitlines()[0]}") from None
     with torch.device("meta"):
         return model_class._from_config(config)
 
@@ -357,12 +370,12 @@ def _base_model_class(config_path: Path, config: dict) -> type:
 
     names = config.get("architectures")
     if not (isinstance(names, list) and names and all(isinstance(name, str) for name in names)):
-        raise checkpoint.CheckpointError(f"{config_path}: 'architectures' must name the model's class, such as "
-                                         f"[\"GPT2LMHeadModel\"] (save_pretrained records it); got {names!r}")
+        raise CheckpointError(f"{config_path}: 'architectures' must name the model's class, such as "
+                              f"[\"GPT2LMHeadModel\"] (save_pretrained records it); got {names!r}")
     found = getattr(transformers, names[0], None)
     if not (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)):
-        raise checkpoint.CheckpointError(f"{config_path}: 'architectures' names {names[0]!r}, which is not a model "
-                                         f"class of transformers {transformers.__version__}")
+        raise CheckpointError(f"{config_path}: 'architectures' names {names[0]!r}, which is not a model "
+                              f"class of transformers {transformers.__version__}")
     return found
 
 
@@ -374,20 +387,20 @@ def _check_adapter_shapes(model: torch.nn.Module, manifest: dict, wanted: list[l
         kind, _, stored = key.partition("/")
         if kind == "module" or name not in built:
             continue
-        shape = checkpoint.whole_shape(manifest, stored) if kind == "master" else manifest["frozen"][stored]["shape"]
+        shape = whole_shape(manifest, stored) if kind == "master" else manifest["frozen"][stored]["shape"]
         if list(built[name].shape) != list(shape):
-            raise checkpoint.CheckpointError(f"{adapter_path} builds {name} of shape {list(built[name].shape)}, but "
-                                             f"the checkpoint holds it as {list(shape)}: the adapter config is not "
-                                             f"the one the adapter was trained with")
+            raise CheckpointError(f"{adapter_path} builds {name} of shape {list(built[name].shape)}, but "
+                                  f"the checkpoint holds it as {list(shape)}: the adapter config is not "
+                                  f"the one the adapter was trained with")
 
 
 def _model_file_folders(source: Path) -> list[Path]:
     """Where a checkpoint's model files lie: its folder or, for a Trainer checkpoint, also the checkpoint-N folder
     around it (as `zero_checkpoint.partial` too, where an interrupted save left the newest complete one)."""
-    folders = [source, source.parent] if source.name.split(".")[0] == checkpoint.TRAINER_SUBFOLDER else [source]
+    folders = [source, source.parent] if source.name.split(".")[0] == TRAINER_SUBFOLDER else [source]
     for folder in folders:  # what is copied, and may then be uploaded, comes from the checkpoint and nowhere else
         for entry in folder.iterdir():
-            checkpoint.inside(folder, entry.name)
+            inside(folder, entry.name)
     return folders
 
 

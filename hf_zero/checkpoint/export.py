@@ -9,7 +9,7 @@ any order; that is all `ShardedWeightsWriter` does by hand. The split into files
 safetensors and `from_pretrained` unchanged.
 
 Two writers feed it: `hf-zero consolidate` (one parameter at a time, read from a checkpoint's shards)
-and the engine's `save_weights` (at stage 3 one unit at a time, gathered across the ranks). Both write the
+and `weights.save_weights`, the engine's (at stage 3 one unit at a time, gathered across the ranks). Both write the
 checkpoint layout save_pretrained writes (`SavedLayout`), not the one transformers converts it into in memory.
 This file knows safetensors and transformers' folder layout, nothing of the engine.
 """
@@ -60,8 +60,8 @@ class SavedLayout:
     fused tensor gives its per-expert tensors at once; several tensors concatenated into one (LaraMini's
     `in_proj`) wait for the last of them, copied, since a unit's gathered memory is reused by the next. In the
     mappings tested (Mixtral, Qwen2-MoE, LaraMini, ViT) a conversion reads tensors of one module, so nothing waits
-    past its unit; one whose tensors spanned units would be held until the last arrived. `planned` (meta tensors: names, shapes and dtypes) is in the model's names; `saved` is in save_pretrained's,
-    in its order."""
+    past its unit; one whose tensors spanned units would be held until the last arrived. `planned` (meta
+    tensors: names, shapes and dtypes) is in the model's names; `saved` is in save_pretrained's, in its order."""
 
     def __init__(self, model: nn.Module, planned: dict[str, torch.Tensor]) -> None:
         from transformers.core_model_loading import revert_weight_conversion

@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from hf_zero.checkpoint.files import CheckpointError, sha256
+from hf_zero.checkpoint.files import CheckpointError, check_files, open_safetensors, sha256
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.dtypes import TORCH_DTYPES
 
@@ -267,21 +267,21 @@ def check_entry(entry: Any, frozen: dict[str, Any]) -> None:
                f"frozen_source.keys[{name!r}] must be [one of frozen_source.files, tensor name]; got {where!r}")
 
 
-def check_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = None) -> None:
+def check_source_files(entry: dict[str, Any], records: list[dict[str, Any]] | None = None) -> None:
     """Each of `records` (default: every file the entry names) is in the recorded folder with its size and SHA-256;
     CheckpointError names the first that is not."""
     folder = source_folder(entry, records)
-    for record in entry["files"] if records is None else records:
-        path = folder / record["file"]
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing: the checkpoint does not store its frozen weights and reads them "
-                                  f"from the base model it was trained on, in {folder}. Put the base model back there")
-        if path.stat().st_size != record["bytes"] or sha256(path) != record["sha256"]:
-            raise CheckpointError(
-                f"{path} changed since the checkpoint was saved (it is {path.stat().st_size} bytes with another "
+
+    def explain(path: Path, problem: str, record: dict[str, Any]) -> str:
+        if problem == "missing":
+            return (f"{path} is missing: the checkpoint does not store its frozen weights and reads them from the "
+                    f"base model it was trained on, in {folder}. Put the base model back there")
+        return (f"{path} changed since the checkpoint was saved (it is {path.stat().st_size} bytes with another "
                 f"SHA-256; the checkpoint recorded {record['bytes']}): the checkpoint reads its frozen weights from "
                 f"this base model, and this is not the one it was trained on. Put that base model back, or start a "
                 f"new run instead of resuming")
+
+    check_files(folder, entry["files"] if records is None else records, explain, links_may_leave=True)
 
 
 def check_keys(entry: dict[str, Any], module: nn.Module, frozen: dict[str, Any]) -> None:
@@ -313,10 +313,7 @@ def opened(entry: dict[str, Any], names: list[str]) -> Iterator[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
         handles = {}
         for file in needed:
-            try:
-                handles[file] = stack.enter_context(safe_open(str(folder / file), framework="pt"))
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{folder / file} is not a readable safetensors file: {e}") from None
+            handles[file] = stack.enter_context(open_safetensors(folder / file))
         yield handles
 
 

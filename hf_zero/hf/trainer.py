@@ -40,7 +40,6 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import recursively_apply
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import Seq2SeqTrainer, Trainer
 from transformers import trainer as transformers_trainer
@@ -62,6 +61,7 @@ from hf_zero.checkpoint import (
 from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.hf import pretrained
 from hf_zero.hf.arguments import ZeroArgumentsMixin
+from hf_zero.runtime.groups import device_mesh
 from hf_zero.runtime.tensor_parallel import apply_tensor_parallel, init_mesh
 from hf_zero.settings.environment import restarts_so_far
 from hf_zero.zero.partition import local, wrap_like
@@ -225,8 +225,7 @@ class ZeroTrainerMixin:
             apply_tensor_parallel(self.model, self.mesh["tp"])
             # accelerate feeds ranks of one tp group the same batches when its mesh has a "tp" dimension
             # and counts data-parallel ranks under "dp_replicate"; this is the same layout named so.
-            data_mesh = init_device_mesh(self.mesh.device_type, tuple(self.mesh.shape),
-                                         mesh_dim_names=("dp_replicate", "tp"))
+            data_mesh = device_mesh(self.mesh.device_type, tuple(self.mesh.shape), ("dp_replicate", "tp"))
             self.accelerator._prepare_device_mesh = lambda: data_mesh
             # accelerate gathers from every process: evaluation and the token count keep one copy per
             # tp group. (compute_loss's num_items_in_batch scaling expects every copy; it stays as it is.)
@@ -413,7 +412,7 @@ class ZeroTrainerMixin:
             self.engine.finish_pending_update()  # delayed_param_update: the model gets the last update first
         if self.mesh is not None:
             return self._save_tensor_parallel_model(output_dir, _internal_call)
-        if self.engine is None or (self.engine.zero_stage < 3 and self.engine.dtype == torch.float32):
+        if self.engine is None or (self.engine.params.holds_whole_params and self.engine.dtype == torch.float32):
             return super().save_model(output_dir, _internal_call)  # every rank holds the whole weights as trained
         # Stage 3 gathers a unit at a time; mixed precision writes the fp32 masters, as stock writes its fp32 model.
         output_dir = self.args.output_dir if output_dir is None else output_dir
@@ -476,6 +475,8 @@ class ZeroSeq2SeqTrainer(ZeroTrainerMixin, Seq2SeqTrainer):
         # every unit gathered after its first use: then only the first forward gathers, on every rank alike.
         if not gen_kwargs:
             gen_kwargs = dict(getattr(self, "_gen_kwargs", {}))
-        gen_kwargs.setdefault("synced_gpus", self.args.zero_engine_config.zero_stage == 3 and self.args.world_size > 1
-                              and (self.engine is None or not self.engine.params.keeps_every_unit()))
+        # The holder knows; before the engine exists, the configured stage says whether forwards will gather.
+        gen_kwargs.setdefault("synced_gpus", self.args.world_size > 1 and (
+            self.args.zero_engine_config.zero_stage == 3 if self.engine is None
+            else not self.engine.params.keeps_every_unit()))
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)

@@ -282,6 +282,7 @@ class NvmeUpdate(UpdateBackend):
     The optimizer's param groups keep the chunks as placeholders: the masters are in the files."""
 
     states_in_optimizer = False
+    untouched_refused_by = "offload_optimizer nvme"
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  fp32_init: list[list[torch.Tensor]] | None, nvme_path: str, rank: int, tile_numel: int,

@@ -57,7 +57,7 @@ def update_backend(optimizer: torch.optim.Optimizer, param_chunks: list[list[tor
 class ShardedOptimizer:
     """Steps the backend's masters from the reduced gradient chunks.
 
-    grads: the gradient reducer, which measures the gradients as they settle where it can, and double-buffers them
+    grads: the gradient reducer, which measures the gradients as they land where it can, and double-buffers them
       for a delayed update where it can; grad_chunks() the reduced gradient chunks now, per param group.
     grads_replicated: every rank holds the same whole gradient (stage 0), so the norm needs no all-reduce.
     delayed: overlaps a host backend's update with the next step (hf_zero/optim/delayed.py).
@@ -93,7 +93,7 @@ class ShardedOptimizer:
         """The unscaled global gradient norm as a 0-dim fp64 tensor on the compute device, nothing waiting for it
         (one all-reduce), kept for the step that follows. inf or NaN when any rank's shard overflowed. Squares
         are summed in fp64 on the gradients' own device (fp32 sums over millions of elements drift by 1e-4
-        relative, which moves clipping). At stages 2-3 the reducer measured each chunk as it settled (on the
+        relative, which moves clipping). At stages 2-3 the reducer measured each chunk as it landed (on the
         device, before an offloaded chunk went to the host): the sum is read, not taken again."""
         if self.norm is not None:
             return self.norm
@@ -128,7 +128,7 @@ class ShardedOptimizer:
         skipped, an overflow), or None where the device decides that (`decided_on_device`: `settle` tells).
         `step_number` (from 0) tells a delayed update whether its warm-up is over. `untouched[g][k]`: element
         ranges of chunk k of group g that keep their values and states (parameters no rank used, which torch's
-        optimizers skip); not with a delayed update or NVMe states (the engine refuses those)."""
+        optimizers skip); not where `untouched_refused_by` names a setting (the engine refuses those)."""
         norm = self.norm_on_device()
         self.norm = None
         if self.decided_on_device:
@@ -174,6 +174,12 @@ class ShardedOptimizer:
         for tensor, lo, hi, values in kept:
             tensor[lo:hi].copy_(values)
 
+    @property
+    def untouched_refused_by(self) -> str | None:
+        """The setting under which `step` cannot leave element ranges untouched (parameters no rank used), or None
+        when it can."""
+        return "delayed_param_update" if self.delayed is not None else self.backend.untouched_refused_by
+
     def settle(self) -> tuple[int, float, bool] | None:
         """The last step the device decided (its `step_number`), its global norm and whether it was applied, once
         the norm's copy has landed (the host waits for that copy only); None when every such step was settled."""
@@ -184,7 +190,8 @@ class ShardedOptimizer:
         norm = float(self.norm_on_host[0])
         return step_number, norm, math.isfinite(norm)
 
-    def _copy_ranges(self, ranges: list[list[list[tuple[int, int]]]]) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
+    def _copy_ranges(self, ranges: list[list[list[tuple[int, int]]]]
+                     ) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
         """Copies of the masters, elementwise optimizer states and parameters over `ranges`."""
         kept = []
         for g, chunks in enumerate(ranges):

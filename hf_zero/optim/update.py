@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from hf_zero.runtime.device import HOST, LatestCopy
+from hf_zero.zero.update_files import GradientFiles, ShardReader
 
 # torch's optimizers whose fused step skips itself on a `found_inf` device flag, leaving the state as it was. Not
 # subclasses, whose step() may not read the flag; not SGD, whose fused step leaves a first step's momentum buffer
@@ -39,6 +40,9 @@ class UpdateBackend(ABC):
     # Whether checkpoints load the optimizer state through the optimizer's own load_state_dict (in memory),
     # or the backend took it in load_chunk (NVMe).
     states_in_optimizer = True
+    # The setting under which this backend steps every element, so that parameters no rank used cannot keep their
+    # values and states as torch's optimizers leave them (None: it can leave ranges untouched).
+    untouched_refused_by: str | None = None
 
     def __init__(self, optimizer: torch.optim.Optimizer, param_chunks: list[list[torch.Tensor]],
                  chunks_lent: LatestCopy | None) -> None:
@@ -97,7 +101,7 @@ class UpdateBackend(ABC):
         self.masters[g][k].copy_(master)
         self._writable_chunks()[g][k].copy_(master)
 
-    def gradient_files(self) -> Any:
+    def gradient_files(self) -> GradientFiles | None:
         """Where stages 2-3 write the reduced gradients instead of memory (NVMe), or None."""
         return None
 
@@ -121,7 +125,7 @@ class UpdateBackend(ABC):
             v.numel() * v.element_size() for state in self.optimizer.state.values()
             for v in state.values() if torch.is_tensor(v))
 
-    def param_reader(self) -> Any:
+    def param_reader(self) -> ShardReader | None:
         """Where stage-3 units read their parameter chunks from instead of memory, when not from memory."""
         return None
 

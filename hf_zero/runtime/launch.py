@@ -343,7 +343,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 
 def _while_in_collective(error: BaseException) -> str:
     """", waiting in <collective> called from <file:line>" when `error` came out of a torch.distributed call
-    (the engine's own collectives name themselves: hf_zero.runtime.comm.CollectiveError), else ""."""
+    (the engine's own collectives name themselves: hf_zero.runtime.sequence_check.CollectiveError), else ""."""
     torch_distributed = os.path.dirname(dist.__file__)
     frames = traceback.extract_tb(error.__traceback__)
     for i, frame in enumerate(frames):

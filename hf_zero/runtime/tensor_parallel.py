@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Replicate,
@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from transformers.pytorch_utils import Conv1D
 
+from hf_zero.runtime import groups
 from hf_zero.runtime.device import compute_device
 from hf_zero.settings.config import ZeroConfigError
 from hf_zero.settings.environment import processes_per_node
@@ -67,7 +68,8 @@ def init_mesh(tensor_parallel_size: int, across_nodes: bool = False) -> DeviceMe
     if tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size must divide the world size {world}; got {tensor_parallel_size}")
     check_tp_within_a_node(tensor_parallel_size, processes_per_node(world), across_nodes)
-    return init_device_mesh(compute_device().type, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=("dp", "tp"))
+    shape = (world // tensor_parallel_size, tensor_parallel_size)
+    return groups.device_mesh(compute_device().type, shape, ("dp", "tp"))
 
 
 def _distribute_weight_and_bias(name: str, module: nn.Module, mesh: DeviceMesh,

@@ -9,9 +9,13 @@ The package, in the order a reader meets it:
                     gradient reduction of stages 0-1 (all-reduce, in-place reduce-scatter)
     stage2.py       stage 2's reduction: gradients copied into fixed-size buckets and reduce-scattered into
                     a gradient shard during backward (stage 3 reuses it, one bucket per unit)
+    grad_landing.py where the reduced chunks land, one strategy per offload_optimizer: a device shard, a pinned
+                    host shard, NVMe files
+    update_files.py what this layer asks of the update backend one layer up (NVMe gradient files, a reader of
+                    parameter chunks), as protocols
     stage3/         stage 3: units gathered on use and freed after, their shards and construction, the
                     schedule of gathers and reductions, shared weights (its __init__ maps its files)
-    reducer.py      bucket readiness during backward, shared by every stage
+    reducer.py      bucket readiness during backward and the step's phase, shared by every stage
     activations.py  ZeRO-R: partitioned, offloaded, contiguous activation checkpoints
     zeropp.py       ZeRO++: quantized gathers and reductions, hierarchical (hpZ) secondary shards
     construct.py    models built shard by shard under stage 3: seeded, pretrained or stock initialisation

@@ -24,6 +24,7 @@ from torch import nn
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.memory import budget_of_every_rank
 from hf_zero.settings.config import ZeroConfig
+from hf_zero.zero.grad_landing import landing_for
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import (
     Bucket,
@@ -40,6 +41,8 @@ from hf_zero.zero.stage2 import PartitionedGradients
 class FlatParams(ParamHolder):
     """The parameters of stages 0-2, grouped by optimizer param group, in reverse model order (backward
     produces the last layers' gradients first, so buckets fill in turn)."""
+
+    holds_whole_params = True
 
     def __init__(self, groups: list[list[tuple[str, nn.Parameter]]], stage: int, dtype: torch.dtype,
                  comm: Communicator, config: ZeroConfig, position: dict[nn.Parameter, int]) -> None:
@@ -64,7 +67,7 @@ class FlatParams(ParamHolder):
             flat.pack_and_bind()
         if stage == 2:
             self.grads = PartitionedGradients(self.flats, comm, config.overlap_comm, position,
-                                              config.torch_reduce_dtype, offload=config.offload_optimizer,
+                                              config.torch_reduce_dtype, landing=landing_for(config.offload_optimizer),
                                               double_buffered=config.delayed_param_update)
         else:
             self.grads = ReplicatedGradients(self.flats, comm, config.overlap_comm, position, config.torch_reduce_dtype,
@@ -189,11 +192,11 @@ class ReplicatedGradients(GradientReducer):
                 return self.comm.reduce_scatter_(reduced[owned], reduced, async_op=True)
             return self.comm.all_reduce_(reduced, async_op=True)
 
-        def settle() -> None:
+        def land() -> None:
             if reduced is not bucket_grad:
                 bucket_grad[owned].copy_(reduced[owned])
 
-        return BucketReduction(launch, settle)
+        return BucketReduction(launch, land)
 
     def owned_grad(self, fi: int, bi: int) -> torch.Tensor:
         flat = self.flat_params[fi]

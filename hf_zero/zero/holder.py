@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Collection, Iterator
+from typing import Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from hf_zero.runtime.device import LatestCopy, host_memory_empty
 from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.partition import FlatParamBuffer, ParamSlice
 from hf_zero.zero.reducer import GradientReducer
+from hf_zero.zero.update_files import UpdateFiles
 
 
 def fp32_start_empty(config: ZeroConfig, compute: torch.device) -> Callable[[int], torch.Tensor]:
@@ -40,6 +41,8 @@ class ParamHolder(ABC):
     replicated: bool
     # Stages 0-1 keep whole gradients and reduce once per optimizer step; stages 2-3 reduce every backward.
     reduces_every_backward: bool
+    # Stages 0-2: every rank holds every parameter whole, as trained; stage 3 gathers them on use.
+    holds_whole_params: bool
     fp32_init: list[list[torch.Tensor]] | None
     # Copies to the device that still read param_chunks (stage 3, shards in host memory); None where none do.
     chunks_lent: LatestCopy | None = None
@@ -111,6 +114,17 @@ class ParamHolder(ABC):
         """Every parameter whole for the duration (read-only use: inspection, tests, export); with `only` (ids of
         parameters), at least those (stage 3: the units holding them)."""
 
+    @contextlib.contextmanager
+    def units_kept_gathered(self) -> Iterator[None]:
+        """For a loop of forwards whose weights do not change (evaluation, generation): what a forward gathers stays
+        gathered inside (stage 3); whole parameters need nothing."""
+        yield
+
+    def keeps_every_unit(self) -> bool:
+        """Whether no forward inside units_kept_gathered gathers, whatever each rank's inputs make it use, so that
+        ranks need not step together there (generate's synced_gpus): true of whole parameters."""
+        return True
+
     @abstractmethod
     def parts(self) -> Iterator[list[ParamSlice]]:
         """The groups of slices gathered_one_at_a_time yields (stage 3: a unit's), without gathering them."""
@@ -126,7 +140,7 @@ class ParamHolder(ABC):
     def check_bound(self) -> None:
         """Raises when the model's parameters no longer view the holder's buffers."""
 
-    def attach(self, backend: Any) -> None:
+    def attach(self, backend: UpdateFiles) -> None:
         """Called once the update backend exists: with NVMe states, the reduced gradients of stages 2-3 go to
         its files (and stage 3 reads its shards from there when the parameters live there too)."""
         files = backend.gradient_files()

@@ -28,6 +28,7 @@ keeps one in flight, as FSDP2 does: the next unit's backward still overlaps it.
 """
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -47,13 +48,28 @@ def _nothing() -> None:
     pass
 
 
+class StepPhase(enum.Enum):
+    """Where a step stands for the gradients (FSDP2's TrainingState): `begin` and `finish` move it, and a move
+    PHASE_MOVES does not allow raises."""
+    IDLE = "idle"  # no backward running: forwards, evaluation, the optimizer step
+    BACKWARD = "backward"  # gradients arriving, buckets reduced as they complete where this backward reduces
+    FINISHING = "finishing"  # backward has returned: the buckets left are launched and every reduction waited on
+
+
+PHASE_MOVES = {
+    StepPhase.IDLE: {StepPhase.BACKWARD},
+    StepPhase.BACKWARD: {StepPhase.FINISHING},
+    StepPhase.FINISHING: {StepPhase.IDLE},
+}
+
+
 @dataclass(frozen=True)
 class BucketReduction:
-    """How one bucket is reduced: on the communication stream, `launch` issues its collective and `settle`
+    """How one bucket is reduced: on the communication stream, `launch` issues its collective and `land`
     (device work only) takes this rank's result in once it is done; `release` is the host's bookkeeping
     (the bucket buffer goes back for reuse) once the compute stream has waited on it."""
     launch: Callable[[], Any]
-    settle: Callable[[], None] = _nothing
+    land: Callable[[], None] = _nothing
     release: Callable[[], None] = _nothing
 
 
@@ -91,8 +107,8 @@ class GradientReducer:
         self.next_in_order = 0  # launch_order[:next_in_order] are launched
         self.comm_stream = CommStream(comm.device)
         self.in_flight: deque[tuple[Reduction, Callable[[], None]]] = deque()
-        self.active = False
-        self.reducing = False
+        self.phase = StepPhase.IDLE
+        self.reducing = False  # whether this backward's buckets are reduced (else its gradients accumulate)
         for p in self.param_pieces:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -118,10 +134,10 @@ class GradientReducer:
 
     def measure_with(self, chunk_keys: list[list[BucketKey]],
                      square_sum: Callable[[int, int, torch.Tensor], torch.Tensor]) -> None:
-        """How the gradients would be measured as they settle (stages 2-3); stages 0-1 are measured at the step."""
+        """How the gradients would be measured as they land (stages 2-3); stages 0-1 are measured at the step."""
 
     def measured_square_sum(self) -> torch.Tensor | None:
-        """The fp64 sum of squares of the reduced gradients, measured as they settled, or None (measure them)."""
+        """The fp64 sum of squares of the reduced gradients, measured as they landed, or None (measure them)."""
         return None
 
     def hand_over(self) -> bool:
@@ -130,7 +146,8 @@ class GradientReducer:
 
     def begin(self, reduce: bool) -> None:
         """Called before each backward; `reduce` says whether this backward's buckets are reduced."""
-        self.active, self.reducing = True, reduce
+        self._move(StepPhase.BACKWARD)
+        self.reducing = reduce
         self.pending = dict(self.expected)
         self.ready.clear()
         self.launched.clear()
@@ -138,7 +155,7 @@ class GradientReducer:
 
     def check_in_backward(self) -> None:
         """Raises when a gradient arrives outside engine.backward()."""
-        if not self.active:
+        if self.phase is StepPhase.IDLE:
             raise RuntimeError("a gradient arrived outside engine.backward(); call engine.backward(loss) "
                                "instead of loss.backward() so that ZeRO can reduce it")
 
@@ -199,7 +216,7 @@ class GradientReducer:
             with issued_for(f"the reduction of {name}"):
                 return bucket.launch()
 
-        self.in_flight.append((self.comm_stream.submit(launch_named, bucket.settle), bucket.release))
+        self.in_flight.append((self.comm_stream.submit(launch_named, bucket.land), bucket.release))
         limit = self.max_in_flight if self.overlap_comm else 0
         while self.in_flight and (len(self.in_flight) > limit or self.comm_stream.done(self.in_flight[0][0])):
             self._retire_oldest()
@@ -211,13 +228,22 @@ class GradientReducer:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Reduces buckets left incomplete by unused parameters and waits for every reduction."""
-        if self.reducing:
-            for key in self.launch_order:
-                if key not in self.launched:
-                    self.launch(key)
-        self.comm_stream.join()  # the one wait of the compute stream on every reduction left
-        for _, release in self.in_flight:
-            release()
-        self.in_flight.clear()
-        self.active = False
+        """Reduces buckets left incomplete by unused parameters and waits for every reduction. A reduction that
+        raises leaves the step idle all the same."""
+        self._move(StepPhase.FINISHING)
+        try:
+            if self.reducing:
+                for key in self.launch_order:
+                    if key not in self.launched:
+                        self.launch(key)
+            self.comm_stream.join()  # the one wait of the compute stream on every reduction left
+            for _, release in self.in_flight:
+                release()
+            self.in_flight.clear()
+        finally:
+            self._move(StepPhase.IDLE)
+
+    def _move(self, to: StepPhase) -> None:
+        if to not in PHASE_MOVES[self.phase]:
+            raise AssertionError(f"the gradient reducer cannot go from {self.phase.value} to {to.value}")
+        self.phase = to

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero import checkpoint
-from hf_zero.checkpoint import CheckpointError
+from hf_zero.checkpoint import MANIFEST, CheckpointError, folders
+from hf_zero.checkpoint import write as checkpoint_write
 from hf_zero.checkpoint.consolidate import consolidate
 from hf_zero.runtime.launch import spawn_gloo
 from tests.checkpoint_helpers import (
@@ -159,22 +159,22 @@ def die_at(monkeypatch, step: int) -> list[str]:
             changes.append(f"{kind} {' '.join(Path(a).name for a in args[:2] if isinstance(a, (str, Path)))}")
             if len(changes) == step:
                 if kind == "remove" and args[0].is_dir():  # halfway, in _remove's order: the manifest first,
-                    (args[0] / checkpoint.MANIFEST).unlink(missing_ok=True)  # the marker last
-                    for file in [f for f in sorted(args[0].iterdir()) if f.name != checkpoint.MARKER][::2]:
+                    (args[0] / MANIFEST).unlink(missing_ok=True)  # the marker last
+                    for file in [f for f in sorted(args[0].iterdir()) if f.name != folders.MARKER][::2]:
                         file.unlink()
                 raise Killed
             return change(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(checkpoint, "_rename", dying("rename", checkpoint._rename))
-    monkeypatch.setattr(checkpoint, "_remove", dying("remove", checkpoint._remove))
-    monkeypatch.setattr(checkpoint, "save_file", dying("write", checkpoint.save_file))
+    monkeypatch.setattr(folders, "rename", dying("rename", folders.rename))
+    monkeypatch.setattr(folders, "remove_folder", dying("remove", folders.remove_folder))
+    monkeypatch.setattr(checkpoint_write, "save_file", dying("write", checkpoint_write.save_file))
     return changes
 
 
 def test_a_save_killed_at_any_point_never_loses_the_newest_complete_checkpoint(tmp_path, monkeypatch):
     """Kills a save over a checkpoint at each change it makes to the folders, then kills the next save
-    (from a fresh engine, which first settles what the crash left) at each of its changes; after every
+    (from a fresh engine, which first recovers what the crash left) at each of its changes; after every
     kill the checkpoint loads, and it is never older than what loaded before."""
     engines = {step: new_engine({"zero_stage": 1}) for step in (0, SAVE_AT, STOP)}
     train(engines[SAVE_AT], 0, SAVE_AT)
@@ -406,9 +406,9 @@ SHARD = "rank00000-of-00001.safetensors"
 
 def _edit_manifest(change):
     def edit(folder: Path) -> None:
-        manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+        manifest = json.loads((folder / MANIFEST).read_text())
         change(manifest)
-        (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))  # NaN is written as JSON's NaN
+        (folder / MANIFEST).write_text(json.dumps(manifest))  # NaN is written as JSON's NaN
     return edit
 
 
@@ -464,8 +464,8 @@ def _a_tensor_as_f16(folder: Path) -> None:
 
 
 DAMAGE = {  # what is done to the checkpoint -> what the error says
-    "manifest not UTF-8": (lambda f: (f / checkpoint.MANIFEST).write_bytes(b'{"format": "\xff\xfe"}'), "not valid JSON"),
-    "manifest a list": (lambda f: (f / checkpoint.MANIFEST).write_text("[]"), "is not an hf_zero.checkpoint v1 manifest"),
+    "manifest not UTF-8": (lambda f: (f / MANIFEST).write_bytes(b'{"format": "\xff\xfe"}'), "not valid JSON"),
+    "manifest a list": (lambda f: (f / MANIFEST).write_text("[]"), "is not an hf_zero.checkpoint v1 manifest"),
     "no shards entry": (_edit_manifest(lambda m: m.pop("shards")), "an entry 'shards' is missing"),
     "no global_steps": (_edit_manifest(lambda m: m.pop("global_steps")), "an entry 'global_steps' is missing"),
     "no loss_scaler": (_edit_manifest(lambda m: m.pop("loss_scaler")), "an entry 'loss_scaler' is missing"),
@@ -608,7 +608,7 @@ def test_a_folder_name_whose_partial_folder_the_file_system_cannot_name_is_refus
         engine.save_checkpoint(tmp_path / too_long)
     assert list(tmp_path.iterdir()) == []
     engine.save_checkpoint(tmp_path / ("c" * (limit - 8)))  # the longest that fits
-    assert checkpoint.is_complete(tmp_path / ("c" * (limit - 8)))
+    assert folders.is_complete(tmp_path / ("c" * (limit - 8)))
 
 
 def test_a_second_save_of_the_same_folder_while_one_is_in_progress_is_refused_and_leaves_the_first_whole(
@@ -618,11 +618,11 @@ def test_a_second_save_of_the_same_folder_while_one_is_in_progress_is_refused_an
     a file lock, which a second open of the file in this process meets as another process would) runs while the
     first writes its shards."""
     folder = tmp_path / "ck"
-    write_shard = checkpoint._write_shard
+    write_shard = checkpoint_write._write_shard
     second: list[CheckpointError] = []
 
     def another_save_meanwhile(*args):
-        monkeypatch.setattr(checkpoint, "_write_shard", write_shard)
+        monkeypatch.setattr(checkpoint_write, "_write_shard", write_shard)
         with pytest.raises(CheckpointError) as refused:
             new_engine({"zero_stage": 2}).save_checkpoint(folder)
         second.append(refused.value)
@@ -630,7 +630,7 @@ def test_a_second_save_of_the_same_folder_while_one_is_in_progress_is_refused_an
 
     engine = new_engine({"zero_stage": 2})
     train(engine, 0, 1)
-    monkeypatch.setattr(checkpoint, "_write_shard", another_save_meanwhile)
+    monkeypatch.setattr(checkpoint_write, "_write_shard", another_save_meanwhile)
     engine.save_checkpoint(folder)
     assert re.search(f"another save of {re.escape(str(folder))} is in progress \\(it holds "
                         f"{re.escape(str(folder))}.lock\\); wait for it to end, or save to another folder",

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_zero.runtime.launch import free_port
 
-SCRIPT = Path(__file__).parent / "scripts" / "hf_style_clm.py"
-MLM_SCRIPT = Path(__file__).parent / "scripts" / "hf_style_mlm.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "hf_style_clm.py"
+MLM_SCRIPT = Path(__file__).parents[1] / "scripts" / "hf_style_mlm.py"
 COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
 
 

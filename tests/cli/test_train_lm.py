@@ -139,7 +139,7 @@ def test_a_setting_the_job_cannot_run_with_is_one_line_before_any_process_starts
     assert err.startswith("hf-zero train: --") and message in err and err.count("\n") == 1, err
 
 
-FAULTS = Path(__file__).parent / "scripts" / "faults"  # sitecustomize.py: SIGKILL a chosen rank at a chosen point
+FAULTS = Path(__file__).parents[1] / "scripts" / "faults"  # sitecustomize.py: SIGKILL a chosen rank at a chosen point
 
 
 def test_a_job_whose_rank_is_killed_restarts_from_its_newest_checkpoint_and_ends_as_the_uninterrupted_one(tmp_path):

@@ -264,19 +264,19 @@ def test_a_model_on_another_accelerator_than_the_process_computes_on_is_refused(
     a stand-in parameter carries the device here, on a machine without one."""
     from types import SimpleNamespace
 
-    from hf_zero import engine as engine_module
+    from hf_zero.engine import setup as engine_setup
 
     class OnAnAccelerator(torch.nn.Module):
         def parameters(self, recurse=True):
             return iter([SimpleNamespace(device=torch.device(model_on), is_meta=False)])
 
-    monkeypatch.setattr(engine_module, "compute_device", lambda: torch.device(own))
+    monkeypatch.setattr(engine_setup, "compute_device", lambda: torch.device(own))
     if own == model_on:
-        engine_module.check_model(OnAnAccelerator(), None)  # its own accelerator: accepted
+        engine_setup.check_model(OnAnAccelerator(), None)  # its own accelerator: accepted
         return
     with pytest.raises(ZeroConfigError, match=rf"the model is on {model_on} but this process computes on {own}: "
                                               r"call torch.cuda.set_device\(local_rank\)"):
-        engine_module.check_model(OnAnAccelerator(), None)
+        engine_setup.check_model(OnAnAccelerator(), None)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -29,7 +29,7 @@ from hf_zero.hf import pretrained
 from hf_zero.runtime.launch import spawn_gloo
 from tests.helpers import assert_saved_as_stock_saves, max_diff, named_copy
 
-SCRIPT = Path(__file__).parent / "scripts" / "hf_style_clm.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "hf_style_clm.py"
 SEED = 7
 
 

@@ -129,7 +129,7 @@ def test_each_supported_model_trains_at_stage3_as_one_process(trained, name):
 
 def test_the_supported_models_page_lists_what_this_module_trains(trained):
     """Each row of docs/supported_models.md's table: the class, and the blocks stage 3 gathers one at a time."""
-    page = (Path(__file__).parents[1] / "docs" / "supported_models.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "supported_models.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", page, re.MULTILINE))
     assert sorted(rows) == sorted(MODELS)
     for name, row in rows.items():

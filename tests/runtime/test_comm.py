@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_zero.runtime.comm import Communicator, Ledger
+from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.ledger import Ledger
 from hf_zero.runtime.memory import communication_elements, model_state_bytes
 
 NORM_ALL_REDUCE = 2  # the global gradient norm: one scalar all-reduce, counted 2 x 1 element
@@ -145,7 +146,7 @@ def sends_by_hand(op: str, nbytes: int, ranks: list[int]) -> list[tuple[int, int
 @pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "all_to_all"])
 def test_the_ledger_counts_each_ranks_sends_by_where_they_cross_and_each_nodes_volume_as_the_paper(
         op, per_node, world):
-    from hf_zero.runtime.comm import link_bytes
+    from hf_zero.runtime.ledger import link_bytes
 
     node = lambda r: r // per_node  # noqa: E731
     nbytes = 8 * 3 * world  # a buffer of 3 fp64 elements per rank

@@ -24,7 +24,7 @@ from hf_zero.runtime.device import (
 )
 from hf_zero.runtime.launch import spawn_gloo
 from hf_zero.settings.environment import SIMULATE_ENV
-from hf_zero.testing import simulated_gpu
+from hf_zero.testing import simulated_gpu, stream_checker
 from hf_zero.testing.simulated_gpu import COPY, StreamOrderError
 from tests.helpers import (
     GPU_PATH_CONFIGS,
@@ -41,11 +41,11 @@ from tests.helpers import (
 @pytest.fixture
 def checker(monkeypatch):
     monkeypatch.setenv(SIMULATE_ENV, "late")
-    simulated_gpu.start_checking()
-    yield simulated_gpu.checker
-    if simulated_gpu.checker is not None:
-        simulated_gpu.checker.deferred.clear()  # the races these tests make on purpose, found as their buffers go
-    simulated_gpu.stop_checking()
+    simulated_gpu.install()
+    yield stream_checker.checker
+    if stream_checker.checker is not None:
+        stream_checker.checker.deferred.clear()  # the races these tests make on purpose, found as their buffers go
+    simulated_gpu.uninstall()
     simulated_gpu.engine.queued.clear()
 
 
@@ -247,7 +247,7 @@ def test_every_gpu_path_configuration_on_one_rank_trains_as_plain_torch_under_th
     if config.get("offload_param") == "cpu" or config.get("cpu_checkpointing"):
         assert COPY in streams
     del engine, model, weights, got
-    simulated_gpu.stop_checking()  # raises a race found at a free no op came after to report
+    simulated_gpu.uninstall()  # raises a race found at a free no op came after to report
 
 
 def host_waits_of_a_step(stage: int, fused: bool) -> list[int | str]:
@@ -256,7 +256,7 @@ def host_waits_of_a_step(stage: int, fused: bool) -> list[int | str]:
     model = tiny_model("gpt2")
     engine = hf_zero.initialize(model, make_optimizer(model, fused=fused),
                                 {"zero_stage": stage, "dtype": "bf16", "gradient_clipping": 1.0})
-    checker = simulated_gpu.checker  # started by initialize
+    checker = stream_checker.checker  # started by the first device work under the simulation
     rank, world = engine.comm.rank, engine.comm.world_size
     for step in range(3):
         if step == 2:

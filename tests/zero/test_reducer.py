@@ -104,3 +104,21 @@ def test_reductions_match_one_process_when_they_run_as_late_as_a_gpu_may(copies)
     for result in spawn_gloo(accumulate_at_every_stage, 2):
         for stage in (0, 1, 2, 3):
             assert max_diff(result[f"s{stage}"], expected) < 1e-5, stage
+
+
+def test_the_steps_phase_is_backward_only_inside_engine_backward_and_a_move_out_of_turn_raises():
+    """The reducer's phase (reducer.StepPhase): idle around a backward, backward while gradients arrive, and a
+    move its table does not allow raises, naming both phases."""
+    from hf_zero.zero.reducer import StepPhase
+    from tests.helpers import batch, make_optimizer, tiny_model
+
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2})
+    grads = engine.params.grads
+    seen = []
+    model.transformer.h[0].mlp.c_fc.weight.register_post_accumulate_grad_hook(lambda p: seen.append(grads.phase))
+    assert grads.phase is StepPhase.IDLE
+    engine.backward(engine(**batch("gpt2", 0, 4)).loss)
+    assert seen == [StepPhase.BACKWARD] and grads.phase is StepPhase.IDLE
+    with pytest.raises(AssertionError, match="the gradient reducer cannot go from idle to finishing"):
+        grads.finish()

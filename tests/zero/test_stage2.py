@@ -113,10 +113,10 @@ def test_offloaded_chunks_land_in_one_pinned_shard_with_one_host_wait_per_step(s
 
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_the_gradient_norm_is_taken_as_chunks_settle_not_from_the_shards(monkeypatch, stage, offload):
-    """Issue 51: the step's norm is the one measured on each reduced chunk as it settled (on the device, before an
+def test_the_gradient_norm_is_taken_as_chunks_land_not_from_the_shards(monkeypatch, stage, offload):
+    """Issue 51: the step's norm is the one measured on each reduced chunk as it landed (on the device, before an
     offloaded chunk reaches the host), and it is the fp64 norm of the gradients the step applies."""
-    from hf_zero.zero import optimizer as optimizer_module
+    from hf_zero.optim import optimizer as optimizer_module
     from tests.conftest import SMALL_BUCKETS
     from tests.helpers import batch, make_optimizer, tiny_model
 

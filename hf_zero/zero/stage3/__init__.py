@@ -19,14 +19,14 @@ every later one until the optimizer step comes from inside the node (hpZ, `keep_
 reducer's reduce-scatter (on more than one node).
 
 The package, one concern a file:
-    unit.py            Unit: one module's flat buffers, their gather (exact, qwZ, hpZ) and free
+    unit.py            Unit: one module's flat buffers, their gather (exact, qwZ, hpZ) and free, its UnitState
     discovery.py       which modules are the units, and the models stage 3 refuses (LayerDrop)
     params.py          Stage3Params, the holder: cutting the model into units, their shards, construction
     schedule.py        the hooks: each unit gathered before its forward and backward, prefetch in the order
                        each pass ran last, the post-backward where its reduction launches
     shared_weights.py  the root freed early in backward, and tied weights' uses split into their buckets
     gradients.py       Stage3Gradients: stage 2's reduce-scatter with a bucket per unit, launched at the
-                       unit's post-backward
+                       unit's post-backward; a tied weight's uses handed in apart
 """
 from hf_zero.zero.stage3.discovery import find_unit_modules, units_using_each_param
 from hf_zero.zero.stage3.gradients import Stage3Gradients

@@ -1,5 +1,5 @@
 """Stage 3's gradients: stage 2's bucketed reduce-scatter with one bucket per unit and param group, each
-unit's launched at its post-backward."""
+unit's launched at its post-backward, and the uses of a tied weight handed in apart (shared_weights.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from hf_zero.runtime.comm import Communicator
+from hf_zero.zero.grad_landing import GradLanding
+from hf_zero.zero.partition import Piece, local_grad
 from hf_zero.zero.reducer import BucketKey
 from hf_zero.zero.stage2 import PartitionedGradients
 
@@ -33,10 +35,10 @@ class Stage3Gradients(PartitionedGradients):
     in launch order."""
 
     def __init__(self, units: list[Unit], position: dict[nn.Parameter, int], comm: Communicator, overlap_comm: bool,
-                 reduce_dtype: torch.dtype, offload: str, double_buffered: bool) -> None:
+                 reduce_dtype: torch.dtype, landing: type[GradLanding], double_buffered: bool) -> None:
         """`units` as Stage3Params holds them, their flat buffers in that order; `position`: see GradientReducer."""
         super().__init__([f for u in units for f in u.trained_flats], comm, overlap_comm, position, reduce_dtype,
-                         reuse_buffers=False, offload=offload, double_buffered=double_buffered, max_in_flight=1)
+                         reuse_buffers=False, landing=landing, double_buffered=double_buffered, max_in_flight=1)
         self.units = units
         self.unit_of_flat = [u for u in units for _ in u.trained_flats]
         self.unit_of_param = {s.param: unit for unit in units for flat in unit.trained_flats for s in flat.slices}
@@ -46,9 +48,14 @@ class Stage3Gradients(PartitionedGradients):
         # the units a forward ran with no input that requires grad, whose backward's end nothing marks.
         self.post_backwards: dict[int, int] = {}
         self.unmarked: set[int] = set()
+        self.kept_contributions: set[BucketKey] = set()  # buckets whose early pieces hold a tied use's gradient
+        # Tied weights whose first use in this forward gives its gradient as rows (take_rows), at the end of
+        # backward: a gradient from any other use before that is one more contribution.
+        self.rows_to_come: set[nn.Parameter] = set()
 
     def begin(self, reduce: bool) -> None:
         super().begin(reduce)
+        self.kept_contributions.clear()  # left by a backward that raised
         # A unit with frozen weights reads them after its trained parameters took their gradients (the input's
         # gradient through a LoRA base layer): it is freed at its post-backward instead.
         self.params_waiting = {id(u): sum(len(f.slices) for f in u.flats) for u in self.units
@@ -108,3 +115,61 @@ class Stage3Gradients(PartitionedGradients):
         self.params_waiting[id(unit)] -= 1
         if self.params_waiting[id(unit)] == 0:
             unit.free()
+
+    # ---- a tied weight's uses, handed in apart (shared_weights.py) ------------------------------
+    @torch.no_grad()
+    def contribute(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """One use's gradient of a parameter the model reads more than once per forward (a tied weight: see
+        Stage3Params._split_tied_uses), added into the parameter's buckets, or kept as it came until
+        `open_buckets` (no copy beside it while the weights it was computed from are still gathered). The
+        buckets still go out in their turn, once the parameter's own gradient (its first use's) has come."""
+        self.check_in_backward()
+        self.got_grad.add(param)
+        for key, piece in self.param_pieces[param]:
+            if key in self.launched:
+                raise RuntimeError(f"a gradient of a tied weight ({tuple(param.shape)}) came after its bucket was "
+                                   f"reduced: a later use in the forward reached backward after the first one. "
+                                   f"ZeRO stage 3 expects the first use of a tied weight to get its gradient last")
+            if key in self.bucket_buffers:
+                self._add_to_bucket(key, piece, grad)
+            else:
+                part = grad.reshape(-1)[piece.param_lo:piece.param_hi]
+                self.early_pieces.setdefault(key, []).append((piece.range_lo, part.to(self.dtype)))
+                self.kept_contributions.add(key)
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None:  # every use handed its gradient over apart (take_rows, contribute): none left
+            return
+        if param in self.rows_to_come:
+            self.contribute(param, local_grad(param))
+            self.release(param)
+            return
+        super()._on_grad_ready(param)
+
+    @torch.no_grad()
+    def take_rows(self, param: nn.Parameter, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
+        """The gradient of a tied weight's first use, an embedding lookup (Stage3Params._split_tied_uses), as the
+        rows its tokens picked: `row_grads[i]` is the gradient of row `rows[i]`, the rest is zero (a row may come
+        again, with zeros).
+        Added into the parameter's bucket, after the other uses' contributions as a dense gradient would be;
+        then the parameter's gradient has come."""
+        self.check_in_backward()
+        self.rows_to_come.discard(param)
+        assert self.reducing, "rows are taken at stage 3, which reduces every backward"
+
+        def write(key: BucketKey, piece: Piece) -> None:
+            whole = piece.slice  # the parameter may be freed already: its slice knows its shape
+            assert piece.param_lo == 0 and piece.param_hi == whole.numel, "stage 3: one bucket per parameter"
+            region = self._buffer(key)[piece.range_lo:piece.range_lo + whole.numel].view(whole.shape)
+            region.index_add_(0, rows, row_grads.to(self.dtype))  # a row's other slots add zeros: exact
+
+        self._take_in(param, write)
+
+    def open_buckets(self) -> None:
+        """Opens the buckets that hold contributions kept as they came, taking them in (once the root's weights
+        are freed, the tied head's gradient moves into its bucket)."""
+        for key in self.kept_contributions:
+            if key in self.early_pieces:  # else its bucket has opened already
+                self._buffer(key)
+        self.kept_contributions.clear()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Collection, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import LatestCopy, host_buffers_for_good, host_memory_empty
 from hf_zero.runtime.memory import budget_of_every_rank
 from hf_zero.settings.config import ZeroConfig
+from hf_zero.zero.grad_landing import landing_for
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import (
     FlatParamBuffer,
@@ -27,6 +28,7 @@ from hf_zero.zero.partition import (
     set_data,
     wrap_like,
 )
+from hf_zero.zero.reducer import StepPhase
 from hf_zero.zero.stage3.discovery import (
     find_unit_modules,
     refuse_layer_drop,
@@ -36,10 +38,8 @@ from hf_zero.zero.stage3.gradients import Stage3Gradients
 from hf_zero.zero.stage3.schedule import ExecutionOrder, Schedule
 from hf_zero.zero.stage3.shared_weights import SharedWeights
 from hf_zero.zero.stage3.unit import Unit
+from hf_zero.zero.update_files import ShardReader, UpdateFiles
 from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
-
-if TYPE_CHECKING:
-    from hf_zero.optim.nvme import ParamReader
 
 logger = logging.getLogger("hf_zero")
 PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
@@ -50,7 +50,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
     """The stage-3 parameter holder (holder.py): owns the units, their shards and the hooks that gather
     and free them around each use. Its gather is Unit.gather, its reduce Stage3Gradients, below."""
 
-    replicated, reduces_every_backward = False, True
+    replicated, reduces_every_backward, holds_whole_params = False, True, False
 
     def __init__(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
                  comm: Communicator, config: ZeroConfig, init_from: Any = None,
@@ -59,7 +59,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         parameter shards (offload_param) and gradient shards (offload_optimizer) live in host memory."""
         self.comm, self.prefetch_numel = comm, config.prefetch_bucket_size
         self.offload_param = config.offload_param
-        self.reader: ParamReader | None = None
+        self.reader: ShardReader | None = None
         self.reshard_root_after_forward = config.reshard_root_after_forward
         self.generation_max_live_parameters = config.generation_max_live_parameters
         # Inside units_kept_gathered (generate(), an evaluation loop): the elements the units kept gathered may still
@@ -93,7 +93,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         # compute dtype (partition.set_data): the gradient hooks attach to the wrapper the model keeps.
         self.position = model_order(model)
         self.grads = Stage3Gradients(self.units, self.position, comm, config.overlap_comm,
-                                     config.torch_reduce_dtype, offload=config.offload_optimizer,
+                                     config.torch_reduce_dtype, landing=landing_for(config.offload_optimizer),
                                      double_buffered=config.delayed_param_update)
         if config.quantized_gradients and comm.world_size > comm.ranks_per_node:
             self.grads.reduce_scatter = QuantizedReduceScatter(comm, config.quantized_gradients_bits,
@@ -107,7 +107,6 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         # The order units ran in, each forward's and each backward's, recorded again every pass; prefetch follows
         # the last pass's until the running pass leaves it.
         self.forward, self.backward = ExecutionOrder(), ExecutionOrder()
-        self.in_backward = False  # between engine.backward's start and end: forwards then are recomputations
         self._install_hooks(model)
 
     def _cut_into_units(self, model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], dtype: torch.dtype,
@@ -252,13 +251,13 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
     def chunk_keys(self) -> list[list[tuple[int, int]]]:
         return [[(fi, 0) for fi in flats] for flats in self.chunk_flats]
 
-    def attach(self, backend: Any) -> None:
+    def attach(self, backend: UpdateFiles) -> None:
         super().attach(backend)
         reader = backend.param_reader()
         if reader is not None:
             self.read_shards_from(reader)
 
-    def read_shards_from(self, reader: ParamReader) -> None:
+    def read_shards_from(self, reader: ShardReader) -> None:
         """offload_param nvme: from now on units read their chunks from the files (the optimizer wrote
         them there), and the shards' host memory is given back. The optimizer and the units keep the chunks'
         tensors as placeholders; their storage is empty, so reading one fails loudly. Frozen chunks stay."""
@@ -368,17 +367,18 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             unit.drop_secondary()
         for unit in self.units:
             if unit.persistent:
-                unit.gathered = False
-                unit.gather()
-                unit.wait()
+                unit.refresh()
+
+    @property
+    def in_backward(self) -> bool:
+        """Between engine.backward's start and the end of its pass: forwards then are recomputations."""
+        return self.grads.phase is StepPhase.BACKWARD
 
     def begin_backward(self, last_micro_batch: bool) -> None:
         super().begin_backward(last_micro_batch)
-        self.in_backward = True
         self.backward.begin()
 
     def end_backward(self) -> None:
-        self.in_backward = False
         super().end_backward()
         self.free_all()
 

@@ -72,7 +72,7 @@ class SharedWeights:
         of backward, waits through the whole backward and is then summed out of place with the embedding's,
         three vocabulary-sized tensors at the end. Instead, in a forward that backward follows, the first
         module to read the weight reads the parameter itself and each later one reads it through _TiedUse,
-        whose backward hands that use's gradient to the reducer (PartitionedGradients.contribute): kept as it
+        whose backward hands that use's gradient to the reducer (Stage3Gradients.contribute): kept as it
         came while the root is gathered, moved into the parameter's bucket once the root is freed. Then the
         end of backward holds the bucket and the embedding's gradient, not three. No collective is added:
         the bucket goes out in its turn, which every rank shares. The parameter's own gradient (its .grad,
@@ -82,7 +82,7 @@ class SharedWeights:
         When that first use is an embedding lookup (nn.Embedding, the first module of a language model), its
         backward would make one more dense vocabulary-sized gradient, zero outside the rows the batch's
         tokens picked, just to add it into the bucket. It reads the weight through _EmbeddingRows instead,
-        whose backward gives only those rows (PartitionedGradients.take_rows), summed by torch's own
+        whose backward gives only those rows (Stage3Gradients.take_rows), summed by torch's own
         embedding backward in the same order: the bucket gets the same values, and the end of backward
         holds the bucket and min(tokens, vocabulary) rows (a size known before the ids are: `_distinct_rows`)."""
         root_params = {id(s.param) for flat in self.root.flats for s in flat.slices}
@@ -170,7 +170,7 @@ class _EmbeddingRows(TorchFunctionMode):
 
 class _EmbeddingLookup(torch.autograd.Function):
     """torch.embedding whose backward hands the weight's gradient to the reducer as the rows the tokens
-    picked (PartitionedGradients.take_rows). The rows are torch's own embedding backward with the tokens
+    picked (Stage3Gradients.take_rows). The rows are torch's own embedding backward with the tokens
     renumbered over the distinct ones: each row is summed in the same order as in the dense gradient."""
 
     @staticmethod

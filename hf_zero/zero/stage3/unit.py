@@ -1,9 +1,15 @@
 """A stage-3 unit: the parameters of one module in one flat buffer per param group, all-gathered as one
-(exactly, quantized under qwZ, or inside the node from hpZ's secondary partition) and freed after use."""
+(exactly, quantized under qwZ, or inside the node from hpZ's secondary partition) and freed after use.
+
+A unit's parameters are in one of the states of `UnitState` (FSDP2's ShardedState, with the gather in flight a state
+of its own), and a move the table `MOVES` does not allow raises. hpZ's secondary partition lives beside that state:
+kept from a forward until the optimizer step, it outlasts many gathers and frees."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+import enum
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,9 +18,33 @@ from hf_zero.ops.quantize import dequantize_senders, quantize
 from hf_zero.runtime.comm import Communicator, issued_for
 from hf_zero.runtime.device import Copy, LatestCopy, on_copy_stream, to_device
 from hf_zero.zero.partition import FlatParamBuffer, set_data
+from hf_zero.zero.update_files import ShardReader
 
-if TYPE_CHECKING:
-    from hf_zero.optim.nvme import ParamReader
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # this rank's shards only; the parameters view an empty tensor
+    FREED_EARLY = "freed early"  # sharded, each parameter keeping its shape over one NaN until its gradient comes
+    GATHERING = "gathering"  # the buffers allocated and viewed, the all-gather in flight (`PendingGather`)
+    GATHERED = "gathered"  # whole, readable on the compute stream
+
+
+MOVES = {
+    UnitState.SHARDED: {UnitState.GATHERING, UnitState.GATHERED},  # to GATHERED: its buffers filled when it is built
+    UnitState.FREED_EARLY: {UnitState.GATHERING, UnitState.SHARDED},
+    UnitState.GATHERING: {UnitState.GATHERED},  # a gather in flight is waited on before anything else
+    UnitState.GATHERED: {UnitState.SHARDED, UnitState.FREED_EARLY, UnitState.GATHERING},  # GATHERING: `refresh`
+}
+
+
+@dataclass
+class PendingGather:
+    """What a gather in flight holds until `Unit.wait`: its collective, the copies of host shards to the device it
+    follows, the NVMe read buffers those copies read, and under qwZ each flat buffer's received bytes (values and
+    scales) with the number of value bytes among them."""
+    work: Any = None
+    copies: list[Copy] = field(default_factory=list)
+    read_buffers: list[tuple[torch.Tensor, Copy]] = field(default_factory=list)
+    quantized: list[tuple[FlatParamBuffer, torch.Tensor, int]] = field(default_factory=list)
 
 
 class Unit:
@@ -33,26 +63,19 @@ class Unit:
         self.shards: list[torch.Tensor] = []  # this rank's chunk of each flat buffer (set by Stage3Params)
         # (param group, chunk) of each, in the optimizer's order; None for the frozen weights' (no optimizer)
         self.shard_ids: list[tuple[int, int] | None] = []
-        self.reader: ParamReader | None = None  # offload_param nvme: the chunks are read from files
-        # The reader's buffers lent until the all-gathers finish, each with its copy to the device.
-        self.reading: list[tuple[torch.Tensor, Copy]] = []
+        self.reader: ShardReader | None = None  # offload_param nvme: the chunks are read from files
         # offload_param: each gather copies the shards from host memory to the device first, and the latest
         # copy is kept here until the update writes the shards; None when the shards are on the device.
         self.shards_lent: LatestCopy | None = None
-        self.copies: list[Copy] = []  # this gather's copies to the device, one per flat buffer
         # Storage is released at once: holding every unit's buffer while sharding would hold a second
         # whole copy of the model; `adopt_params` fills and frees them one unit at a time.
         for flat in flats:
             flat.release_storage()
-        self.gathered = False
-        self.works: list = []
+        self.state = UnitState.SHARDED
+        self.pending: PendingGather | None = None  # while GATHERING
         self.empty = torch.empty(0, dtype=flats[0].data.dtype, device=flats[0].data.device)
-        # After free_early: each parameter's shape over one NaN (no memory), until free() or the next gather.
-        self.placeholders = False
-        # ZeRO++ qwZ: the quantization block size when training gathers go quantized (None: they do not), and
-        # a quantized gather's received values and scales per flat buffer, dequantized once it has landed.
+        # ZeRO++ qwZ: the quantization block size when training gathers go quantized (None: they do not).
         self.quantize_block: int | None = None
-        self.landing: list[tuple[FlatParamBuffer, torch.Tensor, torch.Tensor]] = []
         # ZeRO++ hpZ: the ranks of this node a secondary partition is spread over (None: off), and this rank's
         # part of each gathered buffer, kept from a forward until the optimizer step changes the weights.
         self.secondary: Communicator | None = None
@@ -63,36 +86,54 @@ class Unit:
         """The unit as messages name it: by its module's name, the root (named '') as the root unit."""
         return f"unit {self.name!r}" if self.name else "the root unit"
 
+    @property
+    def gathered(self) -> bool:
+        """Whether the parameters view the whole buffers (the gather may still be in flight: `wait`)."""
+        return self.state in (UnitState.GATHERING, UnitState.GATHERED)
+
+    def _move(self, to: UnitState) -> None:
+        """The unit's parameters go from their state to `to`, which MOVES must allow."""
+        if to not in MOVES[self.state]:
+            raise AssertionError(f"{self.title} cannot go from {self.state.value} to {to.value}")
+        self.state = to
+
     def gather(self, purpose: str = "read") -> None:
         """Starts the all-gather of every flat buffer of the unit (asynchronously), for a "forward", a
         "backward" or a "read" (export, inspection). Under ZeRO++ a forward or backward gather goes
         quantized (qwZ), or inside the node from the secondary partition (hpZ) once a forward kept one; a read
         is always exact and from the primary shards."""
-        if self.gathered:
-            return
+        if not self.gathered:
+            self._gather_into_buffers(purpose)
+
+    def refresh(self) -> None:
+        """The persistent unit, gathered for good, all-gathers its updated shards into its buffers in place."""
+        assert self.persistent, f"{self.title} is gathered on use, not refreshed"
+        self._gather_into_buffers("read")
+        self.wait()
+
+    def _gather_into_buffers(self, purpose: str) -> None:
         self._tally(+1)
         for flat in self.flats:
             flat.allocate_storage()
+        self.pending = PendingGather()
         with issued_for(f"the {purpose} gather of {self.title}"):
-            self._start_gather(purpose)
+            self.pending.work = self._start_gather(purpose)
         for flat in self.flats:
             for s in flat.slices:
                 set_data(s.param, flat.view_of(s))
-        self.gathered, self.placeholders = True, False
+        self._move(UnitState.GATHERING)
 
-    def _start_gather(self, purpose: str) -> None:
+    def _start_gather(self, purpose: str) -> Any:
         if purpose != "read" and self.secondary_parts:
-            self.works.append(self._gather_exact(self.secondary, self.secondary_parts))
-        else:
-            shards = [self._shard_on_device(i) for i in range(len(self.flats))]
-            if purpose != "read" and self.quantize_block is not None:  # never with offload_param (config.py)
-                self.works.append(self._gather_quantized(shards))
-            else:
-                # With the shards in host memory the gather follows their copies on the copy stream (stream order:
-                # no wait), so that neither holds up the compute queued meanwhile (on one stream, PCIe time would
-                # add to every step). The compute stream waits on the gather's handle (`wait`) before reading.
-                with on_copy_stream(self.flats[0].data.device) if self.copies else contextlib.nullcontext():
-                    self.works.append(self._gather_exact(self.comm, shards))
+            return self._gather_exact(self.secondary, self.secondary_parts)
+        shards = [self._shard_on_device(i) for i in range(len(self.flats))]
+        if purpose != "read" and self.quantize_block is not None:  # never with offload_param (config.py)
+            return self._gather_quantized(shards)
+        # With the shards in host memory the gather follows their copies on the copy stream (stream order: no wait),
+        # so that neither holds up the compute queued meanwhile (on one stream, PCIe time would add to every step).
+        # The compute stream waits on the gather's handle (`wait`) before reading.
+        with on_copy_stream(self.flats[0].data.device) if self.pending.copies else contextlib.nullcontext():
+            return self._gather_exact(self.comm, shards)
 
     def _shard_on_device(self, i: int) -> torch.Tensor:
         """The unit's chunk of flat buffer `i` on the device. A trained chunk on NVMe (`reader`) is read into one
@@ -105,9 +146,9 @@ class Unit:
         if self.shards_lent is not None:
             shard, copy = to_device(shard, self.flats[i].data.device, f"the host shard of {self.title}",
                                     overlap=True)
-            self.copies.append(copy)
+            self.pending.copies.append(copy)
             if buffer is not None:
-                self.reading.append((buffer, copy))
+                self.pending.read_buffers.append((buffer, copy))
         return shard
 
     def _gather_exact(self, comm: Communicator, parts: list[torch.Tensor]) -> Any:
@@ -125,6 +166,7 @@ class Unit:
         if self.secondary is None or self.secondary_parts:
             return
         self.wait()
+        assert self.state is UnitState.GATHERED, f"{self.title} keeps a secondary partition of what it has not gathered"
         size, index = self.secondary.world_size, self.secondary.rank
         for flat in self.flats:
             n = flat.padded_numel // size
@@ -132,9 +174,11 @@ class Unit:
         self.comm.ledger.hold("bytes of secondary partitions", self.nbytes // size)
 
     def drop_secondary(self) -> None:
-        """The secondary partition goes when the weights change (the optimizer step, a checkpoint's load)."""
+        """The secondary partition goes when the weights change (the optimizer step, a checkpoint's load), once the
+        unit is sharded: no gather in flight reads the parts any more."""
         if self.secondary_parts:
-            self.wait()  # a gather may still read the parts
+            assert self.state is UnitState.SHARDED, \
+                f"{self.title} drops its secondary partition while {self.state.value}"
             self.secondary_parts.clear()
             self.comm.ledger.hold("bytes of secondary partitions", -(self.nbytes // self.secondary.world_size))
 
@@ -150,35 +194,34 @@ class Unit:
             received = torch.empty(world * sent.numel(), dtype=torch.uint8, device=shard.device)
             outputs.append(received)
             inputs.append(sent)
-            self.landing.append((flat, received, packed.values.numel()))
+            self.pending.quantized.append((flat, received, packed.values.numel()))
         return self.comm.all_gather_coalesced_(outputs, inputs, async_op=True)
 
     @torch.no_grad()
-    def _dequantize_landed(self) -> None:
-        for flat, received, values_numel in self.landing:
+    def _dequantize(self, quantized: list[tuple[FlatParamBuffer, torch.Tensor, int]]) -> None:
+        for flat, received, values_numel in quantized:
             each_rank = received.view(self.comm.world_size, -1)
             values = each_rank[:, :values_numel].view(torch.int8)
             scales = each_rank[:, values_numel:].contiguous().view(torch.float32)  # fp32 alignment: a small copy
             with torch.autograd._unsafe_preserve_version_counter(flat.data):
                 dequantize_senders(values, scales, self.comm.world_size, 8, self.quantize_block,
                                    flat.buckets[0].chunk_numel, flat.data)
-        self.landing.clear()
 
     def wait(self) -> None:
         """The stream the caller queues on (the compute stream) waits for the unit's gather: its buffers may be
-        read there, and given back to the allocator, from then on."""
-        for work in self.works:
-            work.wait()
-        self.works.clear()
-        if self.landing:
-            self._dequantize_landed()
+        read there, and given back to the allocator, from then on. Nothing to wait for unless GATHERING."""
+        if self.state is not UnitState.GATHERING:
+            return
+        pending, self.pending = self.pending, None
+        pending.work.wait()
+        if pending.quantized:
+            self._dequantize(pending.quantized)
         if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
-            for buffer, copy in self.reading:
+            for buffer, copy in pending.read_buffers:
                 self.reader.release(buffer, copy)
-        elif self.copies:
-            self.shards_lent.add(self.copies[-1])
-        self.reading.clear()
-        self.copies.clear()
+        elif pending.copies:
+            self.shards_lent.add(pending.copies[-1])
+        self._move(UnitState.GATHERED)
 
     @torch.no_grad()
     def adopt_params(self) -> None:
@@ -191,9 +234,9 @@ class Unit:
     def built(self) -> None:
         """The unit's buffers hold its values (its chunk is cut): the persistent unit stays gathered, the
         others give their buffers back, without the ledger's tally (nothing was all-gathered)."""
-        self.gathered = True
+        self._move(UnitState.GATHERED)
         if not self.persistent:
-            self._release_buffers()
+            self._release_buffers(UnitState.SHARDED)
 
     @property
     def is_root(self) -> bool:
@@ -214,13 +257,14 @@ class Unit:
         ledger.hold("bytes of gathered units", sign * self.nbytes)
 
     def free(self) -> None:
-        if self.placeholders:
+        """Gives the gathered buffers back (the persistent unit keeps them), and a freed-early unit's placeholders."""
+        if self.state is UnitState.FREED_EARLY:
             self._set_params(lambda s: self.empty)
-            self.placeholders = False
+            self._move(UnitState.SHARDED)
         if self.persistent or not self.gathered:
             return
         self._tally(-1)
-        self._release_buffers()
+        self._release_buffers(UnitState.SHARDED)
 
     def free_early(self) -> None:
         """Frees the buffers while gradients of the unit's parameters are still to come. Autograd checks each
@@ -228,19 +272,22 @@ class Unit:
         over a single NaN: no memory, and a stray read shows as NaN instead of passing for a weight."""
         if self.persistent or not self.gathered:
             return
-        self.free()
-        nan = torch.full((1,), float("nan"), dtype=self.empty.dtype, device=self.empty.device)
-        self._set_params(lambda s: nan.expand(s.shape))
-        self.placeholders = True
+        self._tally(-1)
+        self._release_buffers(UnitState.FREED_EARLY)
 
     def _set_params(self, data) -> None:
         for flat in self.flats:
             for s in flat.slices:
                 set_data(s.param, data(s))
 
-    def _release_buffers(self) -> None:
+    def _release_buffers(self, to: UnitState) -> None:
+        """Waits for the gather, points the parameters at empty tensors (SHARDED) or NaN placeholders of their
+        shapes (FREED_EARLY), and gives the buffers back."""
         self.wait()
         self._set_params(lambda s: self.empty)
         for flat in self.flats:
             flat.release_storage(f"the release of {self.title}'s gathered buffer")
-        self.gathered = False
+        if to is UnitState.FREED_EARLY:
+            nan = torch.full((1,), float("nan"), dtype=self.empty.dtype, device=self.empty.device)
+            self._set_params(lambda s: nan.expand(s.shape))
+        self._move(to)
