@@ -1,4 +1,4 @@
-"""generate() at stage 3 beside stock generate() (issue 52): the time of a greedy generation on 2 gloo ranks, each
+"""generate() at stage 3 beside stock generate(): the time of a greedy generation on 2 gloo ranks, each
 rank generating its own batch, as the Trainer's predict_with_generate does.
 
   python -m benchmarks.bench_generate --repeats 3
@@ -7,7 +7,7 @@ Models: small T5 (encoder-decoder, whose generate() calls the encoder outside th
 transformers' configs, 4 blocks each. Systems: "stock" (the model alone on each rank, no engine), stage 3 with the
 default generation_max_live_parameters (each unit gathered once per generate() call, and no synced_gpus, as
 ZeroSeq2SeqTrainer decides when every unit fits), and stage 3 with it at 0 (each unit gathered for every token's
-forward with synced_gpus's all-reduce per token, as before issue 52). Round-robin, medians; the ratio is to stock.
+forward with synced_gpus's all-reduce per token). Round-robin, medians; the ratio is to stock.
 """
 from __future__ import annotations
 

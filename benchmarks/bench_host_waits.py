@@ -1,4 +1,4 @@
-"""How often a training step makes the host wait for the device (issue 51: stages 2-3 against FSDP2 on one GPU).
+"""How often a training step makes the host wait for the device (stages 2-3 against FSDP2 on one GPU).
 
   python -m benchmarks.bench_host_waits
   python -m benchmarks.bench_host_waits --ranks 2

@@ -1,14 +1,14 @@
-"""The host's part of an offloaded step (ZeRO-Offload, issue 51), in nanoseconds per parameter of the rank's shard,
+"""The host's part of an offloaded step (ZeRO-Offload), in nanoseconds per parameter of the rank's shard,
 beside the floor this host's memory sets and DeepSpeed's CPU Adam on the same shard.
 
   python -m benchmarks.bench_offload_host --numel 5e7 --repeats 5
 
 A shard of `numel` parameters as a rank offloading bf16 training with fp32 masters holds it: a bf16 gradient shard,
-fp32 masters and Adam moments, bf16 parameters out. Per phase, what the host did per step before issue 51 and what
-it does now, each timed here (medians of `repeats`, round-robin after a warm-up):
+fp32 masters and Adam moments, bf16 parameters out. Per phase, what a straightforward host step does and what
+the engine does, each timed here (medians of `repeats`, round-robin after a warm-up):
   norm      before: the fp64 sum of squares of the host gradient shard, 2 MiB pieces converted to fp64
             (hf_zero.optim.optimizer._square_sum, which the step ran over every chunk); now: nothing on the host, the
-            device measures each chunk as it settles.
+            device measures each chunk as it lands.
   landing   before: each bucket's chunk added into the host shard, which was zero-filled every step; now: nothing
             on the host, the chunks are copied into place by DMA.
   Adam      the CPU Adam over the shard, bf16 gradient in and bf16 parameter out in one pass (hf_zero's kernel,

@@ -1,5 +1,5 @@
-"""Peak RSS per rank when an unmodified Trainer script fine-tunes a checkpoint larger than each rank should hold
-(issue 19): a GPT-2 of gpt2-large's shape (774M parameters, 3.1 GB in fp32, random weights written by
+"""Peak RSS per rank when an unmodified Trainer script fine-tunes a checkpoint larger than each rank should hold:
+a GPT-2 of gpt2-large's shape (774M parameters, 3.1 GB in fp32, random weights written by
 save_pretrained as sharded safetensors), through `hf-zero run --nproc_per_node 4 --zero_stage 3`, built
 partitioned (also giving back the heap backward frees: --zero_trim_host_heap) and, beside it in the same
 invocation, whole on every rank first.

@@ -1,11 +1,11 @@
-"""Stage 3's host time per unit per step (issue 52): what the engine's hooks, gathers, frees, reductions and
+"""Stage 3's host time per unit per step: what the engine's hooks, gathers, frees, reductions and
 bookkeeping cost the host for each unit, beside FSDP2's fully_shard and DeepSpeed's stage 3 on the same model, in
 the same invocation.
 
   python -m benchmarks.bench_stage3_host --units 48 --repeats 5
   python -m benchmarks.bench_stage3_host --ranks 1 --systems plain hf_zero_2 hf_zero_3 fsdp2
 
-The second is issue 51's question on one device, where a GPU step is bound by the host: with one rank every
+The second asks the same on one device, where a GPU step is bound by the host: with one rank every
 collective is a local copy, and what is left beside plain torch is each system's own host work.
 
 The model is `units` blocks (Linear(width, width), GELU) of width 32, so small that the arithmetic is a sliver of a

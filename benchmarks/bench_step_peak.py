@@ -1,4 +1,4 @@
-"""A training step's peak of device memory, stages 2-3 beside FSDP2 and plain torch (issue 51: on an H100 stages 2-3
+"""A training step's peak of device memory, stages 2-3 beside FSDP2 and plain torch (on an H100 stages 2-3
 peaked at 31.5 GiB, FSDP2 at 28.9).
 
   python -m benchmarks.bench_step_peak

@@ -23,7 +23,7 @@ What it runs, each part in a fresh process so that one part's allocator state is
              per step (torch.cuda.set_sync_debug_mode counts the implicit ones), tokens per second and model
              TFLOPS (6Ψ per token plus attention, the Megatron-LM count).
 In the dry mode the same code runs on CPU under hf_zero.runtime.device's simulation with a gloo group, so the run is
-known to work before a GPU is at hand (tests/test_gpu_evidence.py).
+known to work before a GPU is at hand (tests/benchmarks/test_gpu_evidence.py).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ SYSTEMS = {"torch": None,
                                   "delayed_param_update_warmup": 0},
            "stage3": {"zero_stage": 3},
            "stage3+cpu": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}
-# The references, in the same invocation (issue 51): FSDP2 (bf16 parameters, fp32 reduction, fused AdamW) and
+# The references, in the same invocation: FSDP2 (bf16 parameters, fp32 reduction, fused AdamW) and
 # DeepSpeed (bf16, torch's AdamW; with offload its own DeepSpeedCPUAdam, as it requires), when it imports.
 REFERENCES = {"fsdp2": None, "deepspeed2": {"stage": 2}, "deepspeed3": {"stage": 3},
               "deepspeed2+cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
@@ -129,7 +129,7 @@ TRACE_ENTRIES = 2_000_000  # the allocator's history is a ring: a step that reco
 
 def memory_at_peak(train_step, ids: torch.Tensor) -> dict:
     """One more step with the CUDA allocator's history recorded: what is alive at its peak (`live_at_peak`), to see
-    where stages 2-3 and FSDP2 part (issue 51: 31.5 against 28.9 GiB on an H100)."""
+    where stages 2-3 and FSDP2 part (31.5 against 28.9 GiB on an H100)."""
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -25,7 +25,7 @@ os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
 # The suite runs on two pytest-xdist workers (pyproject.toml: -n 2 --dist loadgroup). A worker takes whole
 # modules, so that a module's fixtures are built once; the modules that use the session's spawned worlds go
 # to one worker together, so that those are spawned once. Modules that took over 20 s alone (--durations=0 on
-# this project's 2-core machine, 2026-11-25) start first, longest first, so that no long module is left to run
+# the 2-core machine) start first, longest first, so that no long module is left to run
 # alone at the end; the rest follow in collection order.
 LONGEST_MODULES = ["tests/hf/test_pretrained.py", "tests/test_examples.py", "tests/cli/test_run.py",
                    "tests/zero/test_construct.py", "tests/optim/test_delayed_update.py", "tests/optim/test_nvme.py",

@@ -1,6 +1,6 @@
 """The GPU path on a real accelerator: CUDA copies, streams and events, checked against the same references
-as on CPU. Skipped without CUDA, and a skip here is never evidence: these run whenever a GPU machine is
-lent (docs/BENCHMARKS.md records the device). On CPU the same paths are checked by hf_zero.runtime.device's
+as on CPU. Skipped without CUDA, and a skip here is never evidence: run them on a GPU machine
+(docs/BENCHMARKS.md records the device of the last run). On CPU the same paths are checked by hf_zero.runtime.device's
 simulation of asynchronous copies (tests/runtime/test_device.py, and the offload tests under `copies`)."""
 from __future__ import annotations
 
@@ -191,8 +191,8 @@ INIT_OFFLOADS = [{"zero_stage": 2, "offload_optimizer": "cpu"},
 def test_initialize_with_offload_holds_no_fp32_states_on_the_device(config, tmp_path):
     """ZeRO-Offload's promise from the start: with the optimizer offloaded, `initialize` allocates on the device
     no more than the bf16 parameters (2Ψ at stage 2, where every rank holds them whole; a shard at stage 3)
-    plus its buffers. Seen on an H100 before (docs/BENCHMARKS.md): the fp32 start values were staged on the
-    device, 6Ψ at stage 2 and 8Ψ at stage 3 on top."""
+    plus its buffers: the fp32 start values are never staged on the device (that would be 6Ψ at stage 2 and 8Ψ
+    at stage 3 on top)."""
     import model_zoo
     from hf_zero.zero.construct import SeededInit
 
@@ -230,7 +230,7 @@ def test_a_save_leaves_no_host_memory_pinned(tmp_path):
 
 
 def test_buffers_kept_for_good_are_page_locked_to_the_byte_and_a_copy_into_them_leaves_the_host_free():
-    """Issue 51: the offloaded gradient shards, the staged parameters and the units' offloaded parameters are locked
+    """The offloaded gradient shards, the staged parameters and the units' offloaded parameters are locked
     where they lie, not taken from the caching host allocator (which rounded a 2.6 GB shard up to 4 GiB on an H200).
     Locked they must really be: a copy from the device into pageable memory makes the host wait for the device's
     queue, one into page-locked memory does not."""

@@ -28,6 +28,7 @@ from hf_zero.checkpoint.layout import FrozenPiece, PartitionedModel, ShardLayout
 from hf_zero.checkpoint.manifest import KERNEL_FLAGS, MANIFEST, UPDATE_FLAGS, module_state_file, read_manifest, tp_size
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.dtypes import TORCH_DTYPES
+from hf_zero.runtime.trace import spanned
 from hf_zero.zero.partition import copy_cut_into
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ logger = logging.getLogger("hf_zero")
 
 
 @torch.no_grad()
+@spanned("load_checkpoint")
 def load_partitioned(model: PartitionedModel, directory: str | os.PathLike, sources: FrozenSources,
                      frozen_must_match: bool = False) -> dict[str, Any]:
     """Sets `model`'s masters, optimizer state and module state from a checkpoint (`load`); returns its manifest,

@@ -30,12 +30,14 @@ from hf_zero.checkpoint.manifest import MANIFEST, manifest_of, shard_file
 from hf_zero.optim.update import is_elementwise
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import in_host_memory
+from hf_zero.runtime.trace import spanned
 from hf_zero.zero.partition import is_tp_replicated, local
 
 if TYPE_CHECKING:
     from hf_zero.optim.update import UpdateBackend
 
 
+@spanned("save_checkpoint")
 def save_partitioned(model: PartitionedModel, directory: str | os.PathLike, training_state: dict[str, Any],
                      client_state: Any = None, sources: FrozenSources | None = None) -> Path:
     """A checkpoint of `model`, every rank of its world_comm writing its partition. With `sources`, frozen weights

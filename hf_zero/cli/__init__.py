@@ -1,4 +1,4 @@
-"""The hf-zero command: `hf-zero run`, `train`, `consolidate`, `estimate`, `build-ops`, `check-env`.
+"""The hf-zero command: `hf-zero run`, `train`, `consolidate`, `estimate`, `build-ops`.
 
     commands.py   the subcommands and their flags, checked before any process starts
     run.py        `hf-zero run`: a user's script under torchrun with the engine's flags

@@ -39,6 +39,7 @@ from hf_zero.engine.setup import (
 from hf_zero.optim.precision import LossScaler
 from hf_zero.runtime.comm import Communicator, Ledger
 from hf_zero.runtime.launch import destroy_process_group_at_exit
+from hf_zero.runtime.trace import spanned
 from hf_zero.settings.config import ZeroConfig
 from hf_zero.settings.deepspeed_config import engine_config
 
@@ -99,6 +100,7 @@ class ZeroEngine(nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
+    @spanned("backward")
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool | None = None) -> None:
         """Back-propagates `loss` of one micro-batch; gradients are reduced as their buckets fill.
 
@@ -119,6 +121,7 @@ class ZeroEngine(nn.Module):
         finally:
             self.params.end_backward()
 
+    @spanned("step")
     def step(self) -> None:
         """Counts a micro-batch; at the accumulation boundary runs optimizer_step()."""
         self.micro_steps += 1
@@ -195,7 +198,7 @@ class ZeroEngine(nn.Module):
 
     def _collect_step_outcome(self) -> None:
         """Takes in the outcome of the last step the device decided, once its norm has reached the host."""
-        outcome = self.sharded_optimizer.settle()
+        outcome = self.sharded_optimizer.decided_step()
         if outcome is not None:
             self._count(*outcome)
 
@@ -334,7 +337,7 @@ class ZeroEngine(nn.Module):
         self.scaler.load_state_dict(manifest["loss_scaler"])
         # The outcome of a step before the load is let go, not counted: the checkpoint brought the counters, and
         # training goes on from it as from a finite step.
-        self.sharded_optimizer.settle()
+        self.sharded_optimizer.decided_step()
         self._stop = None
         self.skipped_in_a_row, self._last_step_skipped, self._global_grad_norm = 0, False, None
         self.params.reset()

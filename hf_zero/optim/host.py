@@ -26,6 +26,7 @@ from hf_zero.runtime.device import (
     host_buffers_for_good,
     host_memory_empty,
 )
+from hf_zero.runtime.trace import spanned
 from hf_zero.settings.environment import cpu_adam_threads
 
 logger = logging.getLogger("hf_zero")
@@ -162,6 +163,7 @@ class HostUpdate(UpdateBackend):
         self.outputs = StagedOutputs(param_chunks, staged)
         self._retarget()
 
+    @spanned("host_step")
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]],
              settings: list[dict[str, Any]] | None = None) -> None:
         """`settings`: the param groups' hyper-parameters to step with (param_group_settings), when not the

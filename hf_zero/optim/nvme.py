@@ -48,6 +48,7 @@ from hf_zero.runtime.device import (
     host_memory_empty,
     in_host_memory,
 )
+from hf_zero.runtime.trace import spanned
 from hf_zero.settings.config import nvme_path_problem
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # fp32, read and written by every step
@@ -304,6 +305,7 @@ class NvmeUpdate(UpdateBackend):
         self.masters = param_chunks
         self._retarget()
 
+    @spanned("nvme_step")
     def step(self, coef: float, grad_chunks: list[list[torch.Tensor]],
              settings: list[dict[str, Any]] | None = None) -> None:
         self.states.step(grad_chunks, None if self.outputs is None else self.outputs.writable, coef, settings)

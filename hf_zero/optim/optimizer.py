@@ -26,6 +26,7 @@ from hf_zero.optim.update import (
 )
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import HOST, Copy, LatestCopy, copy_to_host, host_empty
+from hf_zero.runtime.trace import span, spanned
 from hf_zero.settings.config import ZeroConfig, ZeroConfigError
 from hf_zero.zero.reducer import GradientReducer
 
@@ -86,7 +87,7 @@ class ShardedOptimizer:
         # the host stays ahead of the device instead of draining its queue once a step.
         self.decided_on_device = backend.skips_on_device and not scaler.dynamic and delayed is None
         self.norm_on_host = host_empty(1, torch.float64) if self.decided_on_device else None
-        self.unsettled: tuple[int, Copy] | None = None  # the last step the device decided, and its norm's copy
+        self.undecided: tuple[int, Copy] | None = None  # the last step the device decided, and its norm's copy
 
     @torch.no_grad()
     def norm_on_device(self) -> torch.Tensor:
@@ -97,6 +98,11 @@ class ShardedOptimizer:
         device, before an offloaded chunk went to the host): the sum is read, not taken again."""
         if self.norm is not None:
             return self.norm
+        with span("grad_norm"):
+            self.norm = self._global_norm()
+        return self.norm
+
+    def _global_norm(self) -> torch.Tensor:
         local_sq = self.grads.measured_square_sum()
         if local_sq is None:  # one fp64 sum per chunk, summed in chunk order as the reducer's are
             sums = self.backend.grad_square_sums(self.grad_chunks())
@@ -108,8 +114,7 @@ class ShardedOptimizer:
         if self.tp_comm is not None:
             self.tp_comm.all_reduce_(local_sq)
         root = local_sq[0].sqrt()
-        self.norm = torch.div(root, root.new_full((), self.scaler.scale))  # a division, as the host's
-        return self.norm
+        return torch.div(root, root.new_full((), self.scaler.scale))  # a division, as the host's
 
     def chunk_square_sum(self, g: int, k: int, grad: torch.Tensor) -> torch.Tensor:
         """The fp64 sum of squares of chunk k of group g's gradient as this rank adds it to the global norm:
@@ -122,10 +127,11 @@ class ShardedOptimizer:
         return square_sum
 
     @torch.no_grad()
+    @spanned("optimizer_step")
     def step(self, step_number: int = 0, untouched: list[list[list[tuple[int, int]]]] | None = None
              ) -> tuple[float, bool] | None:
         """Unscales, clips and applies the update; returns the global norm and whether the step was applied (False:
-        skipped, an overflow), or None where the device decides that (`decided_on_device`: `settle` tells).
+        skipped, an overflow), or None where the device decides that (`decided_on_device`: `decided_step` tells).
         `step_number` (from 0) tells a delayed update whether its warm-up is over. `untouched[g][k]`: element
         ranges of chunk k of group g that keep their values and states (parameters no rank used, which torch's
         optimizers skip); not where `untouched_refused_by` names a setting (the engine refuses those)."""
@@ -134,7 +140,7 @@ class ShardedOptimizer:
         if self.decided_on_device:
             # The norm goes to the host first: whoever waits for it (the Trainer asks whether the step was skipped
             # right after it) leaves the update queued behind it.
-            self.unsettled = step_number, copy_to_host(self.norm_on_host, norm.reshape(1), "the gradient norm")
+            self.undecided = step_number, copy_to_host(self.norm_on_host, norm.reshape(1), "the gradient norm")
             # The clipping coefficient as the host computes it below, in fp64 on the device; where it is not
             # finite the flag skips the update.
             coef = 1.0 / self.scaler.scale
@@ -180,12 +186,12 @@ class ShardedOptimizer:
         when it can."""
         return "delayed_param_update" if self.delayed is not None else self.backend.untouched_refused_by
 
-    def settle(self) -> tuple[int, float, bool] | None:
+    def decided_step(self) -> tuple[int, float, bool] | None:
         """The last step the device decided (its `step_number`), its global norm and whether it was applied, once
-        the norm's copy has landed (the host waits for that copy only); None when every such step was settled."""
-        if self.unsettled is None:
+        the norm's copy has landed (the host waits for that copy only); None when every such step was read."""
+        if self.undecided is None:
             return None
-        (step_number, landing), self.unsettled = self.unsettled, None
+        (step_number, landing), self.undecided = self.undecided, None
         landing.wait()
         norm = float(self.norm_on_host[0])
         return step_number, norm, math.isfinite(norm)

@@ -18,7 +18,7 @@ While `HF_ZERO_SIMULATE_ASYNC` is set, a simulated GPU that checks the rule on e
 instead: a test double, installed from outside (hf_zero.testing), through the one plug point here.
 
 Copies run on one of three streams: the compute stream (the default), the communication stream (what a
-reduction's settle copies, `CommStream`) and the copy stream (`overlap=True`: copies that must not hold up the
+reduction's landing copies, `CommStream`) and the copy stream (`overlap=True`: copies that must not hold up the
 compute queued after them, such as a prefetched parameter shard or an offloaded activation checkpoint).
 
 File I/O reads and writes the memory of host tensors only: a device address handed to the operating
@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from hf_zero.runtime.cuda_timeline import Cuda, after_current, delay
 from hf_zero.runtime.timeline import COMM, DONE, HOST, IMMEDIATE, NO_WORK, Copy, Event, Timeline
+from hf_zero.runtime.trace import span
 from hf_zero.settings.environment import simulation
 
 
@@ -202,13 +203,15 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor, name: str, overlap: boo
     """Queues `dst` (device) <- `src` (host, pinned on a GPU). `src` stays lent until the copy is waited on.
     `overlap`: on the copy stream, where the compute queued after it does not wait for it; whoever reads `dst`
     makes their stream wait first (`Copy.ready`, or work issued `on_copy_stream`)."""
-    return timeline().copy(dst, src, name, to_device=True, overlap=overlap)
+    with span("copy_to_device", name):
+        return timeline().copy(dst, src, name, to_device=True, overlap=overlap)
 
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor, name: str, overlap: bool = False) -> Copy:
     """Queues `dst` (host, pinned on a GPU) <- `src` (device). `dst` holds the values once waited on.
     `overlap`: on the copy stream, where the compute queued after it does not wait for it."""
-    return timeline().copy(dst, src, name, to_device=False, overlap=overlap)
+    with span("copy_to_host", name):
+        return timeline().copy(dst, src, name, to_device=False, overlap=overlap)
 
 
 def to_device(src: torch.Tensor, device: torch.device, name: str, overlap: bool = False) -> tuple[torch.Tensor, Copy]:
@@ -248,22 +251,22 @@ def quiet() -> contextlib.AbstractContextManager:
 class Reduction:
     """A collective submitted to the communication stream (`CommStream.submit`)."""
     launch: Callable[[], Any]  # issues the collective and returns its work handle
-    settle: Callable[[], None]  # device work once it is done (this rank's chunk into its shard)
+    land: Callable[[], None]  # device work once it is done (this rank's chunk into its shard)
     issued: Event = NO_WORK  # the submitting stream's work before it (simulation: what it waits on when it runs)
-    event: Event = NO_WORK  # recorded on the communication stream after settle
+    event: Event = NO_WORK  # recorded on the communication stream after land
     work: Any = None  # CPU: the collective's handle once launched
-    settled: bool = False
+    landed: bool = False
 
 
 class CommStream:
     """Where gradient reductions run. On a GPU that is a stream of their own: each reduction waits for the
-    compute work queued before it (its bucket is written), then runs its collective and settles on the
+    compute work queued before it (its bucket is written), then runs its collective and lands on the
     communication stream, so backward's compute never waits on a collective. The compute stream waits on
     the communication stream only where the host is about to hand a reduction's buffers back for reuse
     (`wait`) and once at the end of backward (`join`), as FSDP2's reduce-scatter stream and DeepSpeed's
     reduction stream do. Whatever the host does with a reduction's buffers or results comes after `wait`.
 
-    On CPU a collective runs in gloo's own thread from `submit` on, and `settle` runs at `wait`. A timeline that
+    On CPU a collective runs in gloo's own thread from `submit` on, and `land` runs at `wait`. A timeline that
     runs asynchronous work late (the simulation "late") runs the whole reduction at `wait`, as late as a GPU may
     run it, ordered after the work queued before its submit only: a bucket the host writes again before waiting is
     reduced with the wrong values and refused by the stream checker, and a shard read before waiting misses the
@@ -273,17 +276,17 @@ class CommStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.queued: list[Reduction] = []  # CPU: submitted, not yet settled, in order
+        self.queued: list[Reduction] = []  # CPU: submitted, not yet landed, in order
 
-    def submit(self, launch: Callable[[], Any], settle: Callable[[], None]) -> Reduction:
-        reduction = Reduction(launch, settle)
+    def submit(self, launch: Callable[[], Any], land: Callable[[], None]) -> Reduction:
+        reduction = Reduction(launch, land)
         if self.stream is not None:
             delay("compute")
             with after_current(self.stream, "comm"):
                 launch().wait()  # the communication stream waits on the collective, the host does not
-                settle()
+                land()
                 reduction.event = record_event(self.stream.device)
-            reduction.settled = True
+            reduction.landed = True
             return reduction
         line = timeline()
         reduction.issued = line.record(self.device)
@@ -299,7 +302,7 @@ class CommStream:
         """Whether waiting on `reduction` would not hold anything up (a GPU: its event has passed)."""
         if self.stream is not None:
             return reduction.event.query()
-        return reduction.settled or (reduction.work is not None and reduction.work.is_completed())
+        return reduction.landed or (reduction.work is not None and reduction.work.is_completed())
 
     def wait(self, reduction: Reduction) -> None:
         """The compute stream (the host, on CPU) waits for `reduction` and every one submitted before it."""
@@ -307,7 +310,7 @@ class CommStream:
             reduction.event.wait()
             return
         line = timeline()
-        while not reduction.settled:
+        while not reduction.landed:
             earliest = self.queued.pop(0)
             # A late timeline runs the reduction only now, ordered after what was queued before its submit
             # (`issued`), not after what the host did since.
@@ -315,11 +318,11 @@ class CommStream:
                 earliest.issued.wait()
                 work = earliest.work if earliest.work is not None else earliest.launch()
                 work.wait()
-                earliest.settle()
+                earliest.land()
                 earliest.event = line.record(self.device)
-            earliest.settled = True
+            earliest.landed = True
         reduction.event.wait()
-        line.compute_waited_on(COMM)  # the compute stream's later copies come after the settles' copies
+        line.compute_waited_on(COMM)  # the compute stream's later copies come after the landings' copies
 
     def join(self) -> None:
         """The compute stream waits for every reduction submitted so far."""

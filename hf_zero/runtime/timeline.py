@@ -18,7 +18,7 @@ from hf_zero.runtime.pinned import page_locked
 
 HOST = torch.device("cpu")
 # The streams device work is queued on: the compute stream (the default), the communication stream (what a
-# reduction's settle does, `CommStream`) and the copy stream (copies that must not hold up the compute queued
+# reduction's landing does, `CommStream`) and the copy stream (copies that must not hold up the compute queued
 # after them).
 COMPUTE, COMM, COPY = "compute", "comm", "copy"
 

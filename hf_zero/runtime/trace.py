@@ -7,12 +7,14 @@ A span is torch's record_function while a profiler records, and nothing otherwis
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+import functools
+from typing import Any, Callable, ContextManager, TypeVar
 
 import torch
 from torch.profiler import record_function
 
 PREFIX = "hf_zero."
+F = TypeVar("F", bound=Callable[..., Any])
 _NOTHING = contextlib.nullcontext()
 
 
@@ -21,3 +23,14 @@ def span(phase: str, *what: object) -> ContextManager[object]:
     if not torch.autograd._profiler_enabled():
         return _NOTHING
     return record_function(" ".join([PREFIX + phase, *map(str, what)]))
+
+
+def spanned(phase: str) -> Callable[[F], F]:
+    """A function whose every call is the span `hf_zero.<phase>`."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def within_span(*args: Any, **kwargs: Any) -> Any:
+            with span(phase):
+                return fn(*args, **kwargs)
+        return within_span  # type: ignore[return-value]
+    return wrap

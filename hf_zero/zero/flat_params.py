@@ -23,6 +23,7 @@ from torch import nn
 
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.memory import budget_of_every_rank
+from hf_zero.runtime.trace import spanned
 from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.grad_landing import landing_for
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
@@ -93,6 +94,7 @@ class FlatParams(ParamHolder):
     def chunk_keys(self) -> list[list[BucketKey]]:
         return self._per_group(lambda fi, b: (fi, b.index))
 
+    @spanned("all_gather_parameters")
     def after_step(self) -> None:
         """All-gathers every bucket in place: buckets grouped into launches of up to allgather_bucket_size
         elements (at least one bucket each), at most allgather_bucket_size elements in flight."""

@@ -36,7 +36,7 @@ def is_tp_replicated(param: torch.Tensor) -> bool:
 def partitioned_frozen(param: torch.Tensor) -> bool:
     """Whether stage 3 partitions a parameter that does not require grad (a LoRA or prompt-tuning base) beside the
     trained ones: a floating weight, not a tensor-parallel DTensor (a frozen tp part stays whole on its tp rank and
-    is saved whole with the module state, checkpoint.py)."""
+    is saved whole with the module state, hf_zero/checkpoint/)."""
     return not param.requires_grad and param.is_floating_point() and not isinstance(param, DTensor)
 
 

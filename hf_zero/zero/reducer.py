@@ -38,6 +38,7 @@ from torch import nn
 
 from hf_zero.runtime.comm import Communicator, issued_for
 from hf_zero.runtime.device import CommStream, Reduction
+from hf_zero.runtime.trace import span
 from hf_zero.zero.partition import FlatParamBuffer, Piece
 
 BucketKey = tuple[int, int]  # (flat buffer index, bucket index)
@@ -213,7 +214,7 @@ class GradientReducer:
         bucket, name = self.reduce_bucket(key), self.bucket_name(key)
 
         def launch_named() -> Any:  # the collective may be issued later, at a wait (simulation "late")
-            with issued_for(f"the reduction of {name}"):
+            with issued_for(f"the reduction of {name}"), span("reduce", name):
                 return bucket.launch()
 
         self.in_flight.append((self.comm_stream.submit(launch_named, bucket.land), bucket.release))

@@ -477,7 +477,7 @@ DAMAGE = {  # what is done to the checkpoint -> what the error says
     "loss scale NaN": (_edit_manifest(lambda m: m["loss_scaler"].update(scale=float("nan"))), "positive finite scale"),
     "Adam step infinite": (_edit_manifest(lambda m: m["optimizer"]["scalars"][0].update(step=float("inf"))),
                            "optimizer.scalars must hold finite numbers"),
-    # Issue 53, item 1: values of the right JSON type that no optimizer can use loaded, and trained wrong or failed.
+    # Values of the right JSON type that no optimizer can use loaded, and trained wrong or failed.
     "lr negative": (_edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(lr=-1.0)),
                     "optimizer.param_groups[0].lr must be a finite number of at least 0; got -1.0"),
     "lr a string": (_edit_manifest(lambda m: m["optimizer"]["param_groups"][0].update(lr="0.1")),
@@ -598,7 +598,7 @@ def test_a_rank_that_cannot_read_its_shard_fails_every_rank_alike_and_none_chang
 
 def test_a_folder_name_whose_partial_folder_the_file_system_cannot_name_is_refused_before_anything_is_written(
         tmp_path):
-    """Issue 53, item 8: a name of 248-255 bytes is valid, but not its `.partial`; the save's cleanup then raised a
+    """A name of 248-255 bytes is valid, but not its `.partial`; the save's cleanup then raised a
     second `OSError: File name too long` that hid the CheckpointError."""
     engine = new_engine({"zero_stage": 2})
     limit = os.pathconf(tmp_path, "PC_NAME_MAX")
@@ -613,7 +613,7 @@ def test_a_folder_name_whose_partial_folder_the_file_system_cannot_name_is_refus
 
 def test_a_second_save_of_the_same_folder_while_one_is_in_progress_is_refused_and_leaves_the_first_whole(
         tmp_path, monkeypatch):
-    """Issue 53, item 8: two processes saving into one folder at once corrupted nothing, but the second said
+    """Two processes saving into one folder at once corrupted nothing, but the second said
     "ck.partial holds files that are not an hf_zero checkpoint". Here the second save (another engine: the lock is
     a file lock, which a second open of the file in this process meets as another process would) runs while the
     first writes its shards."""
@@ -642,7 +642,7 @@ def test_a_second_save_of_the_same_folder_while_one_is_in_progress_is_refused_an
 
 @pytest.mark.parametrize("target", ["a file", "nothing"])
 def test_a_symbolic_link_at_the_save_lock_is_refused_naming_it(tmp_path, target):
-    """Issue 60, item 9: a link at ck.lock (filelock follows none) said only `OSError: [Errno 40] Too many levels
+    """A link at ck.lock (filelock follows none) said only `OSError: [Errno 40] Too many levels
     of symbolic links`. The link and what it points to are left as they were."""
     pointed = tmp_path / "elsewhere"
     if target == "a file":

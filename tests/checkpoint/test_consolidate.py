@@ -286,7 +286,7 @@ def test_the_consolidation_record_names_the_checkpoint_without_its_local_path(sm
     assert str(small_checkpoint.parent) not in record
 
 
-# ---- crafted side files and shapes: one CheckpointError naming the file, nothing written (issue 53, item 3) ----
+# ---- crafted side files and shapes: one CheckpointError naming the file, nothing written ----
 @pytest.fixture(scope="module")
 def lora_checkpoint(tmp_path_factory):
     """A stage-1 checkpoint of a tiny GPT-2 with a LoRA adapter of r 4 (its config.json and adapter_config.json

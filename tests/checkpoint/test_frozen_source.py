@@ -1,5 +1,5 @@
-"""A LoRA checkpoint records its frozen base by the pretrained files it came from instead of storing it (issue 52,
-part 2): resumed bitwise, on other world sizes and stages, a changed base refused naming its file, and the base stored
+"""A LoRA checkpoint records its frozen base by the pretrained files it came from instead of storing it:
+resumed bitwise, on other world sizes and stages, a changed base refused naming its file, and the base stored
 as before where it has no source or `checkpoint_frozen_weights` is "stored"."""
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_a_crafted_source_file_name_is_refused_as_damage(base, tmp_path):
 
 def test_a_base_changed_in_memory_after_a_save_is_stored_by_the_next_save_saying_so_once(base, tmp_path, caplog):
     """The comparison with the files is not repeated at every save: the parameter's version counter tells the next
-    save that the first one's comparison no longer holds (issue 60, part 3, item 5)."""
+    save that the first one's comparison no longer holds."""
     engine = lora_engine({"zero_stage": 1}, base)
     train(engine, 0, 1)
     engine.save_checkpoint(tmp_path / "before")
@@ -193,7 +193,7 @@ def test_a_base_changed_in_memory_after_a_save_is_stored_by_the_next_save_saying
 def test_a_manifest_reading_a_weight_from_another_tensor_of_its_shape_is_refused_by_merge_and_load_alike(
         base, tmp_path):
     """Files and shapes check out when two weights of one shape swap their tensors: only the names the model's own
-    loading gives them tell, which consolidation and loading check the same way (issue 60, part 3, item 4)."""
+    loading gives them tell, which consolidation and loading check the same way."""
     from hf_zero.checkpoint.consolidate import consolidate
 
     saved_lora(base, tmp_path / "ckpt")

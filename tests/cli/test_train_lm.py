@@ -52,7 +52,7 @@ def test_a_layout_the_processes_cannot_take_stops_before_they_start(refused_befo
 
 
 def test_a_micro_batch_whose_activations_cannot_fit_is_refused_before_launch_naming_the_flag(refused_before_launch):
-    """Issue 53, item 8: a billion sequences passed the check, and both ranks were OOM-killed 35 s later with only
+    """A billion sequences passed the check, and both ranks were OOM-killed 35 s later with only
     torchrun's `exitcode: -9`. The bound is a lower one (hf_zero.cli.estimate's 12 bytes per hidden unit, token and
     layer), so what it suggests is not refused by it."""
     code, err = refused_before_launch("train", "--nproc_per_node", "2", "--batch_size", "1000000000")
@@ -72,7 +72,7 @@ def test_a_micro_batch_whose_activations_cannot_fit_is_refused_before_launch_nam
 
 @pytest.mark.parametrize("sequences_that_fit", [682.5, 0.5])
 def test_the_batch_size_refusal_names_the_largest_batch_it_accepts(monkeypatch, sequences_that_fit):
-    """Issue 60, item 9: the refusal said "below 682" where 682 was accepted. Where not one sequence fits, it names
+    """The refusal said "below 682" where 682 was accepted. Where not one sequence fits, it names
     no batch size."""
     from types import SimpleNamespace
 

@@ -260,7 +260,7 @@ def test_loss_backward_outside_the_engine_is_refused():
 @pytest.mark.parametrize("own, model_on", [("cuda:0", "cuda:1"), ("cpu", "cuda:0"), ("cuda:1", "cuda:1")])
 def test_a_model_on_another_accelerator_than_the_process_computes_on_is_refused(monkeypatch, own, model_on):
     """A torchrun script that does model.to(f"cuda:{LOCAL_RANK}") without torch.cuda.set_device: the engine's
-    collectives and streams would all go to GPU 0 (issue 37). The check reads only where the parameters are, so
+    collectives and streams would all go to GPU 0. The check reads only where the parameters are, so
     a stand-in parameter carries the device here, on a machine without one."""
     from types import SimpleNamespace
 

@@ -320,7 +320,7 @@ def test_push_to_hub_at_stage3_uploads_consolidated_weights_that_load(tmp_path, 
 
 @pytest.mark.slow
 def test_stage3_evaluation_gathers_each_unit_once_per_loop_not_once_per_batch(tmp_path):
-    """Issue 52: evaluate() runs a forward per batch on weights that do not change; at stage 3 the units are gathered
+    """Evaluate() runs a forward per batch on weights that do not change; at stage 3 the units are gathered
     once when the loop starts and freed when it ends (within generation_max_live_parameters), not again by every
     batch's forward. The loss is the per-forward path's, bit for bit (and stock's:
     test_evaluate_and_predict_match_the_stock_trainer)."""
@@ -457,7 +457,7 @@ def resume_lora(run_folder, tmp_path, base=None, **lora):
 ])
 def test_a_lora_checkpoint_resumed_into_another_adapter_is_refused_naming_the_setting(lora_run, tmp_path, changed,
                                                                                       says):
-    """Issue 53, item 2: alpha 32 against a checkpoint of alpha 8 loaded without a word, and another r gave a
+    """Alpha 32 against a checkpoint of alpha 8 loaded without a word, and another r gave a
     traceback per rank from peft's load, before the engine's own check."""
     from hf_zero.checkpoint import CheckpointError
 
@@ -467,7 +467,7 @@ def test_a_lora_checkpoint_resumed_into_another_adapter_is_refused_naming_the_se
 
 
 def test_a_lora_checkpoint_resumed_onto_another_base_is_refused_and_the_same_base_resumes(lora_run, tmp_path):
-    """Issue 53, item 2: a base of the same shapes but other values got the checkpoint's old base put back, where
+    """A base of the same shapes but other values got the checkpoint's old base put back, where
     stock keeps the base the script built. Here the adapter must resume on the base it was trained on."""
     from hf_zero.checkpoint import CheckpointError
 

@@ -98,7 +98,7 @@ def test_hf_zero_cpu_adam_threads_sets_the_threads_of_any_offloaded_optimizers_s
 
 
 def test_each_updated_chunk_starts_back_to_the_device_as_soon_as_its_update_is_done(monkeypatch):
-    """Issue 51: with the parameters on a device, chunk k's copy back is queued before chunk k+1's update runs, so
+    """With the parameters on a device, chunk k's copy back is queued before chunk k+1's update runs, so
     the copies overlap the rest of the host step (not all of them after the last chunk's Adam)."""
     events: list[str] = []
     real_step, real_copy = host.HostAdam.step_chunk, host.copy_to_device
@@ -138,7 +138,7 @@ def torch_adamw_steps(grads: list[torch.Tensor], steps: int) -> list[torch.Tenso
 
 
 def test_a_delayed_update_writes_each_chunk_once_its_own_copy_back_has_landed(monkeypatch):
-    """Issue 51: a delayed update starts while the previous update's copies back are still on their way, and waits,
+    """A delayed update starts while the previous update's copies back are still on their way, and waits,
     before writing chunk k, for chunk k's copy only. Waiting for every copy first put the whole copy back (2.6 GB for
     the 1.31B GPT-2) in front of the host Adam, on the critical path of every step. Under the simulation "late" a copy
     lands only when waited on, and one written by the host before it landed is refused."""
@@ -174,7 +174,7 @@ def test_a_delayed_update_writes_each_chunk_once_its_own_copy_back_has_landed(mo
 
 
 def test_a_delayed_update_reads_gradients_the_next_backward_does_not_write(monkeypatch):
-    """Issue 51: the update running in the background during step i+1's backward keeps its gradient shards as they
+    """The update running in the background during step i+1's backward keeps its gradient shards as they
     are, without a copy; that backward lands in the other set."""
     model = tiny_model("gpt2")
     engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 2, "offload_optimizer": "cpu",

@@ -128,16 +128,16 @@ def test_copies_on_two_streams_over_one_host_buffer_are_refused_unless_a_wait_or
     first.wait()
 
 
-def test_a_reduction_whose_settle_copies_to_the_host_orders_that_copy_before_the_compute_streams_next(copy_engine):
-    """What a reduction's settle copies runs on the communication stream; the compute stream's wait on the
+def test_a_reduction_whose_landing_copies_to_the_host_orders_that_copy_before_the_compute_streams_next(copy_engine):
+    """What a reduction's landing copies runs on the communication stream; the compute stream's wait on the
     reduction orders its later copies after it, as `wait_event` does on a GPU."""
     landing = torch.zeros(2)
     stream = device.CommStream(torch.device("cpu"))
-    settled: list[device.Copy] = []
-    reduction = stream.submit(lambda: _Finished(), lambda: settled.append(
+    landed: list[device.Copy] = []
+    reduction = stream.submit(lambda: _Finished(), lambda: landed.append(
         copy_to_host(landing, torch.tensor([5.0, 6.0]), "a reduced chunk")))
     stream.wait(reduction)
-    assert settled[0].stream == COMM and landing.isnan().all()
+    assert landed[0].stream == COMM and landing.isnan().all()
     back, copy = to_device(landing, torch.device("cpu"), "the chunk back")  # ordered by the wait: no error
     assert back.tolist() == [5, 6]
 
@@ -152,7 +152,7 @@ class _Finished:
 
 def test_copies_that_overlap_compute_are_queued_on_the_copy_stream_and_the_rest_where_they_are_issued(
         simulated, monkeypatch):
-    """Issue 37, item 4: a prefetched stage-3 shard's copy to the device and the activation checkpoints' copies to
+    """A prefetched stage-3 shard's copy to the device and the activation checkpoints' copies to
     the host and back go on the copy stream, so that no compute waits behind them; a reduced gradient chunk's copy
     to the host goes with its reduction on the communication stream."""
     import hf_zero
@@ -182,9 +182,9 @@ def test_early_runs_every_copy_and_reduction_whole_the_moment_it_is_issued(monke
     assert dst.tolist() == [0, 1, 2] and copy.landed
     on_device, copy = to_device(torch.arange(3.0), torch.device("cpu"), "a shard", overlap=True)
     assert on_device.tolist() == [0, 1, 2]
-    settled = []
-    device.CommStream(torch.device("cpu")).submit(lambda: _Finished(), lambda: settled.append(True))
-    assert settled == [True]  # a shard read or zeroed after the hand-over sees the reduction done
+    landed = []
+    device.CommStream(torch.device("cpu")).submit(lambda: _Finished(), lambda: landed.append(True))
+    assert landed == [True]  # a shard read or zeroed after the hand-over sees the reduction done
 
 
 def test_an_unknown_simulation_mode_is_refused_naming_the_setting(monkeypatch):
@@ -281,8 +281,8 @@ def test_gloo_ranks_compute_on_the_host_even_on_a_machine_with_a_gpu():
 
 
 def test_simulated_pinned_memory_cannot_be_resized_as_pinned_memory_cannot(copy_engine):
-    """Seen on an H100 machine: giving back a pinned shard by resizing its storage failed there and passed
-    on CPU. The simulation's host buffers now refuse it too, so CPU tests meet it first."""
+    """On a GPU, giving back a pinned shard by resizing its storage fails; the simulation's host buffers refuse it
+    too, so that CPU tests meet it first."""
     host = device.host_empty(8, torch.bfloat16)
     with pytest.raises(RuntimeError, match="not resizable"):
         host.untyped_storage().resize_(0)
@@ -298,7 +298,7 @@ def test_only_buffers_that_copies_reuse_are_pinned_and_a_save_pins_nothing(simul
     (12.2 GiB page-locked, never copied to the device), and a stage-2 save left 23.5 GiB pinned for the rest of
     the run (its 12Ψ pieces in pinned buffers, kept by the caching host allocator). Against the formula: masters
     are 4 bytes a parameter, a save's pieces 12; what copies reuse is at most the bf16 parameters and, with the
-    optimizer offloaded, the bf16 gradient shard the reduced chunks land in (issue 51), 2 bytes each."""
+    optimizer offloaded, the bf16 gradient shard the reduced chunks land in, 2 bytes each."""
     import gc
 
     import hf_zero
@@ -385,7 +385,7 @@ def mapped(address: int) -> bool:
 
 
 def test_buffers_kept_for_good_are_page_locked_to_the_byte_until_their_last_view_is_gone(monkeypatch):
-    """Issue 51: the buffers an offloaded run keeps (gradient shards, staged parameters) no longer come from the caching
+    """The buffers an offloaded run keeps (gradient shards, staged parameters) no longer come from the caching
     host allocator, which rounds each block up to a power of two (a 2.6 GB gradient shard took 4 GiB page-locked on
     an H200). One block of exactly their bytes is page-locked where it lies, and unlocked only once no tensor views it
     (a view still read by a copy must stay locked). tests/test_gpu.py checks the locking itself on CUDA."""

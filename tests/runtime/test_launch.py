@@ -231,7 +231,7 @@ def a_predicted_collective_is_launched_before_the_others_issue_it(rounds: int, s
 
 
 def test_a_collective_the_repeated_schedule_predicts_is_launched_without_waiting_for_the_other_ranks(tmp_path):
-    """The check's round trip is paid where the schedule is new, not on every collective of every step: issue 52's
+    """The check's round trip is paid where the schedule is new, not on every collective of every step: it is
     stage-3 host time per unit (benchmarks/bench_stage3_host.py)."""
     assert spawn_gloo(a_predicted_collective_is_launched_before_the_others_issue_it, 2, 2,
                       str(tmp_path / "said"), 20) == [True, True]
@@ -318,9 +318,9 @@ def test_a_rank_that_stops_answering_is_named_by_the_rank_left_waiting(monkeypat
 
 @pytest.mark.slow
 def test_a_rank_stopped_before_it_joins_the_process_group_is_named_in_one_line_and_the_run_ends(tmp_path):
-    """Issue 53, item 7: rank 1 stopped (SIGSTOP) as soon as it exists, before its join. Rank 0 failed after the
+    """Rank 1 stopped (SIGSTOP) as soon as it exists, before its join. Rank 0 failed after the
     timeout with a 25-line traceback ending in torch's `DistStoreError: wait timeout ... keys:
-    /default_pg/0//cpu//0/1`, naming no rank; mid-training the same fault was already named. Issue 60, item 9: then
+    /default_pg/0//cpu//0/1`, naming no rank; mid-training the same fault was already named. And
     torchrun waited 30 s more for the stopped rank to act on its SIGTERM; the rank that named it ends it."""
     import psutil
 
@@ -365,7 +365,7 @@ def test_a_rank_stopped_before_it_joins_the_process_group_is_named_in_one_line_a
 
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan", "1e300", "1e-9", "0.5", "2592001"])
 def test_a_collective_timeout_outside_one_second_to_30_days_is_refused_naming_the_variable(monkeypatch, value):
-    """1e300 raised OverflowError inside every rank, 1e-9 rounded to a timeout of 0 ms (issue 53)."""
+    """1e300 raised OverflowError inside every rank, 1e-9 rounded to a timeout of 0 ms."""
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, value)
     with pytest.raises(ZeroConfigError, match=f"{COLLECTIVE_TIMEOUT_ENV} must be a number of seconds from 1 to "
                                               f"2,592,000 \\(30 days\\); got '{value}'"):

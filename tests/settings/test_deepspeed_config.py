@@ -285,7 +285,7 @@ def test_accelerate_launch_use_deepspeed_hands_its_configuration_to_the_engine(t
 
 @pytest.mark.parametrize("on, init_off", [("1", "0"), ("yes", "off"), ("TRUE", "f")])
 def test_accelerate_use_deepspeed_is_on_for_every_value_transformers_reads_as_true(monkeypatch, on, init_off):
-    """Issue 60, item 8: transformers reads ACCELERATE_USE_DEEPSPEED=1 as true and set up DeepSpeed's configuration;
+    """Transformers reads ACCELERATE_USE_DEEPSPEED=1 as true and set up DeepSpeed's configuration;
     hf_zero read only "true", so it never took the configuration over, and the run died in partition.py
     (`range() arg 3 must not be zero`). ACCELERATE_DEEPSPEED_ZERO3_INIT is read the same way."""
     import os

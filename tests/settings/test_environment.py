@@ -14,7 +14,7 @@ from hf_zero.settings import environment
 from hf_zero.settings.config import ZeroConfigError
 
 DEEPSPEED_FROM_ACCELERATE = {"ACCELERATE_USE_DEEPSPEED": "true"}
-# (variable, bad value, what the one line says, other variables the case needs). Issue 53's items 5 and 6: each
+# (variable, bad value, what the one line says, other variables the case needs). Each
 # was a traceback per rank (a ValueError read inside the ranks) or before launch (a bare int()).
 BAD = [
     ("HF_ZERO_COLLECTIVE_TIMEOUT", "abc", "must be a number of seconds from 1 to 2,592,000", {}),
@@ -24,7 +24,7 @@ BAD = [
     ("HF_ZERO_CPU_ADAM_ISA", "avx9", "must be one of avx512, avx2, scalar", {}),
     ("HF_ZERO_CPU_ADAM_THREADS", "0", "must be a whole number from 1 to 4,096", {}),
     ("HF_ZERO_CUDA_DELAY", "compute", "must be STREAM:CYCLES", {}),
-    # Issue 60, item 7: "²" passed str.isdigit() and failed int() in every rank; 1e20 threads overflowed
+    # "²" passed str.isdigit() and failed int() in every rank; 1e20 threads overflowed
     # torch.set_num_threads in every rank.
     ("HF_ZERO_CUDA_DELAY", "compute:²", "must be STREAM:CYCLES, STREAM one of compute, comm, copy and CYCLES a whole "
                                         "number; got 'compute:²'", {}),
@@ -36,7 +36,7 @@ BAD = [
     ("ACCELERATE_GRADIENT_CLIPPING", "abc", "must be a finite number of at least 0", DEEPSPEED_FROM_ACCELERATE),
     ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "abc", "must be a whole number of at least 1",
      DEEPSPEED_FROM_ACCELERATE),
-    # Issue 60, item 8: read as accelerate and transformers read a truth value ("1" is true, as "true" is).
+    # Read as accelerate and transformers read a truth value ("1" is true, as "true" is).
     ("ACCELERATE_USE_DEEPSPEED", "maybe", "must be a truth value as accelerate reads it: y, yes, t, true, on or 1; n, "
                                           "no, f, false, off or 0; got 'maybe'", {}),
     ("ACCELERATE_DEEPSPEED_ZERO3_INIT", "maybe", "must be a truth value as accelerate reads it",
@@ -92,7 +92,7 @@ def test_errors_are_the_configuration_error_the_launchers_report_in_one_line(mon
 
 def test_the_stage_accelerate_hands_over_is_checked_when_deepspeed_is_on_by_any_truth_value(
         refused_before_launch, monkeypatch):
-    """Issue 60, item 8: ACCELERATE_USE_DEEPSPEED=1 is on for transformers, so its ACCELERATE_DEEPSPEED_* are
+    """ACCELERATE_USE_DEEPSPEED=1 is on for transformers, so its ACCELERATE_DEEPSPEED_* are
     checked as with "true"."""
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "1")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "abc")
@@ -107,7 +107,7 @@ AVX2_AT_MOST = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2\nvmx 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_an_instruction_set_this_cpu_lacks_is_refused_before_launch_naming_what_it_has(
         refused_before_launch, monkeypatch, tmp_path, command):
-    """Issue 60, item 7: HF_ZERO_CPU_ADAM_ISA=avx512 on a CPU with AVX2 at most was the kernel's error, 91 lines
+    """HF_ZERO_CPU_ADAM_ISA=avx512 on a CPU with AVX2 at most was the kernel's error, 91 lines
     from every rank's first step."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(AVX2_AT_MOST)
@@ -141,7 +141,7 @@ def test_the_instruction_sets_read_before_launch_are_those_the_kernel_finds():
 
 def test_a_leftover_world_size_with_one_process_is_ignored_and_said_in_one_line(
         refused_before_launch, monkeypatch, tmp_path):
-    """Issue 60, item 7: WORLD_SIZE=2 left in the environment with --nproc_per_node 1 had the one process set up
+    """WORLD_SIZE=2 left in the environment with --nproc_per_node 1 had the one process set up
     as one of two (28 lines about RANK, or MASTER_ADDR, unset). torchrun sets these for the processes it starts;
     one process runs here without it, so the leftovers are dropped, and said to be."""
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -94,7 +94,7 @@ def accumulated_window(config: dict, mode: str | None) -> dict:
 @pytest.mark.parametrize("mode", [None, "early", "late"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_offloaded_chunks_land_in_one_pinned_shard_with_one_host_wait_per_step(stage, mode):
-    """Issue 51: each reduced chunk goes straight into its place in a pinned gradient shard kept for good; the host
+    """Each reduced chunk goes straight into its place in a pinned gradient shard kept for good; the host
     waits for those copies once per step, never inside a backward, and pins nothing per bucket; over two
     micro-batches it holds the same sums as the gradients accumulated on the device, bit for bit."""
     on_device = accumulated_window({"zero_stage": stage}, mode)
@@ -114,7 +114,7 @@ def test_offloaded_chunks_land_in_one_pinned_shard_with_one_host_wait_per_step(s
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_gradient_norm_is_taken_as_chunks_land_not_from_the_shards(monkeypatch, stage, offload):
-    """Issue 51: the step's norm is the one measured on each reduced chunk as it landed (on the device, before an
+    """The step's norm is the one measured on each reduced chunk as it landed (on the device, before an
     offloaded chunk reaches the host), and it is the fp64 norm of the gradients the step applies."""
     from hf_zero.optim import optimizer as optimizer_module
     from tests.conftest import SMALL_BUCKETS

@@ -92,7 +92,7 @@ def test_qwz_trains_as_one_process_computing_with_the_ranks_quantized_chunks_and
     config = {"quantized_weights": True, "quantization_block_size": BLOCK}
     ranks = spawn_gloo(qwz_run, WORLD, config)
     # NCCL's call shapes: each unit's gather one grouped call (gloo's are one broadcast per rank and tensor).
-    # With values and scales gathered as two tensors of two dtypes, this was 3.7e-3 off (issue 37).
+    # With values and scales gathered as two tensors of two dtypes, this was 3.7e-3 off.
     grouped = spawn_gloo(qwz_run, WORLD, config, True)
     plain = spawn_gloo(qwz_run, WORLD, {})
     expected = qwz_by_hand(ranks[0]["layout"])

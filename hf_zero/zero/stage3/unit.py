@@ -17,6 +17,7 @@ from torch import nn
 from hf_zero.ops.quantize import dequantize_senders, quantize
 from hf_zero.runtime.comm import Communicator, issued_for
 from hf_zero.runtime.device import Copy, LatestCopy, on_copy_stream, to_device
+from hf_zero.runtime.trace import span
 from hf_zero.zero.partition import FlatParamBuffer, set_data
 from hf_zero.zero.update_files import ShardReader
 
@@ -112,6 +113,10 @@ class Unit:
         self.wait()
 
     def _gather_into_buffers(self, purpose: str) -> None:
+        with span("gather", self.title):
+            self._start_gather_into_buffers(purpose)
+
+    def _start_gather_into_buffers(self, purpose: str) -> None:
         self._tally(+1)
         for flat in self.flats:
             flat.allocate_storage()
@@ -213,7 +218,8 @@ class Unit:
         if self.state is not UnitState.GATHERING:
             return
         pending, self.pending = self.pending, None
-        pending.work.wait()
+        with span("wait_for_gather", self.title):
+            pending.work.wait()
         if pending.quantized:
             self._dequantize(pending.quantized)
         if self.reader is not None:  # a read buffer is refilled only after its copy to the device has landed
@@ -285,8 +291,9 @@ class Unit:
         shapes (FREED_EARLY), and gives the buffers back."""
         self.wait()
         self._set_params(lambda s: self.empty)
-        for flat in self.flats:
-            flat.release_storage(f"the release of {self.title}'s gathered buffer")
+        with span("release", self.title):
+            for flat in self.flats:
+                flat.release_storage(f"the release of {self.title}'s gathered buffer")
         if to is UnitState.FREED_EARLY:
             nan = torch.full((1,), float("nan"), dtype=self.empty.dtype, device=self.empty.device)
             self._set_params(lambda s: nan.expand(s.shape))

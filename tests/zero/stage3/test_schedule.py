@@ -545,7 +545,7 @@ def generate_at_stage3(limit: int | None, max_new_tokens: int = 6) -> dict[str, 
 
 
 def test_generate_gathers_each_unit_once_per_call_within_its_live_parameter_limit():
-    """Issue 52: generate() runs a forward per token; at stage 3 each unit is gathered once per call and kept
+    """Generate() runs a forward per token; at stage 3 each unit is gathered once per call and kept
     until it returns, as FSDP2 without resharding after forward, so long as the units kept stay within
     generation_max_live_parameters; beyond, units are gathered per forward again. The tokens are stock's."""
     tokens = 6
