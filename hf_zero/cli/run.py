@@ -82,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # a rank torchrun started (`-m hf_zero.cli.run`)
+def start_rank() -> None:
+    """What a rank torchrun started runs (`-m hf_zero.cli.run`, or the former `-m hf_zero.run`)."""
     from hf_zero.cli.rank_main import run_rank
 
     run_rank(main, Path(sys.argv[1]).name if len(sys.argv) > 1 else "hf_zero.cli.run")
+
+
+if __name__ == "__main__":
+    start_rank()

@@ -327,7 +327,12 @@ def _rank_main() -> None:
     main(parser.parse_args())
 
 
-if __name__ == "__main__":  # a rank torchrun started (`hf-zero train` does)
+def start_rank() -> None:
+    """What a rank torchrun started runs (`hf-zero train` starts them; also `-m hf_zero.train_lm`, the former path)."""
     from hf_zero.cli.rank_main import run_rank
 
     run_rank(_rank_main, "hf-zero train")
+
+
+if __name__ == "__main__":
+    start_rank()

@@ -113,15 +113,11 @@ class Unit:
         self.wait()
 
     def _gather_into_buffers(self, purpose: str) -> None:
-        with span("gather", self.title):
-            self._start_gather_into_buffers(purpose)
-
-    def _start_gather_into_buffers(self, purpose: str) -> None:
         self._tally(+1)
         for flat in self.flats:
             flat.allocate_storage()
         self.pending = PendingGather()
-        with issued_for(f"the {purpose} gather of {self.title}"):
+        with issued_for(f"the {purpose} gather of {self.title}"), span("gather", self.title):
             self.pending.work = self._start_gather(purpose)
         for flat in self.flats:
             for s in flat.slices:
