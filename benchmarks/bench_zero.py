@@ -7,6 +7,13 @@ the table gives medians over repeats and ratios to DDP.
 
   python benchmarks/bench_zero.py --workload speed --repeats 3
   python benchmarks/bench_zero.py --workload memory --repeats 1
+  python benchmarks/bench_zero.py --workload compile --systems fsdp2 fsdp2_compiled ddp_compiled hf_zero_2 \
+      hf_zero_2_compiled hf_zero_3 hf_zero_3_compiled
+
+`_compiled` systems compile each GPT2Block with inductor, as torchtitan does (torch.compile on the block, then
+fully_shard on FSDP2's), and hf_zero's `compile` setting does; the first step's time beyond the median (the
+compilation) is reported apart. Inductor caches what it compiled on disk (its FX graph cache), so later repeats
+compile from the cache.
 
 DeepSpeed is optional (`pip install -e ".[bench]"`); without it its rows are left out and said so.
 """
@@ -34,11 +41,13 @@ WORKLOADS = {
     # model, micro-batch, sequence, warm-up steps, timed steps
     "speed": dict(model="gpt2-bench-speed", batch=4, seq=128, warmup=2, steps=8),
     "memory": dict(model="gpt2-bench-memory", batch=1, seq=64, warmup=0, steps=3),
+    "compile": dict(model="gpt2", batch=2, seq=128, warmup=2, steps=4),
 }
 SYSTEMS = ["ddp", "torch_zero_redundancy", "fsdp2", "deepspeed_1", "deepspeed_2", "deepspeed_3",
            "hf_zero_1", "hf_zero_2", "hf_zero_3"]
 # ZeRO-Offload at stage 2 (`--systems` picks them): optimizer on the host, with the delayed update
 # (warm-up 1 step, so that the timed steps run delayed), and states on NVMe under a temporary folder.
+COMPILED_SYSTEMS = ["ddp_compiled", "fsdp2_compiled", "hf_zero_2_compiled", "hf_zero_3_compiled"]
 OFFLOAD_SYSTEMS = ["hf_zero_2_offload", "hf_zero_2_offload_dpu", "hf_zero_2_nvme", "deepspeed_2_offload"]
 OFFLOAD_CONFIG = {"offload": {"offload_optimizer": "cpu"},
                   "offload_dpu": {"offload_optimizer": "cpu", "delayed_param_update": True,
@@ -46,11 +55,17 @@ OFFLOAD_CONFIG = {"offload": {"offload_optimizer": "cpu"},
                   "nvme": {"offload_optimizer": "nvme"}}
 FORMULA_STAGE = {"ddp": 0, "hf_zero_1": 1, "hf_zero_2": 2, "hf_zero_3": 3, "deepspeed_1": 1, "deepspeed_2": 2,
                  "deepspeed_3": 3, "torch_zero_redundancy": 1, "fsdp2": 3,
-                 **{name: 2 for name in OFFLOAD_SYSTEMS}}
+                 **{name: 2 for name in OFFLOAD_SYSTEMS}, "ddp_compiled": 0, "fsdp2_compiled": 3,
+                 "hf_zero_2_compiled": 2, "hf_zero_3_compiled": 3}
 
 
 def build(system: str, model: torch.nn.Module, micro_batch: int):
     """Returns (forward_backward_step(batch) -> None) for the system, built on `model`."""
+    compiled = system.endswith("_compiled")
+    system = system.removesuffix("_compiled")
+    if compiled and not system.startswith("hf_zero"):
+        for i, block in enumerate(model.transformer.h):  # torchtitan's order: compile each block, then wrap
+            model.transformer.h.register_module(str(i), torch.compile(block))
     if system == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -81,7 +96,8 @@ def build(system: str, model: torch.nn.Module, micro_batch: int):
         return ds_step
     else:
         _, _, stage, *offload = system.split("_", 3)
-        config = {"zero_stage": int(stage), **OFFLOAD_CONFIG.get("_".join(offload), {})}
+        config = {"zero_stage": int(stage), **OFFLOAD_CONFIG.get("_".join(offload), {}),
+                  **({"compile": True} if compiled else {})}
         if config.get("offload_optimizer") == "nvme":
             import tempfile
             config["nvme_path"] = tempfile.mkdtemp(prefix="hf_zero_bench_nvme_")
@@ -105,27 +121,32 @@ def run_system(system: str, workload: str) -> dict:
         os.environ["DS_ACCELERATOR"] = "cpu"
     torch.manual_seed(0)
     model = model_zoo.build(w["model"])
+    model.config.use_cache = False  # as the Trainer trains
     psi = sum(p.numel() for p in model.parameters())
     step = build(system, model, w["batch"])
     g = torch.Generator().manual_seed(dist.get_rank())
-    times = []
+    times, first_step_s = [], None
     for i in range(w["warmup"] + w["steps"]):
         ids = torch.randint(0, model.config.vocab_size, (w["batch"], w["seq"]), generator=g)
         dist.barrier()
         start = time.perf_counter()
         step({"input_ids": ids, "labels": ids})
         dist.barrier()
+        if i == 0:
+            first_step_s = time.perf_counter() - start
         if i >= w["warmup"]:
             times.append(time.perf_counter() - start)
     # VmHWM, not ru_maxrss: after fork+exec ru_maxrss can report the launching process's size instead.
-    return {"step_s": statistics.median(times), "peak_rss_mib": peak_rss() / 2**20, "psi": psi}
+    step_s = statistics.median(times)
+    return {"step_s": step_s, "peak_rss_mib": peak_rss() / 2**20, "psi": psi,
+            "first_step_extra_s": first_step_s - step_s}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + OFFLOAD_SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + OFFLOAD_SYSTEMS + COMPILED_SYSTEMS)
     p.add_argument("--json", type=Path, help="also write the raw results here")
     p.add_argument("--mmap_threshold", type=int, default=1 << 20,
                    help="glibc MALLOC_MMAP_THRESHOLD_ for every system's processes, in bytes (0: glibc default). "
@@ -143,24 +164,29 @@ def main() -> None:
             # Fresh interpreters, not forks of a preloaded server: each peak RSS is the system's own.
             ranks = spawn_gloo(run_system, 2, s, args.workload, start_method="spawn")
             runs[s].append({"step_s": max(x["step_s"] for x in ranks),
-                            "peak_rss_mib": max(x["peak_rss_mib"] for x in ranks), "psi": ranks[0]["psi"]})
-            print(f"repeat {r} {s}: {runs[s][-1]['step_s']:.3f} s/step, peak RSS {runs[s][-1]['peak_rss_mib']:.0f} MiB",
-                  flush=True)
+                            "peak_rss_mib": max(x["peak_rss_mib"] for x in ranks), "psi": ranks[0]["psi"],
+                            "first_step_extra_s": max(x["first_step_extra_s"] for x in ranks)})
+            print(f"repeat {r} {s}: {runs[s][-1]['step_s']:.3f} s/step, peak RSS {runs[s][-1]['peak_rss_mib']:.0f} "
+                  f"MiB, first step +{runs[s][-1]['first_step_extra_s']:.1f} s", flush=True)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
-    ddp_step = statistics.median(x["step_s"] for x in runs["ddp"]) if "ddp" in runs else None
+    reference = next((s for s in ("ddp", "fsdp2") if s in runs), None)
+    ref_step = statistics.median(x["step_s"] for x in runs[reference]) if reference else None
     psi = next(iter(runs.values()))[0]["psi"]
     malloc = f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}" if args.mmap_threshold else "glibc default malloc"
     print(f"\n{args.workload}: {WORKLOADS[args.workload]}, Ψ = {psi:,}, 2 ranks, fp32 AdamW, "
           f"{args.repeats} interleaved repeat(s), {malloc}\n")
-    print("| system | s/step (median) | x DDP | peak RSS per rank (MiB) | paper formula, model states (MiB) |")
-    print("|---|---|---|---|---|")
+    print(f"| system | s/step (median) | x {reference or '-'} | first step beyond the median (s): first repeat, "
+          f"later repeats' median | peak RSS per rank (MiB) | paper formula, model states (MiB) |")
+    print("|---|---|---|---|---|---|")
     for s in systems:
         step = statistics.median(x["step_s"] for x in runs[s])
         rss = statistics.median(x["peak_rss_mib"] for x in runs[s])
         formula = sum(model_state_bytes(FORMULA_STAGE[s], psi, 2, "fp32").values()) / 2**20
-        ratio = f"{step / ddp_step:.2f}" if ddp_step else "-"
-        print(f"| {s} | {step:.3f} | {ratio} | {rss:.0f} | {formula:.0f} |")
+        ratio = f"{step / ref_step:.2f}" if ref_step else "-"
+        extra = [x["first_step_extra_s"] for x in runs[s]]
+        later = f"{statistics.median(extra[1:]):.1f}" if len(extra) > 1 else "-"
+        print(f"| {s} | {step:.3f} | {ratio} | {extra[0]:.1f}, {later} | {rss:.0f} | {formula:.0f} |")
 
 
 if __name__ == "__main__":

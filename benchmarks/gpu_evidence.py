@@ -50,14 +50,19 @@ SYSTEMS = {"torch": None,
            "stage2+cpu+delayed": {"zero_stage": 2, "offload_optimizer": "cpu", "delayed_param_update": True,
                                   "delayed_param_update_warmup": 0},
            "stage3": {"zero_stage": 3},
-           "stage3+cpu": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}}
+           "stage3+cpu": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+           # Each GPT2Block compiled (inductor; aot_eager in the dry mode), as torch+compile and fsdp2+compile compile
+           # theirs: torch.compile on the block, before fully_shard for FSDP2 (torchtitan's order).
+           "torch+compile": None,
+           "stage2+compile": {"zero_stage": 2, "compile": True},
+           "stage3+compile": {"zero_stage": 3, "compile": True}}
 # The references, in the same invocation: FSDP2 (bf16 parameters, fp32 reduction, fused AdamW) and
 # DeepSpeed (bf16, torch's AdamW; with offload its own DeepSpeedCPUAdam, as it requires), when it imports.
-REFERENCES = {"fsdp2": None, "deepspeed2": {"stage": 2}, "deepspeed3": {"stage": 3},
+REFERENCES = {"fsdp2": None, "fsdp2+compile": None, "deepspeed2": {"stage": 2}, "deepspeed3": {"stage": 3},
               "deepspeed2+cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 # Where each reference keeps its model states, as the formula counts them.
-REFERENCE_STATES = {"fsdp2": {"zero_stage": 3}, "deepspeed2": {"zero_stage": 2}, "deepspeed3": {"zero_stage": 3},
-                    "deepspeed2+cpu": {"zero_stage": 2, "offload_optimizer": "cpu"}}
+REFERENCE_STATES = {"fsdp2": {"zero_stage": 3}, "fsdp2+compile": {"zero_stage": 3}, "deepspeed2": {"zero_stage": 2},
+                    "deepspeed3": {"zero_stage": 3}, "deepspeed2+cpu": {"zero_stage": 2, "offload_optimizer": "cpu"}}
 # Under CUDA's stream sanitizer (TORCH_CUDA_SANITIZER=1, which reports any kernel that touches memory another
 # stream uses without an ordering between them): every stage and offload configuration in a one-rank NCCL group,
 # with each stream delayed in turn (compute, comm, copy), and NVMe offload.
@@ -198,6 +203,11 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
         with torch.device(device):
             model = model_zoo.build(zoo_name, **overrides)
         init_from = None
+    model.config.use_cache = False  # training: no KV cache, and the compiled blocks share one graph
+    backend = "aot_eager" if dry else "inductor"
+    if name.endswith("+compile") and config is None:
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h.register_module(str(i), torch.compile(block, backend=backend))
     before_init = allocated()
     reset_peak()
     start = time.perf_counter()
@@ -214,8 +224,9 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     else:
+        compiled = {"compile_backend": backend} if config.get("compile") else {}
         engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda),
-                                    {**config, "dtype": "bf16"}, init_from=init_from)
+                                    {**config, **compiled, "dtype": "bf16"}, init_from=init_from)
 
         def train_step(ids: torch.Tensor) -> None:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -224,7 +235,9 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     init_peak = peak() - before_init
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
     reset_peak()
-    train_step(ids)  # warm-up: kernels chosen, buffers allocated
+    start = time.perf_counter()
+    train_step(ids)  # warm-up: kernels chosen, buffers allocated, blocks compiled
+    first_step_seconds = time.perf_counter() - start
     step_seconds, syncs = [], []
     for _ in range(steps):
         if cuda:
@@ -257,7 +270,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     dist.destroy_process_group()
     return {"system": name, "psi": psi,
             "formula_device_bytes": formula_device_bytes(config or REFERENCE_STATES.get(name), psi),
-            "init_seconds": init_seconds, "init_peak_bytes": init_peak,
+            "init_seconds": init_seconds, "init_peak_bytes": init_peak, "first_step_seconds": first_step_seconds,
             "step_peak_bytes": step_peak, "median_step_seconds": median, "tokens_per_second": tokens / median,
             "model_tflops": model_flops_per_token(psi, cfg.n_layer, cfg.n_embd, seq) * tokens / median / 1e12,
             "host_syncs_per_step": sorted(syncs)[len(syncs) // 2], "pinned_bytes": pinned,
@@ -266,7 +279,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
 
 def reference_system(name: str, model: torch.nn.Module, batch: int, cuda: bool) -> Callable[[torch.Tensor], None]:
     """A training step of FSDP2 or DeepSpeed on `model` (built in fp32 on the device), bf16 with fp32 masters."""
-    if name == "fsdp2":
+    if name.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -405,8 +418,9 @@ def markdown(evidence: dict) -> str:
     rows = evidence["parts"].get("systems", [])
     if rows:
         lines += ["| system | Ψ | model states by the formula (GiB) | initialize: device peak (GiB) | step peak (GiB) "
-                  "| tokens/s | model TFLOPS | host syncs/step | pinned before / after save (GiB) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| tokens/s | model TFLOPS | first step (s; compilation in it) | host syncs/step "
+                  "| pinned before / after save (GiB) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
                 lines.append(f"| {r['system']} | failed: {r['error'][-200:]!r} |")
@@ -416,7 +430,7 @@ def markdown(evidence: dict) -> str:
             lines.append(f"| {r['system']} | {r['psi'] / 1e9:.2f}B | {r['formula_device_bytes'] / gib:.2f} "
                          f"| {r['init_peak_bytes'] / gib:.2f} "
                          f"| {r['step_peak_bytes'] / gib:.2f} | {r['tokens_per_second']:.0f} | {r['model_tflops']:.1f} "
-                         f"| {r['host_syncs_per_step']} | {pinned_text} |")
+                         f"| {r['first_step_seconds']:.1f} | {r['host_syncs_per_step']} | {pinned_text} |")
     phased = [r for r in rows if r.get("offloaded_step_seconds")]
     if phased:
         lines += ["", "An offloaded step, phase by phase (seconds; the device synchronised between phases):", "",

@@ -30,7 +30,8 @@ os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
 LONGEST_MODULES = ["tests/hf/test_pretrained.py", "tests/test_examples.py", "tests/cli/test_run.py",
                    "tests/zero/test_construct.py", "tests/optim/test_delayed_update.py", "tests/optim/test_nvme.py",
                    "tests/hf/test_trainer.py", "tests/runtime/test_tensor_parallel.py", "tests/ops/test_quantize.py",
-                   "tests/cli/test_train_lm.py", "tests/runtime/test_launch.py", "tests/checkpoint/test_checkpoint.py"]
+                   "tests/cli/test_train_lm.py", "tests/runtime/test_launch.py", "tests/checkpoint/test_checkpoint.py",
+                   "tests/engine/test_compile.py"]
 SESSION_WORLDS = {"world2", "world4"}
 
 

@@ -135,6 +135,23 @@ def test_every_stage_trains_as_plain_torch_in_an_nccl_group_with_one_stream_far_
     assert_close(engine_cuda_run(config, 4, expect_comm_stream=True), plain_cuda_run(4))
 
 
+# Each block compiled with inductor (its CUDA kernels), the engine's hooks and streams around them.
+COMPILED_CONFIGS = [{"zero_stage": 2, "compile": True}, {"zero_stage": 3, "compile": True},
+                    {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "compile": True}]
+
+
+@pytest.mark.parametrize("late", ["compute", "comm", "copy"])
+@pytest.mark.parametrize("config", COMPILED_CONFIGS, ids=config_id)
+def test_compiled_blocks_train_as_plain_torch_in_an_nccl_group_with_one_stream_far_behind(
+        one_rank_nccl_group, monkeypatch, config, late):
+    """As the test above, with the blocks' forward and backward run by inductor's kernels: the engine's waits hold
+    around compiled code too."""
+    from hf_zero.settings.environment import CUDA_DELAY_ENV
+
+    monkeypatch.setenv(CUDA_DELAY_ENV, f"{late}:2000000")
+    assert_close(engine_cuda_run(config, 4, expect_comm_stream=True), plain_cuda_run(4))
+
+
 def synchronisations(step: Callable[[], None]) -> int:
     """How many times `step` synchronised the host with the device (torch.cuda.set_sync_debug_mode's count)."""
     with warnings.catch_warnings(record=True) as caught:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 import model_zoo
 from hf_zero.checkpoint import is_complete, numbered_folders
 from hf_zero.engine import ZeroEngine, initialize
+from hf_zero.engine.compile import check_compile_backend
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.launch import init_distributed
@@ -42,7 +43,7 @@ logger = logging.getLogger("hf_zero.cli.train_lm")
 ENGINE_SETTINGS = ["zero_stage", "dtype", "gradient_accumulation_steps", "reduce_bucket_size", "offload_optimizer",
                    "offload_param", "nvme_path", "partition_activations", "cpu_checkpointing", "quantized_weights",
                    "hpz_partition_size", "quantized_gradients", "quantized_gradients_bits", "quantization_block_size",
-                   "ranks_per_node"]
+                   "ranks_per_node", "compile", "compile_backend", "compile_mode"]
 
 
 def load_text(path: str | None) -> bytes:
@@ -106,7 +107,9 @@ def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ZeroConfigError(f"--dropout must be in [0, 1); got {args.dropout}")
     _check_text(args)
-    ZeroConfig.from_any(engine_config(args)).check_topology(processes, per_node, lambda key: f"--{key}")
+    config = ZeroConfig.from_any(engine_config(args))
+    config.check_topology(processes, per_node, lambda key: f"--{key}")
+    check_compile_backend(config, lambda key: f"--{key}")
     if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
         raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
                               f"got {args.tensor_parallel_size}")
@@ -168,6 +171,7 @@ def build_engine(args: argparse.Namespace, rank: int, world: int
     torch.manual_seed(args.seed)
     dropout = {} if args.dropout is None else {f"{part}_pdrop": args.dropout for part in ("resid", "embd", "attn")}
     model = model_zoo.build(args.model, n_positions=max(args.seq_len, 128), **dropout).to(compute_device())
+    model.config.use_cache = False  # training keeps no KV cache (and compiled blocks share one graph)
     psi = sum(p.numel() for p in model.parameters())
     mesh, dp_rank, dp = None, rank, world
     if args.tensor_parallel_size > 1:

@@ -10,6 +10,8 @@
   5. apply_optimizer       the user's optimizer re-targeted at this rank's chunks, stepped by the update
                            backend of where its states live (device, host memory, NVMe)
   6. apply_activation_checkpointing   ZeRO-R: block checkpoints partitioned over tp / in host memory
+  7. compile_blocks        --torch_compile: each block's forward compiled, the hooks above outside it
+                           (hf_zero/engine/compile.py)
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from hf_zero.engine.compile import check_compile_backend
 from hf_zero.optim.delayed import DelayedUpdate
 from hf_zero.optim.optimizer import ShardedOptimizer, check_optimizer, update_backend
 from hf_zero.optim.precision import LossScaler
@@ -121,6 +124,7 @@ def check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zer
     if config.partition_activations or config.cpu_checkpointing:
         check_supports_checkpointing(model)
     check_optimizer(optimizer, config)
+    check_compile_backend(config)
     check_topology(config, dp_group)
     return trainable_params_by_group(model, optimizer), dp_group, tp_group
 

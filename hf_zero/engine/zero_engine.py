@@ -28,6 +28,7 @@ from hf_zero.checkpoint.frozen_source import FrozenSources
 from hf_zero.checkpoint.layout import PartitionedModel, ShardLayout, layout_of
 from hf_zero.checkpoint.read import load_partitioned
 from hf_zero.checkpoint.write import save_partitioned
+from hf_zero.engine.compile import compile_blocks
 from hf_zero.engine.setup import (
     apply_activation_checkpointing,
     apply_optimizer,
@@ -87,6 +88,7 @@ class ZeroEngine(nn.Module):
         apply_precision(model, self.params, self.dtype)
         self.sharded_optimizer = apply_optimizer(optimizer, self.params, cfg, self.comm, self.scaler, self.tp_comm)
         self.activation_store = apply_activation_checkpointing(model, cfg, self.tp_comm)
+        self.eager_blocks = compile_blocks(model, cfg, self.activation_store) if cfg.compile else {}
         self._update_state_bytes()
 
     # ---- training ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 from transformers.utils import logging
 
+from hf_zero.engine.compile import check_compile_backend
 from hf_zero.hf import pretrained
 from hf_zero.runtime.device import has_accelerator
 from hf_zero.runtime.launch import (
@@ -86,15 +87,7 @@ def _post_init(self: Any) -> None:
         self.ddp_timeout = math.ceil(collective_timeout().total_seconds())
     rendezvous_apart_from_earlier_starts()  # a script under plain torchrun --max-restarts too
     super(ZeroArgumentsMixin, self).__post_init__()
-    if self.torch_compile:  # also set by --torch_compile_mode or --torch_compile_backend
-        raise ZeroConfigError("--torch_compile is not supported with hf_zero's ZeRO engine yet: the Trainer would "
-                              "compile the engine's wrapper, not the model, and nothing would be compiled. Drop "
-                              "--torch_compile (and --torch_compile_mode, --torch_compile_backend)")
-    if (dynamo_backend := os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()) != "no":
-        # accelerate's own reading of `accelerate launch --dynamo_backend`: its Accelerator would compile the model it
-        # prepares, and the Trainer hands it the engine's wrapper instead, so nothing would be compiled.
-        raise ZeroConfigError(f"accelerate's --dynamo_backend {dynamo_backend} is not supported with hf_zero's ZeRO "
-                              f"engine yet: nothing would be compiled. Launch with --dynamo_backend no")
+    _take_accelerate_dynamo(self)
     _check_engine_flags(self, processes, per_node)
     if self.zero_deepspeed is not None and (warning := self.zero_deepspeed.warning()) \
             and environment.integer("RANK", 0, 0) == 0:
@@ -104,6 +97,21 @@ def _post_init(self: Any) -> None:
     self.mixed_precision = "no"
     if self.zero_engine_config.zero_stage == 3 and self.zero_init_partitioned:
         pretrained.enable(self)
+
+
+def _take_accelerate_dynamo(args: Any) -> None:
+    """`accelerate launch --dynamo_backend X [--dynamo_mode M]` (accelerate's ACCELERATE_DYNAMO_* variables) asks for
+    what --torch_compile_backend X does: the engine compiles each block. The Accelerator never compiles the model
+    (the engine's wrapper is marked prepared), so the request is taken here or it would do nothing."""
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
+    if backend == "no":
+        return
+    if args.torch_compile_backend not in (None, backend):
+        raise ZeroConfigError(f"accelerate launch --dynamo_backend {backend} and --torch_compile_backend "
+                              f"{args.torch_compile_backend} disagree; give one")
+    args.torch_compile, args.torch_compile_backend = True, backend
+    if mode := os.environ.get("ACCELERATE_DYNAMO_MODE"):
+        args.torch_compile_mode = args.torch_compile_mode or mode
 
 
 def _take_deepspeed_config(args: Any) -> None:
@@ -193,7 +201,8 @@ def flags_help() -> str:
 # (a DeepSpeed configuration is checked against the batch sizes and optimizer hyperparameters).
 _TRAINER_FLAGS_READ = ("bf16", "fp16", "max_grad_norm", "eval_use_gather_object", "use_cpu", "deepspeed",
                        "bf16_full_eval", "fp16_full_eval", "per_device_train_batch_size", "gradient_accumulation_steps",
-                       "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay")
+                       "learning_rate", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "torch_compile",
+                       "torch_compile_backend", "torch_compile_mode")
 
 
 class _FlagParser(HfArgumentParser):
@@ -236,9 +245,11 @@ def zero_config_from_flags(args: Any, processes: int = 1) -> ZeroConfig:
     # ends (the last one of an epoch may be short), so the engine reduces when told and does not
     # divide the loss again.
     settings.update(dtype=_engine_dtype(args), gradient_clipping=float(args.max_grad_norm or 0.0),
-                    gradient_accumulation_steps=1)
+                    gradient_accumulation_steps=1, compile=deepspeed_config.compiles(args),
+                    compile_backend=args.torch_compile_backend, compile_mode=args.torch_compile_mode)
     config = ZeroConfig(**settings)
     config.validate(name=trainer_flag)
+    check_compile_backend(config, trainer_flag)
     return config
 
 

@@ -40,6 +40,9 @@ class _TorchDtypes(Mapping):
 DTYPES = _TorchDtypes()
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 FROZEN_WEIGHTS_IN_CHECKPOINTS = ("by_source", "stored")
+# torch.compile's modes (torch._inductor.list_mode_options); the CUDA-graph ones record each tensor's address.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
 class ZeroConfigError(ValueError):
@@ -175,6 +178,17 @@ class ZeroConfig:
                                           "parallel group", "activation_checkpointing.partition_activations")
     cpu_checkpointing: bool = setting(False, "ZeRO-R P_a+cpu: keep activation checkpoints in host memory",
                                       "activation_checkpointing.cpu_checkpointing")
+    # Regional compilation, as torchtitan and accelerate compile: each block on its own, so that the engine's
+    # gather, release and reduce hooks stay outside the compiled code and blocks of one class share one graph.
+    compile: bool = setting(False, "compile each repeated block of the model with torch.compile (the stage-3 "
+                                   "units, or the blocks stage 3 would cut), the engine's hooks outside the "
+                                   "compiled code; a model without blocks is compiled whole",
+                            "compile.enabled", trainer_flag="--torch_compile")
+    compile_backend: str | None = setting(None, "torch.compile's backend (unset: inductor)", "compile.backend",
+                                          trainer_flag="--torch_compile_backend")
+    compile_mode: str | None = setting(None, "torch.compile's mode (inductor only): default, reduce-overhead, "
+                                       "max-autotune or max-autotune-no-cudagraphs", "compile.kwargs.mode",
+                                       COMPILE_MODES, trainer_flag="--torch_compile_mode")
     # A LoRA base is most of the model and never changes: a checkpoint need not hold it when its files say what it is.
     checkpoint_frozen_weights: str = setting("by_source", "checkpoints record frozen weights (a LoRA base) by the "
                                              "pretrained folder's (or Hub id's cached) files they were loaded from "
@@ -275,6 +289,7 @@ class ZeroConfig:
             fail("hpz_partition_size", f"must be a positive integer (1 is off); got {self.hpz_partition_size!r}")
         if self.quantized_gradients_bits not in (4, 8):
             fail("quantized_gradients_bits", f"must be 4 or 8; got {self.quantized_gradients_bits!r}")
+        self._validate_compile(name, fail)
         if self.quantized_weights and self.offload_param != "none":
             fail("quantized_weights", f"with {name('offload_param')} {self.offload_param} is not supported yet; "
                                       f"drop one of them")
@@ -342,6 +357,26 @@ class ZeroConfig:
         if self.delayed_param_update and self.offload_optimizer == "none":
             fail("delayed_param_update", f"overlaps the CPU optimizer step; it needs {name('offload_optimizer')} "
                                          f"cpu or nvme")
+
+    def _validate_compile(self, name: Callable[[str], str], fail: Callable[[str, str], None]) -> None:
+        """What needs no torch; the backend's name is checked against torch's registry where torch is imported
+        (hf_zero/engine/compile.py)."""
+        for key in ("compile_backend", "compile_mode"):
+            if getattr(self, key) is not None and not self.compile:
+                fail(key, f"is set but {name('compile')} is off; turn {name('compile')} on or drop {name(key)}")
+        if self.compile_backend is not None and not self.compile_backend.strip():
+            fail("compile_backend", "must name a torch.compile backend (inductor, aot_eager, eager, ...); got ''")
+        if self.compile_mode is None:
+            return
+        if self.compile_mode not in COMPILE_MODES:
+            fail("compile_mode", f"must be one of {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}")
+        if (self.compile_backend or "inductor") != "inductor":
+            fail("compile_mode", f"is inductor's; {name('compile_backend')} {self.compile_backend} takes no mode. "
+                                 f"Drop {name('compile_mode')} or use the inductor backend")
+        if self.compile_mode in CUDA_GRAPH_COMPILE_MODES and self.zero_stage == 3:
+            fail("compile_mode", f"{self.compile_mode} records CUDA graphs, which replay each tensor's address, "
+                                 f"and stage 3 gathers every unit into new memory each step; use "
+                                 f"max-autotune-no-cudagraphs or default")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -46,7 +46,8 @@ SETTING_OF_KEY.update({key.replace(".stage3_", "."): name for key, name in list(
                        if ".stage3_" in key})
 # The Trainer sets these itself (--gradient_accumulation_steps, --max_grad_norm, --bf16/--fp16): under the
 # Trainer the file's values are checked against its flags rather than taken.
-TRAINER_KEYS = ("gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled")
+TRAINER_KEYS = ("gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled", "compile.enabled",
+                "compile.backend", "compile.kwargs.mode")
 
 _OUR_BUFFERS = "hf_zero sizes and pins its own offload buffers"
 _ONE_WINDOW = ("hf_zero holds the unit in use and the next, plus what --zero_prefetch_bucket_size prefetches: "
@@ -94,12 +95,14 @@ WITHOUT_EFFECT = {
 }
 # DeepSpeed features hf_zero does not have: a block that turns one on is refused, one with "enabled": false
 # means nothing.
-FEATURES = {"amp": "apex AMP", "compile": "DeepSpeed's compile", "elasticity": "elastic training",
+FEATURES = {"amp": "apex AMP", "elasticity": "elastic training",
             "autotuning": "the autotuner", "curriculum_learning": "curriculum learning",
             "data_efficiency": "data efficiency", "compression_training": "compression training",
             "sparse_attention": "sparse attention", "zero_optimization.zenflow": "ZenFlow"}
 # Keys hf_zero implements only at one value, which is DeepSpeed's default or what hf_zero always does.
-ONLY_VALUE = {"gradient_predivide_factor": 1.0, "zero_optimization.offload_optimizer.ratio": 1.0,
+# DeepCompile (compile.deepcompile) is DeepSpeed's own compiler passes; hf_zero compiles each block with torch.compile.
+ONLY_VALUE = {"gradient_predivide_factor": 1.0, "compile.deepcompile": False,
+              "zero_optimization.offload_optimizer.ratio": 1.0,
               "fp16.auto_cast": False, "fp16.fp16_master_weights_and_grads": False,
               "optimizer.params.bias_correction": True, "optimizer.params.amsgrad": False,
               "scheduler.params.last_batch_iteration": -1}
@@ -255,6 +258,12 @@ def read(config: dict[str, Any], source: str, trainer: Any = None, data_parallel
     return _Reader(flat, source, trainer_values).result()
 
 
+def compiles(args: Any) -> bool:
+    """--torch_compile, also turned on by --torch_compile_backend or --torch_compile_mode (as TrainingArguments
+    does once parsed)."""
+    return bool(args.torch_compile or args.torch_compile_backend or args.torch_compile_mode)
+
+
 def _trainer_values(args: Any, data_parallel_ranks: int) -> dict[str, tuple[Any, str]]:
     """What "auto" becomes under the Trainer, keyed as in the file, with the flag that gives it (as
     HfTrainerDeepSpeedConfig.trainer_config_process fills them)."""
@@ -272,6 +281,9 @@ def _trainer_values(args: Any, data_parallel_ranks: int) -> dict[str, tuple[Any,
         "optimizer.params.betas": ([args.adam_beta1, args.adam_beta2], "--adam_beta1, --adam_beta2"),
         "optimizer.params.eps": (args.adam_epsilon, "--adam_epsilon"),
         "optimizer.params.weight_decay": (args.weight_decay, "--weight_decay"),
+        "compile.enabled": (compiles(args), "--torch_compile"),
+        "compile.backend": (args.torch_compile_backend or "inductor", "--torch_compile_backend"),
+        "compile.kwargs.mode": (args.torch_compile_mode, "--torch_compile_mode"),
         "scheduler.params.warmup_min_lr": (0.0, None),  # not a Trainer flag: filled, never checked
         "scheduler.params.warmup_max_lr": (args.learning_rate, "--learning_rate"),
     }
@@ -375,8 +387,8 @@ class _Reader:
     def _batch_or_trainer_key(self, key: str) -> None:
         if self.trainer:
             self.value(key)  # filled or checked: the Trainer's own flags set these
-        elif key in ("gradient_accumulation_steps", "gradient_clipping"):
-            self._setting(key, key, self.flat[key])
+        elif key in ("gradient_accumulation_steps", "gradient_clipping") or key.startswith("compile."):
+            self._setting(key, SETTING_OF_KEY[key], self.flat[key])
         elif key == "train_batch_size" and "gradient_accumulation_steps" not in self.flat:
             self.fail("train_batch_size: hf_zero.initialize trains on the batches your loop gives it and does not "
                       "derive gradient_accumulation_steps from it; give gradient_accumulation_steps")
@@ -457,6 +469,8 @@ def _same(value: Any, wanted: Any) -> bool:
         return isinstance(value, (list, tuple)) and len(value) == len(wanted) and all(map(_same, value, wanted))
     if isinstance(wanted, bool) or isinstance(value, bool):
         return value is wanted
+    if isinstance(wanted, str) or wanted is None:
+        return value == wanted
     return isinstance(value, (int, float)) and math.isclose(value, wanted, rel_tol=1e-12, abs_tol=0.0)
 
 

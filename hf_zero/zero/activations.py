@@ -19,6 +19,7 @@ the checkpoints; recomputation in backward runs outside them and saves as usual.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -72,6 +73,7 @@ class CheckpointStore:
         # Counted by where the store put them, so that a CPU-only run measures what a GPU run would.
         self.held_bytes = {"device": 0, "host": 0}
         self.peak_held_bytes = {"device": 0, "host": 0}
+        self.compiled_call: Callable[..., Any] | None = None  # compile_with
 
     # ---- saved-tensor hooks ------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> SavedCheckpoint | torch.Tensor:
@@ -155,12 +157,24 @@ class CheckpointStore:
     def reset_peaks(self) -> None:
         self.peak_held_bytes = dict(self.held_bytes)
 
+    def compile_with(self, compile: Callable[[Callable], Callable]) -> None:
+        """--torch_compile: what each checkpoint runs (the block's forward, which transformers hands the checkpoint
+        function) runs compiled, inside the checkpoint and its saved-tensor hooks, whose entry dynamo cannot trace."""
+        self.compiled_call = compile(_call)
+
     def checkpoint(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         """torch.utils.checkpoint with this store holding the saved inputs; the signature transformers'
         gradient checkpointing calls (`gradient_checkpointing_func`)."""
         kwargs.pop("use_reentrant", None)
+        if self.compiled_call is not None:
+            function = functools.partial(self.compiled_call, function)
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             return checkpoint(function, *args, use_reentrant=True, **kwargs)
+
+
+def _call(function: Callable, *args: Any) -> Any:
+    """One function for every block's checkpointed forward, so that dynamo compiles it once for all of them."""
+    return function(*args)
 
 
 def check_supports_checkpointing(model: torch.nn.Module) -> None:

@@ -22,8 +22,9 @@ MLM_SCRIPT = Path(__file__).parents[1] / "scripts" / "hf_style_mlm.py"
 COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
 
 
-def hf_zero(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_zero", *args], capture_output=True, text=True, timeout=timeout)
+def hf_zero(*args: str, timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_zero", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 @pytest.mark.slow
@@ -45,8 +46,9 @@ def test_unmodified_script_trains_at_stage3_on_two_processes_and_saves_a_loadabl
 
 
 @pytest.mark.slow
-def test_unmodified_masked_lm_script_trains_at_stage3_as_one_process_on_the_global_batch(tmp_path):
-    """BertForMaskedLM's decoder is its word embeddings: at stage 3 that weight must stay gathered for both.
+def test_unmodified_masked_lm_script_trains_compiled_at_stage3_as_one_eager_process_on_the_global_batch(tmp_path):
+    """--torch_compile_backend aot_eager compiles each block (dynamo prints the graphs it compiled: TORCH_LOGS).
+    BertForMaskedLM's decoder is its word embeddings: at stage 3 that weight must stay gathered for both.
     Its loss ignores the num_items_in_batch the Trainer passes (transformers 5.24), so the stock Trainer's loss and
     gradients on 2 processes with accumulation 2 are 4x one process's; hf_zero's are one process's. The
     reference is the stock Trainer in one process on the global batch (8 = 2 ranks x 2 x accumulation 2), the
@@ -55,7 +57,8 @@ def test_unmodified_masked_lm_script_trains_at_stage3_as_one_process_on_the_glob
     flags = ["--max_steps", "6", "--learning_rate", "1e-3", "--logging_steps", "1", *COMMON]
     runs = {"stage3": hf_zero("run", "--nproc_per_node", "2", str(MLM_SCRIPT), "--zero_stage", "3",
                               "--output_dir", str(tmp_path / "stage3"), "--per_device_train_batch_size", "2",
-                              "--gradient_accumulation_steps", "2", *flags),
+                              "--gradient_accumulation_steps", "2", "--torch_compile_backend", "aot_eager", *flags,
+                              env={**os.environ, "TORCH_LOGS": "graph_code"}),
             "one_process": subprocess.run([sys.executable, str(MLM_SCRIPT), "--output_dir", str(tmp_path / "one_process"),
                                            "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "16",
                                            *flags],
@@ -71,6 +74,9 @@ def test_unmodified_masked_lm_script_trains_at_stage3_as_one_process_on_the_glob
     torch.testing.assert_close(grad_norms["stage3"], grad_norms["one_process"], rtol=1e-5, atol=0)
     assert "its loss does not read num_items_in_batch" in runs["stage3"].stderr  # said, once per run
     assert runs["stage3"].stderr.count("its loss does not read num_items_in_batch") == 1
+    # A BertLayer's graph takes its attention's weights as inputs (dynamo names them by their path from the block).
+    graphs = re.findall(r"===== __compiled_fn_\w+ =====.*?def forward\((.*?)\):", runs["stage3"].stderr, flags=re.S)
+    assert any("L_self_modules_attention_modules_self_modules_query_parameters_weight_" in g for g in graphs), graphs
     stage3_eval = json.loads((tmp_path / "stage3" / "eval_results.json").read_text())["eval_loss"]
     one_eval = json.loads((tmp_path / "one_process" / "eval_results.json").read_text())["eval_loss"]
     assert stage3_eval == pytest.approx(one_eval, rel=1e-5)
@@ -111,6 +117,8 @@ def test_a_missing_script_is_named(refused_before_launch):
     (["--bf16", "--zero_loss_scale", "nan"], "hf-zero run: --zero_loss_scale must be a finite number; got nan"),
     (["--zero_stage", "3", "--deepspeed", "no_ds_config.json"], "hf-zero run: --deepspeed no_ds_config.json: no such file"),
     (["--zero_delayed_param_update"], "hf-zero run: --zero_delayed_param_update overlaps the CPU optimizer step"),
+    (["--torch_compile_backend", "inductr"], "hf-zero run: --torch_compile_backend 'inductr' is not a torch.compile "
+                                             "backend"),
 ])
 def test_bad_zero_flags_are_one_line_before_any_process_starts(refused_before_launch, tmp_path, flags, message):
     code, err = refused_before_launch("run", "--nproc_per_node", "2", str(SCRIPT), "--output_dir", str(tmp_path),

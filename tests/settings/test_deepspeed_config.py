@@ -179,8 +179,11 @@ def test_flags_win_over_the_file_and_numbers_take_any_json_form(tmp_path):
      "zero_optimization.reduce_bucket_size?"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, [],
      r"zero_optimization.offload_optimizer.ratio=0.3 is not implemented by hf_zero"),
-    ({"zero_optimization": {"stage": 2}, "compile": {"enabled": True}}, [],
-     "compile.enabled: DeepSpeed's compile is a DeepSpeed feature hf_zero does not have"),
+    ({"zero_optimization": {"stage": 2}, "compile": {"deepcompile": True}}, [],
+     "compile.deepcompile=True is not implemented by hf_zero, which only runs it as False"),
+    ({"zero_optimization": {"stage": 2}, "compile": {"enabled": True, "backend": "aot_eager"}}, [],
+     "compile.enabled=True vs the Trainer's --torch_compile=False; compile.backend=aot_eager vs the Trainer's "
+     "--torch_compile_backend=inductor"),
     ({"fp16": {"enabled": "auto", "hysteresis": 2}}, ["--fp16"], "fp16.hysteresis=2: hf_zero's dynamic loss scale"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, [], "optimizer.type 'Lamb' is not one hf_zero builds"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, [], "scheduler.type 'OneCycle' is not one hf_zero runs"),
@@ -192,6 +195,24 @@ def test_flags_win_over_the_file_and_numbers_take_any_json_form(tmp_path):
 def test_what_hf_zero_does_not_implement_is_refused_by_name(tmp_path, config, flags, message):
     with pytest.raises(ZeroConfigError, match=message):
         parse("--deepspeed", write(tmp_path, config), *flags)
+
+
+def test_the_compile_block_is_the_engines_compile_setting_and_the_trainers_flags_fill_it(tmp_path):
+    """DeepSpeed's `compile` block (enabled, backend, kwargs.mode) is hf_zero's compile setting: read as it is by
+    hf_zero.initialize; under the Trainer "auto" takes --torch_compile's values and a given value must agree."""
+    block = {"enabled": True, "backend": "aot_eager"}
+    config = engine_config({"zero_optimization": {"stage": 3}, "compile": block})
+    assert (config.compile, config.compile_backend, config.compile_mode) == (True, "aot_eager", None)
+    config = engine_config({"zero_optimization": {"stage": 2},
+                            "compile": {"enabled": True, "kwargs": {"mode": "max-autotune"}}})
+    assert (config.compile, config.compile_backend, config.compile_mode) == (True, None, "max-autotune")
+    auto = {"zero_optimization": {"stage": 2}, "compile": {"enabled": "auto", "backend": "auto"}}
+    config = parse("--deepspeed", write(tmp_path, auto), "--torch_compile_backend", "aot_eager").zero_engine_config
+    assert (config.compile, config.compile_backend) == (True, "aot_eager")
+    assert not parse("--deepspeed", write(tmp_path, auto)).zero_engine_config.compile
+    agreeing = {"zero_optimization": {"stage": 2}, "compile": block}
+    args = parse("--deepspeed", write(tmp_path, agreeing), "--torch_compile_backend", "aot_eager")
+    assert args.zero_engine_config.compile
 
 
 def test_auto_outside_the_trainer_is_refused_naming_the_key():

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainingArguments
 
 from hf_zero import ZeroConfig, ZeroConfigError
 from training_args import ZeroTrainingArguments
@@ -146,27 +146,48 @@ def test_accelerates_fp8_is_refused_naming_the_setting(monkeypatch):
         parse("--zero_stage", "2")
 
 
-def test_accelerate_launchs_dynamo_backend_is_refused_instead_of_compiling_nothing(monkeypatch):
-    """`accelerate launch --dynamo_backend inductor` hands ACCELERATE_DYNAMO_BACKEND to the processes, which
-    accelerate's own plugin reads (the reference: it would compile); the engine's wrapper is never compiled, so
-    the setting is refused rather than ignored. `--dynamo_backend no`, accelerate's default, passes."""
+def test_accelerate_launchs_dynamo_backend_becomes_the_engines_compile_setting(monkeypatch):
+    """`accelerate launch --dynamo_backend inductor --dynamo_mode M` hands ACCELERATE_DYNAMO_BACKEND and _MODE to the
+    processes, which accelerate's own plugin reads (the reference); the engine compiles each block with them.
+    `--dynamo_backend no`, accelerate's default, compiles nothing."""
     from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
-    assert TorchDynamoPlugin().backend == DynamoBackend.INDUCTOR
-    with pytest.raises(ZeroConfigError, match="accelerate's --dynamo_backend inductor is not supported with hf_zero's "
-                                              "ZeRO engine yet: nothing would be compiled. Launch with "
-                                              "--dynamo_backend no"):
-        parse("--zero_stage", "2")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "max-autotune-no-cudagraphs")
+    plugin = TorchDynamoPlugin()
+    config = parse("--zero_stage", "3").zero_engine_config
+    assert plugin.backend == DynamoBackend.INDUCTOR and config.compile
+    assert (config.compile_backend, config.compile_mode) == ("inductor", plugin.mode)
+    with pytest.raises(ZeroConfigError, match="--dynamo_backend inductor and --torch_compile_backend aot_eager "
+                                              "disagree"):
+        parse("--zero_stage", "2", "--torch_compile_backend", "aot_eager")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
     assert TorchDynamoPlugin().backend == DynamoBackend.NO
-    assert parse("--zero_stage", "2").zero_engine_config.zero_stage == 2
+    assert not parse("--zero_stage", "2").zero_engine_config.compile
 
 
-@pytest.mark.parametrize("flags", [["--torch_compile"], ["--torch_compile_mode", "max-autotune"]])
-def test_torch_compile_is_refused_instead_of_compiling_nothing(flags):
-    with pytest.raises(ZeroConfigError, match="--torch_compile is not supported with hf_zero's ZeRO engine yet"):
-        parse("--zero_stage", "2", *flags)
+@pytest.mark.parametrize("flags", [["--torch_compile"], ["--torch_compile_backend", "aot_eager"],
+                                   ["--torch_compile_mode", "max-autotune-no-cudagraphs"]])
+def test_torch_compile_flags_become_the_engines_compile_setting(flags):
+    """Each of the three flags turns compilation on, as stock TrainingArguments reads them (the reference)."""
+    stock = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none",
+                              **{flags[0].removeprefix("--"): flags[1] if len(flags) > 1 else True})
+    config = parse("--zero_stage", "3", *flags).zero_engine_config
+    assert stock.torch_compile and config.compile
+    assert (config.compile_backend or "inductor", config.compile_mode) == (stock.torch_compile_backend,
+                                                                           stock.torch_compile_mode)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--torch_compile_backend", "inductr"], "--torch_compile_backend 'inductr' is not a torch.compile backend"),
+    (["--torch_compile_backend", "aot_eager", "--torch_compile_mode", "max-autotune"],
+     "--torch_compile_mode is inductor's; --torch_compile_backend aot_eager takes no mode"),
+    (["--zero_stage", "3", "--torch_compile_mode", "reduce-overhead"],
+     "--torch_compile_mode reduce-overhead records CUDA graphs"),
+])
+def test_bad_compile_flags_are_refused_naming_the_flag(flags, message):
+    with pytest.raises(ZeroConfigError, match=message):
+        parse(*flags)
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,7 +212,7 @@ def doc_sentences() -> list[tuple[str, str]]:
 def test_each_flag_the_docs_say_is_refused_is_refused_by_the_parser():
     claims = [(page, flag) for page, sentence in doc_sentences() if (claim := REFUSAL_CLAIM.match(sentence))
               for flag in re.findall(r"`(--[\w-]+)`", claim.group(1))]
-    assert {flag for _, flag in claims} >= {"--fsdp", "--torch_compile"}, claims  # the claims are read
+    assert {flag for _, flag in claims} >= {"--fsdp"}, claims  # the claims are read
     actions = HfArgumentParser(ZeroTrainingArguments)._option_string_actions
     for page, flag in claims:
         assert flag in actions, f"{page} says {flag} is refused, and the Trainer has no such flag"

@@ -12,33 +12,18 @@ logger = logging.getLogger("hf_zero")
 
 
 def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[tuple[str, nn.Module]]:
-    """The outermost modules to gather as units: the classes `unit_module_classes` names (the user's word wins),
-    else the model's `_no_split_modules` (transformers' block classes), else the children of its ModuleLists.
-    Says once which it chose (rank 0's log). A class list that matches nothing is refused when it is the user's;
-    a model's own falls back to the ModuleList children, with a warning, or is refused when there are none:
-    one unit holding the whole model would keep every rank holding all of it, the memory stage 3 exists to
-    save. A model with neither is one unit, with a warning."""
-    present = lambda: sorted({type(m).__name__ for m in model.modules()})  # noqa: E731
-    if class_names:
-        units = _outermost(model, lambda m: type(m).__name__ in class_names)
-        if not units:
-            raise ValueError(f"unit_module_classes {class_names} match no module of the model; its module "
-                             f"classes are {present()}")
-        _say_units(model, units, f"unit_module_classes {class_names}")
-        return units
+    """The modules stage 3 gathers as units (`repeated_blocks`). Says once which it chose (rank 0's log). A
+    model's own _no_split_modules that match nothing fall back to the ModuleList children, with a warning, or are
+    refused when there are none: one unit holding the whole model would keep every rank holding all of it, the
+    memory stage 3 exists to save. A model with neither is one unit, with a warning."""
+    units, chosen_by = repeated_blocks(model, class_names)
     declared = list(getattr(model, "_no_split_modules", None) or [])
-    if declared:
-        units = _outermost(model, lambda m: type(m).__name__ in declared)
-        if units:
-            _say_units(model, units, "its _no_split_modules")
-            return units
-    in_lists = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
-    units = _outermost(model, lambda m: id(m) in in_lists)
     if declared and not units:
         raise ValueError(f"stage 3 cannot cut {type(model).__name__} into blocks: its _no_split_modules {declared} "
                          f"match none of its modules and it holds no ModuleList. Name its block classes with "
-                         f"unit_module_classes (--zero_unit_module_classes); its module classes are {present()}")
-    if declared:
+                         f"unit_module_classes (--zero_unit_module_classes); its module classes are "
+                         f"{_module_classes(model)}")
+    if declared and chosen_by == IN_MODULE_LISTS:
         _on_rank0(logging.WARNING, "%s's _no_split_modules %s match none of its modules: stage 3 gathers the "
                   "children of its ModuleLists one at a time instead; name the block classes with unit_module_classes "
                   "(--zero_unit_module_classes) to choose", type(model).__name__, declared)
@@ -47,8 +32,33 @@ def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[t
                   "ModuleList): it is one unit, and every rank holds all of it while it computes. Name its block "
                   "classes with unit_module_classes (--zero_unit_module_classes) to cut it", type(model).__name__)
     else:
-        _say_units(model, units, "the children of its ModuleLists")
+        _say_units(model, units, chosen_by)
     return units
+
+
+IN_MODULE_LISTS = "the children of its ModuleLists"
+
+
+def repeated_blocks(model: nn.Module, class_names: list[str] | None) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The model's outermost repeated blocks, and what chose them: the classes `class_names` names (the user's word
+    wins; refused when it matches nothing), else the model's `_no_split_modules` (transformers' block classes),
+    else the children of its ModuleLists. None found: an empty list. Stage 3 gathers these as units, and
+    --torch_compile compiles each."""
+    if class_names:
+        blocks = _outermost(model, lambda m: type(m).__name__ in class_names)
+        if not blocks:
+            raise ValueError(f"unit_module_classes {class_names} match no module of the model; its module "
+                             f"classes are {_module_classes(model)}")
+        return blocks, f"unit_module_classes {class_names}"
+    declared = list(getattr(model, "_no_split_modules", None) or [])
+    if declared and (blocks := _outermost(model, lambda m: type(m).__name__ in declared)):
+        return blocks, "its _no_split_modules"
+    in_lists = {id(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m}
+    return _outermost(model, lambda m: id(m) in in_lists), IN_MODULE_LISTS
+
+
+def _module_classes(model: nn.Module) -> list[str]:
+    return sorted({type(m).__name__ for m in model.modules()})
 
 
 def refuse_layer_drop(model: nn.Module) -> None:

@@ -1,0 +1,131 @@
+"""torch.compile under the engine (the `compile` setting, the Trainer's --torch_compile): each repeated block
+compiled on its own, as torchtitan and accelerate compile ("regional compilation"), the engine's hooks outside the
+compiled code.
+
+Stage 3 gathers a unit in its forward pre-hook, frees it in its forward hook and marks its post-backward on the
+unit's inputs there; stages 0-2 reduce from each parameter's post-accumulate-grad hook, which autograd runs after
+a compiled backward as after an eager one. Only the block's own `forward` is compiled (an attribute of the
+instance, so the state dict and the module tree stay as they are): `block(...)` runs the hooks eagerly around the
+compiled code, and every block of one class shares one graph, since dynamo takes the parameters as inputs, not
+constants. A parameter whose storage stage 3 refills each step is then a new input of the same shape, which needs
+no new graph.
+
+Blocks share a graph only when they compute alike: a block that indexes a KV cache by its layer number (a
+transformers model with use_cache on, and generation) gets a graph of its own, for each kind of call (training,
+evaluation, prefill, decoding). dynamo's recompile limit (8 per function by default, beyond which it runs the
+function eager with a warning) is raised to cover that. The Trainer turns use_cache off for training (its
+--use_cache); a training loop of one's own should too.
+
+A block holding a module with forward hooks of its own (stage 3's reads of a tied weight, a user's hook) runs
+eager: dynamo would trace the engine's hooks into the graph. So does everything outside the blocks (embeddings,
+head, loss), which is where the engine's model-level hooks are. A model with no blocks is compiled whole, said in
+one line.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hf_zero.runtime.comm import rank as global_rank
+from hf_zero.settings.config import ZeroConfig, ZeroConfigError
+from hf_zero.zero.activations import CheckpointStore
+from hf_zero.zero.stage3.discovery import repeated_blocks
+
+logger = logging.getLogger("hf_zero")
+# Kinds of call a block may see, each its own graph when its blocks cannot share one: training, evaluation, a
+# generation's prefill and its decoding steps.
+GRAPHS_PER_BLOCK = 4
+
+
+def check_compile_backend(config: ZeroConfig, name: Callable[[str], str] = str) -> None:
+    """The backend is one torch.compile knows (torch._dynamo's registry, its debugging backends included: eager,
+    aot_eager); checked before any rank starts (`hf-zero run`, the Trainer's arguments) and by the engine."""
+    if not config.compile:
+        return
+    backend = config.compile_backend or "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ZeroConfigError(f"{name('compile_backend')} {backend!r} is not a torch.compile backend torch "
+                              f"{torch.__version__} knows; known: {', '.join(sorted(known))}")
+
+
+def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: CheckpointStore | None) -> dict[str, str]:
+    """Compiles each repeated block's forward (`repeated_blocks`: the stage-3 units, or the blocks stage 3 would
+    cut), or the whole model's where it has none. Returns what runs eager, by module name, with why; each is said
+    once in rank 0's log. With ZeRO-R's checkpoints, what each checkpoint runs is compiled instead: transformers
+    calls the checkpoint inside the block's forward, and the checkpoint enters saved-tensor hooks there, which
+    dynamo cannot trace."""
+    backend = config.compile_backend or "inductor"
+    if activation_store is not None:
+        activation_store.compile_with(functools.partial(torch.compile, backend=backend, mode=config.compile_mode))
+        _on_rank0(logging.INFO, "torch.compile (backend %s): each block of %s checkpointed by ZeRO-R is compiled "
+                  "inside its checkpoint", backend, type(model).__name__)
+        return {}
+    blocks, chosen_by = repeated_blocks(model, config.unit_module_classes)
+    if not blocks:
+        _on_rank0(logging.WARNING, "torch.compile: %s has no repeated blocks (no _no_split_modules, no ModuleList); "
+                  "it is compiled whole, the engine's hooks on it outside the compiled code", type(model).__name__)
+        blocks, chosen_by = [("", model)], "the whole model"
+    # One graph per block and kind of call where a KV cache sets them apart (the module docstring).
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, GRAPHS_PER_BLOCK * len(blocks))
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                    2 * GRAPHS_PER_BLOCK * len(blocks))
+    if model.training and getattr(getattr(model, "config", None), "use_cache", False):
+        _on_rank0(logging.WARNING, "torch.compile: %s's config.use_cache is on, so every block indexes a KV cache by "
+                  "its layer and compiles a graph of its own; for training set model.config.use_cache = False (the "
+                  "Trainer does) and the blocks share one", type(model).__name__)
+    eager: dict[str, str] = {}
+    for name, block in blocks:
+        if hooked := _modules_with_forward_hooks(block):
+            eager[name] = f"{hooked[0]} has forward hooks of its own, which dynamo would trace into the graph"
+            continue
+        block.forward = _CompiledForward(name, type(block).__name__, block.forward, backend, config.compile_mode)
+    compiled = len(blocks) - len(eager)
+    _on_rank0(logging.INFO, "torch.compile (backend %s%s): %d of %d blocks of %s compiled (chosen by %s)",
+              backend, f", mode {config.compile_mode}" if config.compile_mode else "",
+              compiled, len(blocks), type(model).__name__, chosen_by)
+    for name, why in eager.items():
+        _on_rank0(logging.WARNING, "torch.compile: %s runs eager: %s", name or type(model).__name__, why)
+    return eager
+
+
+def _modules_with_forward_hooks(block: nn.Module) -> list[str]:
+    return [name for name, m in block.named_modules() if m is not block and (m._forward_hooks or m._forward_pre_hooks)]
+
+
+class _CompiledForward:
+    """A block's forward under torch.compile. A graph break found while compiling it is said once per block
+    class and reason, naming the block: the same break cuts every block of the class."""
+
+    _said: set[tuple[str, str]] = set()
+
+    def __init__(self, name: str, class_name: str, forward: Callable[..., Any], backend: str, mode: str | None) -> None:
+        self.name, self.class_name = name, class_name
+        self.compiled = torch.compile(forward, backend=backend, mode=mode)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        breaks = torch._dynamo.utils.counters["graph_break"]
+        before = Counter(breaks)
+        out = self.compiled(*args, **kwargs)
+        if breaks != before:
+            self._say_breaks(Counter(breaks) - before)
+        return out
+
+    def _say_breaks(self, new: Counter) -> None:
+        for reason, times in new.items():
+            if (self.class_name, reason) not in self._said:
+                self._said.add((self.class_name, reason))
+                _on_rank0(logging.WARNING, "torch.compile: graph break in %s (%s, and every block of its class): %s"
+                          " (%d time(s) while compiling it)", self.name, self.class_name,
+                          " ".join(reason.split(" Hint:")[0].split()), times)
+
+
+def _on_rank0(level: int, message: str, *args: Any) -> None:
+    if global_rank() == 0:
+        logger.log(level, message, *args)
