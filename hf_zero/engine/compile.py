@@ -57,15 +57,13 @@ def check_compile_backend(config: ZeroConfig, name: Callable[[str], str] = str) 
 def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: CheckpointStore | None) -> dict[str, str]:
     """Compiles each repeated block's forward (`repeated_blocks`: the stage-3 units, or the blocks stage 3 would
     cut), or the whole model's where it has none. Returns what runs eager, by module name, with why; each is said
-    once in rank 0's log. With ZeRO-R's checkpoints, what each checkpoint runs is compiled instead: transformers
-    calls the checkpoint inside the block's forward, and the checkpoint enters saved-tensor hooks there, which
-    dynamo cannot trace."""
+    once in rank 0's log. With ZeRO-R's checkpoints, a training forward runs the block's own forward eager and the
+    store compiles what each checkpoint runs: transformers calls the checkpoint inside the block's forward, and the
+    checkpoint enters saved-tensor hooks there, which dynamo cannot trace."""
     backend = config.compile_backend or "inductor"
-    if activation_store is not None:
+    checkpointed = activation_store is not None
+    if checkpointed:
         activation_store.compile_with(functools.partial(torch.compile, backend=backend, mode=config.compile_mode))
-        _on_rank0(logging.INFO, "torch.compile (backend %s): each block of %s checkpointed by ZeRO-R is compiled "
-                  "inside its checkpoint", backend, type(model).__name__)
-        return {}
     blocks, chosen_by = repeated_blocks(model, config.unit_module_classes)
     if not blocks:
         _on_rank0(logging.WARNING, "torch.compile: %s has no repeated blocks (no _no_split_modules, no ModuleList); "
@@ -85,14 +83,21 @@ def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: Check
         if hooked := _modules_with_forward_hooks(block):
             eager[name] = f"{hooked[0]} has forward hooks of its own, which dynamo would trace into the graph"
             continue
-        block.forward = _CompiledForward(name, type(block).__name__, block.forward, backend, config.compile_mode)
+        block.forward = _CompiledForward(name, type(block).__name__, block.forward, backend, config.compile_mode,
+                                         eager_when=_checkpoints(block) if checkpointed else None)
     compiled = len(blocks) - len(eager)
-    _on_rank0(logging.INFO, "torch.compile (backend %s%s): %d of %d blocks of %s compiled (chosen by %s)",
+    _on_rank0(logging.INFO, "torch.compile (backend %s%s): %d of %d blocks of %s compiled (chosen by %s)%s",
               backend, f", mode {config.compile_mode}" if config.compile_mode else "",
-              compiled, len(blocks), type(model).__name__, chosen_by)
+              compiled, len(blocks), type(model).__name__, chosen_by,
+              "; in training, inside ZeRO-R's checkpoints" if checkpointed else "")
     for name, why in eager.items():
         _on_rank0(logging.WARNING, "torch.compile: %s runs eager: %s", name or type(model).__name__, why)
     return eager
+
+
+def _checkpoints(block: nn.Module) -> Callable[[], bool]:
+    """When ZeRO-R's store checkpoints `block` (training with gradients): then the store compiles what it runs."""
+    return lambda: block.training and torch.is_grad_enabled()
 
 
 def _modules_with_forward_hooks(block: nn.Module) -> list[str]:
@@ -105,11 +110,15 @@ class _CompiledForward:
 
     _said: set[tuple[str, str]] = set()
 
-    def __init__(self, name: str, class_name: str, forward: Callable[..., Any], backend: str, mode: str | None) -> None:
+    def __init__(self, name: str, class_name: str, forward: Callable[..., Any], backend: str, mode: str | None,
+                 eager_when: Callable[[], bool] | None = None) -> None:
         self.name, self.class_name = name, class_name
+        self.forward, self.eager_when = forward, eager_when
         self.compiled = torch.compile(forward, backend=backend, mode=mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.eager_when is not None and self.eager_when():
+            return self.forward(*args, **kwargs)
         breaks = torch._dynamo.utils.counters["graph_break"]
         before = Counter(breaks)
         out = self.compiled(*args, **kwargs)

@@ -73,8 +73,9 @@ def changed(model: nn.Module, change: str | None) -> nn.Module:
     return model
 
 
-def train(config: dict, change: str | None, backend: str | None) -> dict[str, Any]:
-    """STEPS steps of a tiny GPT-2 (dropout off) on this rank's half of each global batch, eager or compiled."""
+def train(config: dict, change: str | None, backend: str | None, runs: Counter | None = None) -> dict[str, Any]:
+    """STEPS steps of a tiny GPT-2 (dropout off) on this rank's half of each global batch, eager or compiled, then an
+    evaluation's forward (`runs`: how many compiled forward graphs it ran)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = tiny_model("gpt2")
     model.config.use_cache = False  # as the Trainer trains: the blocks then share one graph
@@ -92,7 +93,12 @@ def train(config: dict, change: str | None, backend: str | None) -> dict[str, An
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-    return {"losses": losses, "masters": engine.gathered_masters(), "eager_blocks": engine.eager_blocks}
+    model.eval()
+    before = Counter(runs)
+    with torch.no_grad():
+        eval_loss = engine(**batch("gpt2", 100, 4)).loss.item()
+    return {"losses": losses, "masters": engine.gathered_masters(), "eager_blocks": engine.eager_blocks,
+            "eval_loss": eval_loss, "eval_runs": (Counter(runs) - before)["forward"]}
 
 
 def evaluate_and_generate(engine: hf_zero.ZeroEngine, step: int) -> None:
@@ -139,7 +145,7 @@ def every_variant(nvme_folder: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, config, change in VARIANTS:
         before = Counter(runs)
-        results[name] = {how: train(with_nvme_folder(config, f"{nvme_folder}/{name}_{how}"), change, backend)
+        results[name] = {how: train(with_nvme_folder(config, f"{nvme_folder}/{name}_{how}"), change, backend, runs)
                          for how, backend in (("eager", None), ("compiled", COUNTING))}
         results[name]["runs"] = runs - before
     results["no_recompile"] = no_recompile_after_warm_up()
@@ -156,11 +162,13 @@ def compiled_and_eager(tmp_path_factory) -> dict[str, Any]:
 def test_compiled_training_equals_eager_with_aot_eager(compiled_and_eager, variant):
     """aot_eager runs the graphs AOTAutograd traces, op by op: what dynamo and AOTAutograd change (the engine's hooks
     around compiled blocks, parameters refilled each step, recomputation under checkpointing) shows, and rounding
-    does not. Every compiled block's forward and backward graph ran, and none ran eager."""
+    does not. Every compiled block's forward and backward graph ran, and none ran eager; an evaluation after training
+    ran compiled too, to eager's loss."""
     run = compiled_and_eager[variant]
     assert run["runs"]["forward"] >= STEPS and run["runs"]["backward"] >= STEPS, run["runs"]
-    assert run["compiled"]["eager_blocks"] == {}
+    assert run["compiled"]["eager_blocks"] == {} and run["compiled"]["eval_runs"] >= 1
     torch.testing.assert_close(run["compiled"]["losses"], run["eager"]["losses"], rtol=0, atol=1e-6)
+    assert abs(run["compiled"]["eval_loss"] - run["eager"]["eval_loss"]) <= 1e-6
     assert max_diff(run["compiled"]["masters"], run["eager"]["masters"]) <= 1e-6
 
 
