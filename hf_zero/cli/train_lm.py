@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 import model_zoo
 from hf_zero.checkpoint import is_complete, numbered_folders
 from hf_zero.engine import ZeroEngine, initialize
-from hf_zero.engine.compile import check_compile_backend
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.launch import init_distributed
@@ -34,7 +33,7 @@ from hf_zero.runtime.tensor_parallel import (
     check_tp_within_a_node,
     init_mesh,
 )
-from hf_zero.settings.config import ZeroConfig, ZeroConfigError
+from hf_zero.settings.config import ZeroConfig, ZeroConfigError, check_compile_backend
 from hf_zero.settings.config import add_arguments as add_engine_arguments
 from hf_zero.settings.environment import processes_per_node, restarts_so_far
 

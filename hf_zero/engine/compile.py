@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hf_zero.runtime.comm import rank as global_rank
-from hf_zero.settings.config import ZeroConfig, ZeroConfigError
+from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.activations import CheckpointStore
 from hf_zero.zero.stage3.discovery import repeated_blocks
 
@@ -40,18 +40,6 @@ logger = logging.getLogger("hf_zero")
 # Kinds of call a block may see, each its own graph when its blocks cannot share one: training, evaluation, a
 # generation's prefill and its decoding steps.
 GRAPHS_PER_BLOCK = 4
-
-
-def check_compile_backend(config: ZeroConfig, name: Callable[[str], str] = str) -> None:
-    """The backend is one torch.compile knows (torch._dynamo's registry, its debugging backends included: eager,
-    aot_eager); checked before any rank starts (`hf-zero run`, the Trainer's arguments) and by the engine."""
-    if not config.compile:
-        return
-    backend = config.compile_backend or "inductor"
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if backend not in known:
-        raise ZeroConfigError(f"{name('compile_backend')} {backend!r} is not a torch.compile backend torch "
-                              f"{torch.__version__} knows; known: {', '.join(sorted(known))}")
 
 
 def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: CheckpointStore | None) -> dict[str, str]:

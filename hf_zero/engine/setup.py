@@ -22,14 +22,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_zero.engine.compile import check_compile_backend
 from hf_zero.optim.delayed import DelayedUpdate
 from hf_zero.optim.optimizer import ShardedOptimizer, check_optimizer, update_backend
 from hf_zero.optim.precision import LossScaler
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.comm import rank as global_rank
 from hf_zero.runtime.device import compute_device
-from hf_zero.settings.config import ZeroConfig, ZeroConfigError
+from hf_zero.settings.config import ZeroConfig, ZeroConfigError, check_compile_backend
 from hf_zero.settings.environment import processes_per_node
 from hf_zero.zero import activations
 from hf_zero.zero.activations import CheckpointStore, check_supports_checkpointing

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from transformers import HfArgumentParser, Seq2SeqTrainingArguments, TrainingArguments
 from transformers.utils import logging
 
-from hf_zero.engine.compile import check_compile_backend
 from hf_zero.hf import pretrained
 from hf_zero.runtime.device import has_accelerator
 from hf_zero.runtime.launch import (
@@ -36,6 +35,7 @@ from hf_zero.settings import deepspeed_config, environment
 from hf_zero.settings.config import (
     ZeroConfig,
     ZeroConfigError,
+    check_compile_backend,
     described_settings,
     flag_rows,
     help_of,

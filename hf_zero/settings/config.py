@@ -360,7 +360,7 @@ class ZeroConfig:
 
     def _validate_compile(self, name: Callable[[str], str], fail: Callable[[str, str], None]) -> None:
         """What needs no torch; the backend's name is checked against torch's registry where torch is imported
-        (hf_zero/engine/compile.py)."""
+        (check_compile_backend)."""
         for key in ("compile_backend", "compile_mode"):
             if getattr(self, key) is not None and not self.compile:
                 fail(key, f"is set but {name('compile')} is off; turn {name('compile')} on or drop {name(key)}")
@@ -380,6 +380,21 @@ class ZeroConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_compile_backend(config: ZeroConfig, name: Callable[[str], str] = str) -> None:
+    """The compile backend is one torch.compile knows (torch._dynamo's registry, its debugging backends included:
+    eager, aot_eager); checked before any rank starts (`hf-zero run`, `hf-zero train`, the Trainer's arguments) and
+    by the engine. torch is imported here only when compilation is on."""
+    if not config.compile:
+        return
+    import torch._dynamo
+
+    backend = config.compile_backend or "inductor"
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ZeroConfigError(f"{name('compile_backend')} {backend!r} is not a torch.compile backend torch "
+                              f"{torch.__version__} knows; known: {', '.join(sorted(known))}")
 
 
 def read_settings_file(path: str | os.PathLike, what: str) -> dict[str, Any]:
