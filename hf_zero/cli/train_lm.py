@@ -106,9 +106,11 @@ def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ZeroConfigError(f"--dropout must be in [0, 1); got {args.dropout}")
     _check_text(args)
-    config = ZeroConfig.from_any(engine_config(args))
-    config.check_topology(processes, per_node, lambda key: f"--{key}")
-    check_compile_backend(config, lambda key: f"--{key}")
+    flag = lambda key: f"--{key}"  # noqa: E731
+    config = ZeroConfig(**engine_config(args))
+    config.validate(flag)
+    config.check_topology(processes, per_node, flag)
+    check_compile_backend(config, flag)
     if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
         raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
                               f"got {args.tensor_parallel_size}")

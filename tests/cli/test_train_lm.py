@@ -40,6 +40,24 @@ def test_tensor_parallel_job_with_zero_r_and_cpu_offload_trains_as_one_process()
             assert summary[key] == pytest.approx(plain[key], rel=1e-4), key
 
 
+def compiled_job(argv: list[str]) -> dict:
+    import torch._dynamo
+
+    return {**run_job(argv), "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+
+
+@pytest.mark.slow
+def test_a_compiled_job_trains_as_the_same_job_eager():
+    """--compile at stage 3 on 2 ranks (each draws its own batches, so the reference is the same job eager): the
+    blocks compiled (dynamo's own count of graphs), the losses eager's."""
+    eager = spawn_gloo(run_job, 2, [*SHORT, "--zero_stage", "3"])
+    compiled = spawn_gloo(compiled_job, 2, [*SHORT, "--zero_stage", "3", "--compile", "--compile_backend", "aot_eager"])
+    for summary, reference in zip(compiled, eager):
+        assert summary["graphs"] >= 1
+        for key in ("first_loss", "final_train_loss", "val_loss"):
+            assert summary[key] == pytest.approx(reference[key], rel=1e-6), key
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tensor_parallel_size", "3"], "--tensor_parallel_size must divide the number of processes (2); got 3"),
     (["--zero_stage", "3", "--hpz_partition_size", "4"], "--hpz_partition_size must divide the ranks per node "
@@ -129,6 +147,8 @@ def test_the_progress_bar_ends_with_the_time_budget_not_the_step_limit():
     (["--max_restarts", "2"], "--max_restarts resumes from the checkpoints that --output_dir and --save_steps write"),
     (["--save_steps", "10"], "--save_steps must be 0 or more, and above 0 needs --output_dir; got 10 without"),
     (["--output_dir", "OUT", "--save_steps", "5", "--save_total_limit", "0"], "--save_total_limit must be at least 1"),
+    (["--compile", "--compile_backend", "inductr"], "--compile_backend 'inductr' is not a torch.compile backend"),
+    (["--compile_mode", "default"], "--compile_mode is set but --compile is off"),
 ])
 def test_a_setting_the_job_cannot_run_with_is_one_line_before_any_process_starts(refused_before_launch, tmp_path,
                                                                                   flags, message):
