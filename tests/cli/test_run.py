@@ -27,12 +27,24 @@ def hf_zero(*args: str, timeout: int = 600, env: dict[str, str] | None = None) -
                           env=env)
 
 
-@pytest.mark.slow
-def test_unmodified_script_trains_at_stage3_on_two_processes_and_saves_a_loadable_model(tmp_path):
-    out = tmp_path / "out"
-    run = hf_zero("run", "--nproc_per_node", "2", str(SCRIPT), "--zero_stage", "3", "--output_dir", str(out),
-                  "--do_train", "--do_eval", "--do_predict", "--max_steps", "8", "--learning_rate", "3e-3", *COMMON)
+# The script's training at stage 3, on one node of 2 processes and on two nodes of one.
+STAGE3_TRAINING = [str(SCRIPT), "--zero_stage", "3", "--do_train", "--max_steps", "8", "--learning_rate", "3e-3",
+                   *COMMON]
+
+
+@pytest.fixture(scope="module")
+def one_node_at_stage3(tmp_path_factory) -> Path:
+    """STAGE3_TRAINING on one node of 2 processes, then evaluation and prediction: its output folder."""
+    out = tmp_path_factory.mktemp("one_node") / "out"
+    run = hf_zero("run", "--nproc_per_node", "2", *STAGE3_TRAINING, "--do_eval", "--do_predict",
+                  "--output_dir", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_unmodified_script_trains_at_stage3_on_two_processes_and_saves_a_loadable_model(one_node_at_stage3):
+    out = one_node_at_stage3
     args = torch.load(out / "training_args.bin", weights_only=False)
     assert type(args).__name__ == "ZeroTrainingArguments" and args.zero_engine_config.zero_stage == 3
     assert json.loads((out / "eval_results.json").read_text())["eval_loss"] < 4.15  # ln(64) = 4.16 untrained
@@ -197,30 +209,26 @@ def test_a_tensor_parallel_group_larger_than_a_node_is_refused_unless_asked(refu
 
 
 @pytest.mark.slow
-def test_two_nodes_train_as_one_node_of_as_many_processes(tmp_path, monkeypatch):
+def test_two_nodes_train_as_one_node_of_as_many_processes(one_node_at_stage3, tmp_path):
     """Two "nodes" on 127.0.0.1 of one process each, each started with the same command, meeting at a c10d
     rendezvous endpoint as under SLURM or an elastic launcher (torchrun gives each its ranks; the static
     rendezvous, --master_addr and --node_rank, is the same torchrun with other options:
     test_each_rendezvous_reaches_torchrun_as_asked). Whichever node's process is rank 1 is local rank 0, so the
     ranks and the local ranks are numbered differently, as on any cluster. The reference is one node of 2
-    processes: the stock Trainer's sampler gives 2 ranks other samples per step than one process. (Two nodes of
-    two processes against one node of four took 2.3x this test's time and checked the same.)"""
-    # torchrun gives each of several processes on a node one thread; a node's only process would get accelerate's
-    # choice (every core), and other rounding in its matmuls.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    train = [str(SCRIPT), "--zero_stage", "2", "--do_train", "--max_steps", "4", "--learning_rate", "3e-3",
-             "--per_device_train_batch_size", "2", *COMMON]
-    one_node = hf_zero("run", "--nproc_per_node", "2", *train, "--output_dir", str(tmp_path / "one_node"))
-    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    processes (the test above's run): the stock Trainer's sampler gives 2 ranks other samples per step than one
+    process. (Two nodes of two processes against one node of four took 2.3x this test's time and checked the
+    same.) Each node's only process runs one thread, as torchrun gives each of several processes on a node: it
+    would otherwise get accelerate's choice (every core), and other rounding in its matmuls."""
     port = str(free_port())
     nodes = [subprocess.Popen([sys.executable, "-m", "hf_zero", "run", "--nnodes", "2", "--nproc_per_node", "1",
-                               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes", *train,
+                               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes", *STAGE3_TRAINING,
                                "--output_dir", str(tmp_path / "two_nodes")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in (0, 1)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in (0, 1)]
     for node in nodes:
         _, err = node.communicate(timeout=600)
         assert node.returncode == 0, err[-3000:]
-    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "one_node").state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(one_node_at_stage3).state_dict()
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "two_nodes").state_dict()
     assert max((trained[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
 
