@@ -149,7 +149,10 @@ def test_compiled_blocks_train_as_plain_torch_in_an_nccl_group_with_one_stream_f
     from hf_zero.settings.environment import CUDA_DELAY_ENV
 
     monkeypatch.setenv(CUDA_DELAY_ENV, f"{late}:2000000")
+    torch._dynamo.reset()  # this configuration's graphs compiled anew (inductor's cache on disk keeps it quick)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # reset() leaves dynamo's counters
     assert_close(engine_cuda_run(config, 4, expect_comm_stream=True), plain_cuda_run(4))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # the blocks ran compiled
 
 
 def synchronisations(step: Callable[[], None]) -> int:

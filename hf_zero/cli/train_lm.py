@@ -90,6 +90,11 @@ def engine_config(args: argparse.Namespace) -> dict[str, object]:
     return {"gradient_clipping": 1.0, **{name: getattr(args, name) for name in ENGINE_SETTINGS}}
 
 
+def option_of(key: str) -> str:
+    """How hf-zero train's messages name an engine setting: by its option."""
+    return f"--{key}"
+
+
 def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     """Refuses bad settings before any work (`hf-zero train` calls it before starting the processes)."""
     for flag in ("batch_size", "seq_len", "max_steps", "log_every"):
@@ -106,11 +111,10 @@ def check_args(args: argparse.Namespace, processes: int, per_node: int) -> None:
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ZeroConfigError(f"--dropout must be in [0, 1); got {args.dropout}")
     _check_text(args)
-    flag = lambda key: f"--{key}"  # noqa: E731
     config = ZeroConfig(**engine_config(args))
-    config.validate(flag)
-    config.check_topology(processes, per_node, flag)
-    check_compile_backend(config, flag)
+    config.validate(option_of)
+    config.check_topology(processes, per_node, option_of)
+    check_compile_backend(config, option_of)
     if args.tensor_parallel_size < 1 or processes % args.tensor_parallel_size:
         raise ZeroConfigError(f"--tensor_parallel_size must divide the number of processes ({processes}); "
                               f"got {args.tensor_parallel_size}")

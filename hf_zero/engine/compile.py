@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,48 +44,50 @@ GRAPHS_PER_BLOCK = 4
 
 def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: CheckpointStore | None) -> dict[str, str]:
     """Compiles each repeated block's forward (`repeated_blocks`: the stage-3 units, or the blocks stage 3 would
-    cut), or the whole model's where it has none. Returns what runs eager, by module name, with why; each is said
-    once in rank 0's log. With ZeRO-R's checkpoints, a training forward runs the block's own forward eager and the
-    store compiles what each checkpoint runs: transformers calls the checkpoint inside the block's forward, and the
-    checkpoint enters saved-tensor hooks there, which dynamo cannot trace."""
+    cut), or the whole model's where it has none. Returns what runs eager, by module name, with why; each reason is
+    said once in rank 0's log. With ZeRO-R's checkpoints, a compiled block's training forward runs its own forward
+    eager and the store compiles what the checkpoint runs: transformers calls the checkpoint inside the block's
+    forward, and the checkpoint enters saved-tensor hooks there, which dynamo cannot trace."""
     backend = config.compile_backend or "inductor"
-    checkpointed = activation_store is not None
-    if checkpointed:
+    if activation_store is not None:
         activation_store.compile_with(functools.partial(torch.compile, backend=backend, mode=config.compile_mode))
     blocks, chosen_by = repeated_blocks(model, config.unit_module_classes)
     if not blocks:
-        _on_rank0(logging.WARNING, "torch.compile: %s has no repeated blocks (no _no_split_modules, no ModuleList); "
-                  "it is compiled whole, the engine's hooks on it outside the compiled code", type(model).__name__)
+        _on_rank0(logging.WARNING, "torch.compile: %s has no repeated blocks to compile one at a time; it is compiled "
+                  "whole, the engine's hooks on it outside the compiled code", type(model).__name__)
         blocks, chosen_by = [("", model)], "the whole model"
-    # One graph per block and kind of call where a KV cache sets them apart (the module docstring).
-    dynamo_config = torch._dynamo.config
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, GRAPHS_PER_BLOCK * len(blocks))
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
-                                                    2 * GRAPHS_PER_BLOCK * len(blocks))
-    if model.training and getattr(getattr(model, "config", None), "use_cache", False):
-        _on_rank0(logging.WARNING, "torch.compile: %s's config.use_cache is on, so every block indexes a KV cache by "
-                  "its layer and compiles a graph of its own; for training set model.config.use_cache = False (the "
-                  "Trainer does) and the blocks share one", type(model).__name__)
+    _allow_a_graph_per_block(len(blocks))
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        _on_rank0(logging.WARNING, "torch.compile: %s's config.use_cache is on, so in training every block indexes a "
+                  "KV cache by its layer and compiles a graph of its own; set model.config.use_cache = False for "
+                  "training (the Trainer does) and the blocks share one", type(model).__name__)
     eager: dict[str, str] = {}
+    said_breaks: set[tuple[str, str]] = set()
     for name, block in blocks:
         if hooked := _modules_with_forward_hooks(block):
-            eager[name] = f"{hooked[0]} has forward hooks of its own, which dynamo would trace into the graph"
+            eager[name] = f"its {hooked[0]} has forward hooks of its own, which dynamo would trace into the graph"
             continue
-        block.forward = _CompiledForward(name, type(block).__name__, block.forward, backend, config.compile_mode,
-                                         eager_when=_checkpoints(block) if checkpointed else None)
-    compiled = len(blocks) - len(eager)
+        block.forward = _CompiledForward(name, block, backend, config.compile_mode, activation_store, said_breaks)
     _on_rank0(logging.INFO, "torch.compile (backend %s%s): %d of %d blocks of %s compiled (chosen by %s)%s",
-              backend, f", mode {config.compile_mode}" if config.compile_mode else "",
-              compiled, len(blocks), type(model).__name__, chosen_by,
-              "; in training, inside ZeRO-R's checkpoints" if checkpointed else "")
-    for name, why in eager.items():
-        _on_rank0(logging.WARNING, "torch.compile: %s runs eager: %s", name or type(model).__name__, why)
+              backend, f", mode {config.compile_mode}" if config.compile_mode else "", len(blocks) - len(eager),
+              len(blocks), type(model).__name__, chosen_by,
+              "; in training, inside ZeRO-R's checkpoints" if activation_store is not None else "")
+    if eager:  # one line for all: tensor parallelism's hooks make every block eager
+        names = [name or type(model).__name__ for name in eager]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        _on_rank0(logging.WARNING, "torch.compile: %s run%s eager: %s", shown, "s" if len(names) == 1 else "",
+                  next(iter(eager.values())))
     return eager
 
 
-def _checkpoints(block: nn.Module) -> Callable[[], bool]:
-    """When ZeRO-R's store checkpoints `block` (training with gradients): then the store compiles what it runs."""
-    return lambda: block.training and torch.is_grad_enabled()
+def _allow_a_graph_per_block(blocks: int) -> None:
+    """dynamo's recompile limit covers a graph per block and kind of call (the module docstring). torch 2.4-2.6 name
+    the limits cache_size_limit and accumulated_cache_size_limit."""
+    dynamo_config = torch._dynamo.config
+    for limit, wanted in (("recompile_limit", GRAPHS_PER_BLOCK * blocks),
+                          ("accumulated_recompile_limit", 2 * GRAPHS_PER_BLOCK * blocks)):
+        name = limit if hasattr(dynamo_config, limit) else limit.replace("recompile", "cache_size")
+        setattr(dynamo_config, name, max(getattr(dynamo_config, name), wanted))
 
 
 def _modules_with_forward_hooks(block: nn.Module) -> list[str]:
@@ -93,20 +95,22 @@ def _modules_with_forward_hooks(block: nn.Module) -> list[str]:
 
 
 class _CompiledForward:
-    """A block's forward under torch.compile. A graph break found while compiling it is said once per block
-    class and reason, naming the block: the same break cuts every block of the class."""
+    """A block's forward under torch.compile (its signature kept, for what inspects `model.forward`). A graph break
+    found while compiling it is said once per block class and reason, naming the block: the same break cuts every
+    block of the class. Under ZeRO-R's checkpoints a training forward runs eager, with the store compiling what the
+    checkpoint runs (CheckpointStore.compiling_checkpoints)."""
 
-    _said: set[tuple[str, str]] = set()
-
-    def __init__(self, name: str, class_name: str, forward: Callable[..., Any], backend: str, mode: str | None,
-                 eager_when: Callable[[], bool] | None = None) -> None:
-        self.name, self.class_name = name, class_name
-        self.forward, self.eager_when = forward, eager_when
-        self.compiled = torch.compile(forward, backend=backend, mode=mode)
+    def __init__(self, name: str, block: nn.Module, backend: str, mode: str | None,
+                 activation_store: CheckpointStore | None, said_breaks: set[tuple[str, str]]) -> None:
+        functools.update_wrapper(self, block.forward)
+        self.name, self.class_name, self.block = name, type(block).__name__, block
+        self.eager_forward, self.activation_store, self.said_breaks = block.forward, activation_store, said_breaks
+        self.compiled = torch.compile(block.forward, backend=backend, mode=mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.eager_when is not None and self.eager_when():
-            return self.forward(*args, **kwargs)
+        if self.activation_store is not None and self.block.training and torch.is_grad_enabled():
+            with self.activation_store.compiling_checkpoints():
+                return self.eager_forward(*args, **kwargs)
         breaks = torch._dynamo.utils.counters["graph_break"]
         before = Counter(breaks)
         out = self.compiled(*args, **kwargs)
@@ -116,8 +120,8 @@ class _CompiledForward:
 
     def _say_breaks(self, new: Counter) -> None:
         for reason, times in new.items():
-            if (self.class_name, reason) not in self._said:
-                self._said.add((self.class_name, reason))
+            if (self.class_name, reason) not in self.said_breaks:
+                self.said_breaks.add((self.class_name, reason))
                 _on_rank0(logging.WARNING, "torch.compile: graph break in %s (%s, and every block of its class): %s"
                           " (%d time(s) while compiling it)", self.name, self.class_name,
                           " ".join(reason.split(" Hint:")[0].split()), times)

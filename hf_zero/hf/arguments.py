@@ -86,8 +86,8 @@ def _post_init(self: Any) -> None:
     if self.ddp_timeout is None:  # before transformers starts the process group with it
         self.ddp_timeout = math.ceil(collective_timeout().total_seconds())
     rendezvous_apart_from_earlier_starts()  # a script under plain torchrun --max-restarts too
+    _take_accelerate_dynamo(self)  # before transformers fills --torch_compile_backend's default in
     super(ZeroArgumentsMixin, self).__post_init__()
-    _take_accelerate_dynamo(self)
     _check_engine_flags(self, processes, per_node)
     if self.zero_deepspeed is not None and (warning := self.zero_deepspeed.warning()) \
             and environment.integer("RANK", 0, 0) == 0:
@@ -101,17 +101,21 @@ def _post_init(self: Any) -> None:
 
 def _take_accelerate_dynamo(args: Any) -> None:
     """`accelerate launch --dynamo_backend X [--dynamo_mode M]` (accelerate's ACCELERATE_DYNAMO_* variables) asks for
-    what --torch_compile_backend X does: the engine compiles each block. The Accelerator never compiles the model
-    (the engine's wrapper is marked prepared), so the request is taken here or it would do nothing."""
+    what --torch_compile_backend X [--torch_compile_mode M] does: the engine compiles each block. The Accelerator
+    never compiles the model (ZeroTrainer gives it no dynamo plugin), so the request is taken here or it would do
+    nothing. accelerate always passes a mode, "default" unless told otherwise, which is inductor's default too."""
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()
     if backend == "no":
         return
-    if args.torch_compile_backend not in (None, backend):
-        raise ZeroConfigError(f"accelerate launch --dynamo_backend {backend} and --torch_compile_backend "
-                              f"{args.torch_compile_backend} disagree; give one")
+    mode = os.environ.get("ACCELERATE_DYNAMO_MODE", "default")
+    for flag, given, wanted in (("backend", args.torch_compile_backend, backend),
+                                ("mode", args.torch_compile_mode, None if mode == "default" else mode)):
+        if given is not None and wanted is not None and given != wanted:
+            raise ZeroConfigError(f"accelerate launch --dynamo_{flag} {wanted} and --torch_compile_{flag} {given} "
+                                  f"disagree; give one")
     args.torch_compile, args.torch_compile_backend = True, backend
-    if mode := os.environ.get("ACCELERATE_DYNAMO_MODE"):
-        args.torch_compile_mode = args.torch_compile_mode or mode
+    if mode != "default":
+        args.torch_compile_mode = mode
 
 
 def _take_deepspeed_config(args: Any) -> None:

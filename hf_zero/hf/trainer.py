@@ -282,6 +282,13 @@ class ZeroTrainerMixin:
                                                                 removes=self.args.should_save)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # --torch_compile is the engine's (it compiles each block, hf_zero/engine/compile.py): accelerate must not
+        # compile the whole model around it, as it would for an evaluation before the engine exists.
+        from accelerate.utils import TorchDynamoPlugin
+
+        return {**super()._build_accelerator_args(**kwargs), "dynamo_plugin": TorchDynamoPlugin(backend="no")}
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         # training_step ends in accelerator.backward(loss). Routing that one call to the engine keeps

@@ -46,8 +46,9 @@ SETTING_OF_KEY.update({key.replace(".stage3_", "."): name for key, name in list(
                        if ".stage3_" in key})
 # The Trainer sets these itself (--gradient_accumulation_steps, --max_grad_norm, --bf16/--fp16): under the
 # Trainer the file's values are checked against its flags rather than taken.
-TRAINER_KEYS = ("gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled", "compile.enabled",
-                "compile.backend", "compile.kwargs.mode")
+# The compile block's keys hf_zero reads: the Trainer's --torch_compile, --torch_compile_backend, --torch_compile_mode.
+COMPILE_KEYS = ("compile.enabled", "compile.backend", "compile.kwargs.mode")
+TRAINER_KEYS = ("gradient_accumulation_steps", "gradient_clipping", "fp16.enabled", "bf16.enabled", *COMPILE_KEYS)
 
 _OUR_BUFFERS = "hf_zero sizes and pins its own offload buffers"
 _ONE_WINDOW = ("hf_zero holds the unit in use and the next, plus what --zero_prefetch_bucket_size prefetches: "
@@ -363,6 +364,8 @@ class _Reader:
             if not _same(value, 1):
                 self.fail(f"fp16.hysteresis={value}: hf_zero's dynamic loss scale halves at every overflow "
                           f"(hysteresis 1); set it to 1 or remove it, or train in bf16 (--bf16)")
+        elif block == "compile" and key != "compile.enabled":
+            self._compile_key(key, value)
         elif key in ("train_micro_batch_size_per_gpu", "train_batch_size") or key in TRAINER_KEYS:
             self._batch_or_trainer_key(key)
         elif key in ("zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path"):
@@ -383,6 +386,22 @@ class _Reader:
         else:
             self.fail(f"{key} is not a DeepSpeed key hf_zero reads{did_you_mean(key, self.known_keys())}; remove it "
                       f"(docs/deepspeed.md lists the keys hf_zero reads and those it refuses)")
+
+    def _compile_key(self, key: str, value: Any) -> None:
+        """A compile key besides `enabled`: an empty block means nothing, and so does the whole block while it is
+        not enabled (DeepSpeed's default); the backend and mode are taken; anything else is refused saying why."""
+        if value == {}:
+            self.without_effect[key] = "an empty block"
+        elif not self.value("compile.enabled", False):
+            self.without_effect["compile"] = "compile.enabled is not true"
+        elif key in COMPILE_KEYS:
+            self._batch_or_trainer_key(key)
+        elif key.startswith("compile.kwargs."):
+            self.fail(f"{key}: hf_zero passes torch.compile its backend and mode only (compile.backend, "
+                      f"compile.kwargs.mode); remove it")
+        else:
+            self.fail(f"{key} is not a key of DeepSpeed's compile block that hf_zero reads: it reads enabled, backend "
+                      f"and kwargs.mode, and runs no DeepCompile (compile.deepcompile); remove it")
 
     def _batch_or_trainer_key(self, key: str) -> None:
         if self.trainer:

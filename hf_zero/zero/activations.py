@@ -19,10 +19,11 @@ the checkpoints; recomputation in backward runs outside them and saves as usual.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -74,6 +75,7 @@ class CheckpointStore:
         self.held_bytes = {"device": 0, "host": 0}
         self.peak_held_bytes = {"device": 0, "host": 0}
         self.compiled_call: Callable[..., Any] | None = None  # compile_with
+        self.compiling = False  # compiling_checkpoints
 
     # ---- saved-tensor hooks ------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> SavedCheckpoint | torch.Tensor:
@@ -158,15 +160,26 @@ class CheckpointStore:
         self.peak_held_bytes = dict(self.held_bytes)
 
     def compile_with(self, compile: Callable[[Callable], Callable]) -> None:
-        """--torch_compile: what each checkpoint runs (the block's forward, which transformers hands the checkpoint
-        function) runs compiled, inside the checkpoint and its saved-tensor hooks, whose entry dynamo cannot trace."""
+        """--torch_compile: what a checkpoint taken inside `compiling_checkpoints` runs (the block's forward, which
+        transformers hands the checkpoint function) runs compiled, inside the checkpoint and its saved-tensor hooks,
+        whose entry dynamo cannot trace."""
         self.compiled_call = compile(_call)
+
+    @contextlib.contextmanager
+    def compiling_checkpoints(self) -> Iterator[None]:
+        """Around a block the engine compiles (hf_zero/engine/compile.py); a block it leaves eager (one holding hooks
+        dynamo must not trace) is checkpointed eager."""
+        self.compiling = True
+        try:
+            yield
+        finally:
+            self.compiling = False
 
     def checkpoint(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         """torch.utils.checkpoint with this store holding the saved inputs; the signature transformers'
         gradient checkpointing calls (`gradient_checkpointing_func`)."""
         kwargs.pop("use_reentrant", None)
-        if self.compiled_call is not None:
+        if self.compiling:
             function = functools.partial(self.compiled_call, function)
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             return checkpoint(function, *args, use_reentrant=True, **kwargs)

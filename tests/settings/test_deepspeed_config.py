@@ -181,6 +181,12 @@ def test_flags_win_over_the_file_and_numbers_take_any_json_form(tmp_path):
      r"zero_optimization.offload_optimizer.ratio=0.3 is not implemented by hf_zero"),
     ({"zero_optimization": {"stage": 2}, "compile": {"deepcompile": True}}, [],
      "compile.deepcompile=True is not implemented by hf_zero, which only runs it as False"),
+    ({"zero_optimization": {"stage": 2}, "compile": {"enabled": "auto", "kwargs": {"fullgraph": True}}},
+     ["--torch_compile"],
+     "compile.kwargs.fullgraph: hf_zero passes torch.compile its backend and mode only"),
+    ({"zero_optimization": {"stage": 2}, "compile": {"enabled": "auto", "offload_activation": True}},
+     ["--torch_compile"],
+     "compile.offload_activation is not a key of DeepSpeed's compile block that hf_zero reads"),
     ({"zero_optimization": {"stage": 2}, "compile": {"enabled": True, "backend": "aot_eager"}}, [],
      "compile.enabled=True vs the Trainer's --torch_compile=False; compile.backend=aot_eager vs the Trainer's "
      "--torch_compile_backend=inductor"),
@@ -210,6 +216,11 @@ def test_the_compile_block_is_the_engines_compile_setting_and_the_trainers_flags
     config = parse("--deepspeed", write(tmp_path, auto), "--torch_compile_backend", "aot_eager").zero_engine_config
     assert (config.compile, config.compile_backend) == (True, "aot_eager")
     assert not parse("--deepspeed", write(tmp_path, auto)).zero_engine_config.compile
+    for idle in ({}, {"enabled": False, "backend": "inductor", "kwargs": {"mode": "default"}}, {"kwargs": {}}):
+        config = engine_config({"zero_optimization": {"stage": 2}, "compile": idle})  # not enabled: means nothing
+        assert not config.compile and config.compile_backend is None and config.compile_mode is None, idle
+        assert not parse("--deepspeed", write(tmp_path, {"zero_optimization": {"stage": 2}, "compile": idle}))\
+            .zero_engine_config.compile
     agreeing = {"zero_optimization": {"stage": 2}, "compile": block}
     args = parse("--deepspeed", write(tmp_path, agreeing), "--torch_compile_backend", "aot_eager")
     assert args.zero_engine_config.compile

@@ -147,8 +147,9 @@ def test_accelerates_fp8_is_refused_naming_the_setting(monkeypatch):
 
 
 def test_accelerate_launchs_dynamo_backend_becomes_the_engines_compile_setting(monkeypatch):
-    """`accelerate launch --dynamo_backend inductor --dynamo_mode M` hands ACCELERATE_DYNAMO_BACKEND and _MODE to the
+    """`accelerate launch --dynamo_backend X --dynamo_mode M` hands ACCELERATE_DYNAMO_BACKEND and _MODE to the
     processes, which accelerate's own plugin reads (the reference); the engine compiles each block with them.
+    accelerate always passes a mode, "default" unless told otherwise, which every backend takes.
     `--dynamo_backend no`, accelerate's default, compiles nothing."""
     from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 
@@ -158,9 +159,18 @@ def test_accelerate_launchs_dynamo_backend_becomes_the_engines_compile_setting(m
     config = parse("--zero_stage", "3").zero_engine_config
     assert plugin.backend == DynamoBackend.INDUCTOR and config.compile
     assert (config.compile_backend, config.compile_mode) == ("inductor", plugin.mode)
-    with pytest.raises(ZeroConfigError, match="--dynamo_backend inductor and --torch_compile_backend aot_eager "
+    with pytest.raises(ZeroConfigError, match="--dynamo_mode max-autotune-no-cudagraphs and --torch_compile_mode "
+                                              "default disagree"):
+        parse("--zero_stage", "2", "--torch_compile_mode", "default")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "AOT_EAGER")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")  # what accelerate launch passes without --dynamo_mode
+    assert TorchDynamoPlugin().backend == DynamoBackend.AOT_EAGER
+    for flags in ([], ["--torch_compile"], ["--torch_compile_backend", "aot_eager"]):
+        config = parse("--zero_stage", "2", *flags).zero_engine_config
+        assert (config.compile, config.compile_backend, config.compile_mode) == (True, "aot_eager", None), flags
+    with pytest.raises(ZeroConfigError, match="--dynamo_backend aot_eager and --torch_compile_backend inductor "
                                               "disagree"):
-        parse("--zero_stage", "2", "--torch_compile_backend", "aot_eager")
+        parse("--zero_stage", "2", "--torch_compile_backend", "inductor")
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
     assert TorchDynamoPlugin().backend == DynamoBackend.NO
     assert not parse("--zero_stage", "2").zero_engine_config.compile
