@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections import Counter
 from typing import Any
 
@@ -49,6 +50,8 @@ def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: Check
     eager and the store compiles what the checkpoint runs: transformers calls the checkpoint inside the block's
     forward, and the checkpoint enters saved-tensor hooks there, which dynamo cannot trace."""
     backend = config.compile_backend or "inductor"
+    if backend == "inductor":
+        _inductor_cache_per_instruction_set()
     if activation_store is not None:
         activation_store.compile_with(functools.partial(torch.compile, backend=backend, mode=config.compile_mode))
     blocks, chosen_by = repeated_blocks(model, config.unit_module_classes)
@@ -78,6 +81,21 @@ def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: Check
         _on_rank0(logging.WARNING, "torch.compile: %s run%s eager: %s", shown, "s" if len(names) == 1 else "",
                   next(iter(eager.values())))
     return eager
+
+
+def _inductor_cache_per_instruction_set() -> None:
+    """inductor's cache on disk does not tell apart the instruction sets ATEN_CPU_CAPABILITY chooses: CPU kernels it
+    cached under AVX-512 and loaded under ATEN_CPU_CAPABILITY=avx2 gave NaN losses, and the other way a corrupted
+    heap (torch 2.13). So under ATEN_CPU_CAPABILITY each capability caches in a folder of its own, unless
+    TORCHINDUCTOR_CACHE_DIR names another folder than torch's default (which torch writes there itself as soon as
+    transformers' model code is imported)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{capability}"
+        _on_rank0(logging.INFO, "torch.compile: inductor caches under %s (ATEN_CPU_CAPABILITY=%s)",
+                  os.environ["TORCHINDUCTOR_CACHE_DIR"], capability)
 
 
 def _allow_a_graph_per_block(blocks: int) -> None:

@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
-    # The path with the most device-layer work, and FSDP2 as the reference beside it; each is a fresh process.
-    systems = ["stage3+cpu", "fsdp2"]
+    # The path with the most device-layer work, and FSDP2 (its blocks compiled) as the reference beside it; each is a
+    # fresh process.
+    systems = ["stage3+cpu", "fsdp2+compile"]
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_evidence", "--dry", "--out", str(tmp_path),
                            "--systems", *systems, "--steps", "1", "--profile", "stage3+cpu",
-                           "--memory_at_peak", "fsdp2"],  # a GPU's only: the option is taken, nothing recorded
+                           "--memory_at_peak", "fsdp2+compile"],  # a GPU's only: the option is taken, nothing recorded
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     evidence = json.loads((tmp_path / "evidence.json").read_text())

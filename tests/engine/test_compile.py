@@ -292,6 +292,21 @@ def test_a_model_without_blocks_is_compiled_whole_and_said(caplog):
     torch.testing.assert_close(engine(x), reference(x))
 
 
+def test_under_aten_cpu_capability_inductor_caches_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """inductor's cache does not tell the instruction sets apart: its AVX-512 kernels loaded under
+    ATEN_CPU_CAPABILITY=avx2 gave NaN losses (the inductor test above, run under each capability in turn). A folder
+    the user chose is left alone."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    engine_of(Blocks(Breaking), backend="inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "_avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    engine_of(Blocks(Breaking), backend="inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"compile": True, "compile_backend": "inductr"},
      "compile_backend 'inductr' is not a torch.compile backend torch "),
