@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import functools
 import hashlib
 import json
@@ -317,6 +318,9 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple,
             threads: int, environ: dict[str, str]) -> None:
     torch.set_num_threads(threads)
+    # A rank stopped because another failed (torch.multiprocessing sends SIGTERM) first prints every thread's stack:
+    # for a rank that hung, where it hung, beside the error the rank left waiting on it raised.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     os.environ.clear()  # the caller's environment, not the one a forkserver started with
     os.environ.update(environ)
     # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again, so that the
