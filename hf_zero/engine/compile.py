@@ -32,12 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_zero.runtime.comm import rank as global_rank
+from hf_zero.runtime.groups import log_on_rank0
 from hf_zero.settings.config import ZeroConfig
 from hf_zero.zero.activations import CheckpointStore
 from hf_zero.zero.stage3.discovery import repeated_blocks
 
-logger = logging.getLogger("hf_zero")
 # Kinds of call a block may see, each its own graph when its blocks cannot share one: training, evaluation, a
 # generation's prefill and its decoding steps.
 GRAPHS_PER_BLOCK = 4
@@ -56,14 +55,14 @@ def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: Check
         activation_store.compile_with(functools.partial(torch.compile, backend=backend, mode=config.compile_mode))
     blocks, chosen_by = repeated_blocks(model, config.unit_module_classes)
     if not blocks:
-        _on_rank0(logging.WARNING, "torch.compile: %s has no repeated blocks to compile one at a time; it is compiled "
-                  "whole, the engine's hooks on it outside the compiled code", type(model).__name__)
+        log_on_rank0(logging.WARNING, "torch.compile: %s has no repeated blocks to compile one at a time; it is "
+                     "compiled whole, the engine's hooks on it outside the compiled code", type(model).__name__)
         blocks, chosen_by = [("", model)], "the whole model"
     _allow_a_graph_per_block(len(blocks))
     if getattr(getattr(model, "config", None), "use_cache", False):
-        _on_rank0(logging.WARNING, "torch.compile: %s's config.use_cache is on, so in training every block indexes a "
-                  "KV cache by its layer and compiles a graph of its own; set model.config.use_cache = False for "
-                  "training (the Trainer does) and the blocks share one", type(model).__name__)
+        log_on_rank0(logging.WARNING, "torch.compile: %s's config.use_cache is on, so in training every block indexes "
+                     "a KV cache by its layer and compiles a graph of its own; set model.config.use_cache = False for "
+                     "training (the Trainer does) and the blocks share one", type(model).__name__)
     eager: dict[str, str] = {}
     said_breaks: set[tuple[str, str]] = set()
     for name, block in blocks:
@@ -71,15 +70,15 @@ def compile_blocks(model: nn.Module, config: ZeroConfig, activation_store: Check
             eager[name] = f"its {hooked[0]} has forward hooks of its own, which dynamo would trace into the graph"
             continue
         block.forward = _CompiledForward(name, block, backend, config.compile_mode, activation_store, said_breaks)
-    _on_rank0(logging.INFO, "torch.compile (backend %s%s): %d of %d blocks of %s compiled (chosen by %s)%s",
-              backend, f", mode {config.compile_mode}" if config.compile_mode else "", len(blocks) - len(eager),
-              len(blocks), type(model).__name__, chosen_by,
-              "; in training, inside ZeRO-R's checkpoints" if activation_store is not None else "")
+    log_on_rank0(logging.INFO, "torch.compile (backend %s%s): %d of %d blocks of %s compiled (chosen by %s)%s",
+                 backend, f", mode {config.compile_mode}" if config.compile_mode else "", len(blocks) - len(eager),
+                 len(blocks), type(model).__name__, chosen_by,
+                 "; in training, inside ZeRO-R's checkpoints" if activation_store is not None else "")
     if eager:  # one line for all: tensor parallelism's hooks make every block eager
         names = [name or type(model).__name__ for name in eager]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        _on_rank0(logging.WARNING, "torch.compile: %s run%s eager: %s", shown, "s" if len(names) == 1 else "",
-                  next(iter(eager.values())))
+        log_on_rank0(logging.WARNING, "torch.compile: %s run%s eager: %s", shown, "s" if len(names) == 1 else "",
+                     next(iter(eager.values())))
     return eager
 
 
@@ -94,8 +93,8 @@ def _inductor_cache_per_instruction_set() -> None:
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if capability and os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{capability}"
-        _on_rank0(logging.INFO, "torch.compile: inductor caches under %s (ATEN_CPU_CAPABILITY=%s)",
-                  os.environ["TORCHINDUCTOR_CACHE_DIR"], capability)
+        log_on_rank0(logging.INFO, "torch.compile: inductor caches under %s (ATEN_CPU_CAPABILITY=%s)",
+                     os.environ["TORCHINDUCTOR_CACHE_DIR"], capability)
 
 
 def _allow_a_graph_per_block(blocks: int) -> None:
@@ -140,11 +139,6 @@ class _CompiledForward:
         for reason, times in new.items():
             if (self.class_name, reason) not in self.said_breaks:
                 self.said_breaks.add((self.class_name, reason))
-                _on_rank0(logging.WARNING, "torch.compile: graph break in %s (%s, and every block of its class): %s"
-                          " (%d time(s) while compiling it)", self.name, self.class_name,
-                          " ".join(reason.split(" Hint:")[0].split()), times)
-
-
-def _on_rank0(level: int, message: str, *args: Any) -> None:
-    if global_rank() == 0:
-        logger.log(level, message, *args)
+                log_on_rank0(logging.WARNING, "torch.compile: graph break in %s (%s, and every block of its class): %s"
+                             " (%d time(s) while compiling it)", self.name, self.class_name,
+                             " ".join(reason.split(" Hint:")[0].split()), times)

@@ -8,8 +8,10 @@ of them, for `subgroup` and `device_mesh`): every rank calls these in the same o
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -21,6 +23,12 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def log_on_rank0(level: int, message: str, *args: Any) -> None:
+    """Logs once for the whole job, in rank 0's log: for what every rank decides alike."""
+    if rank() == 0:
+        logging.getLogger("hf_zero").log(level, message, *args)
 
 
 def subgroup(group: dist.ProcessGroup | None, ranks_of_each: list[list[int]]) -> dist.ProcessGroup:

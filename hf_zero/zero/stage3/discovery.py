@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from torch import nn
 
-from hf_zero.runtime.comm import rank as global_rank
+from hf_zero.runtime.groups import log_on_rank0
 
-logger = logging.getLogger("hf_zero")
+IN_MODULE_LISTS = "the children of its ModuleLists"  # what chose the blocks, when it was that
 
 
 def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[tuple[str, nn.Module]]:
@@ -24,19 +24,16 @@ def find_unit_modules(model: nn.Module, class_names: list[str] | None) -> list[t
                          f"unit_module_classes (--zero_unit_module_classes); its module classes are "
                          f"{_module_classes(model)}")
     if declared and chosen_by == IN_MODULE_LISTS:
-        _on_rank0(logging.WARNING, "%s's _no_split_modules %s match none of its modules: stage 3 gathers the "
-                  "children of its ModuleLists one at a time instead; name the block classes with unit_module_classes "
-                  "(--zero_unit_module_classes) to choose", type(model).__name__, declared)
+        log_on_rank0(logging.WARNING, "%s's _no_split_modules %s match none of its modules: stage 3 gathers the "
+                     "children of its ModuleLists one at a time instead; name the block classes with "
+                     "unit_module_classes (--zero_unit_module_classes) to choose", type(model).__name__, declared)
     if not units:
-        _on_rank0(logging.WARNING, "%s has no blocks stage 3 can gather one at a time (no _no_split_modules, no "
-                  "ModuleList): it is one unit, and every rank holds all of it while it computes. Name its block "
-                  "classes with unit_module_classes (--zero_unit_module_classes) to cut it", type(model).__name__)
+        log_on_rank0(logging.WARNING, "%s has no blocks stage 3 can gather one at a time (no _no_split_modules, no "
+                     "ModuleList): it is one unit, and every rank holds all of it while it computes. Name its block "
+                     "classes with unit_module_classes (--zero_unit_module_classes) to cut it", type(model).__name__)
     else:
         _say_units(model, units, chosen_by)
     return units
-
-
-IN_MODULE_LISTS = "the children of its ModuleLists"
 
 
 def repeated_blocks(model: nn.Module, class_names: list[str] | None) -> tuple[list[tuple[str, nn.Module]], str]:
@@ -86,14 +83,8 @@ def _outermost(model: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[tu
 
 def _say_units(model: nn.Module, units: list[tuple[str, nn.Module]], chosen_by: str) -> None:
     classes = sorted({type(m).__name__ for _, m in units})
-    _on_rank0(logging.INFO, "stage 3 cuts %s into %d units of %s (chosen by %s) and a root unit of the rest",
-              type(model).__name__, len(units), ", ".join(classes), chosen_by)
-
-
-def _on_rank0(level: int, message: str, *args: Any) -> None:
-    """Logs once for the whole job: every rank cuts the same model the same way."""
-    if global_rank() == 0:
-        logger.log(level, message, *args)
+    log_on_rank0(logging.INFO, "stage 3 cuts %s into %d units of %s (chosen by %s) and a root unit of the rest",
+                 type(model).__name__, len(units), ", ".join(classes), chosen_by)
 
 
 def units_using_each_param(model: nn.Module, unit_names: list[str]) -> dict[int, set[str]]:
