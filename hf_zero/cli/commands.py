@@ -284,6 +284,27 @@ def _estimate(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from hf_zero.cli import plan
+
+    parser = Parser(prog="hf-zero plan", description=plan.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_arguments(parser, _nproc, _typed(_size_in_bytes))
+    args = parser.parse_args(argv)
+    problem = plan.check(args)
+    if problem:
+        parser.error(problem)
+    try:
+        return plan.run(args)
+    except ValueError as error:
+        parser.error(f"--model: {error}" if "--" not in str(error) else str(error))
+
+
+def _size_in_bytes(text: str) -> int:
+    from hf_zero.cli.estimate import parse_bytes
+
+    return parse_bytes(text)
+
+
 def _build_ops(argv: list[str]) -> int:
     from hf_zero.ops import build
 
@@ -341,6 +362,8 @@ COMMANDS = {
     "train": (_train, "train a small GPT-2 with ZeRO on a local text (the main job)"),
     "run": (_run, "run an unmodified Hugging Face Trainer script with --zero_* flags"),
     "estimate": (_estimate, "memory per device for a model under each ZeRO stage (the paper's accounting)"),
+    "plan": (_plan, "dry-run the engine at any world size: memory per rank, traffic per link, the fastest setting "
+                    "that fits"),
     "consolidate": (_consolidate, "write a checkpoint's weights as a transformers folder (streaming)"),
     "build-ops": (_build_ops, "compile the C++ kernels (csrc/: CPU Adam, quantization) now instead of on first use"),
 }

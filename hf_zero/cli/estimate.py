@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 
 import model_zoo
+from hf_zero.plan.models import is_zoo_model, model_config
 from hf_zero.runtime.memory import BYTES_PER_ELEMENT, model_state_bytes
 from hf_zero.settings.config import ZeroConfig, offload_conflict
 
@@ -108,25 +109,6 @@ def nvme_bytes(psi: int, setting: Setting, dtype: str = "bf16") -> float:
     if setting.offload_param == "nvme":
         on_nvme += states["parameters"]
     return on_nvme
-
-
-def is_zoo_model(model: str) -> bool:
-    return model in model_zoo.list()
-
-
-@lru_cache(maxsize=8)
-def model_config(model: str) -> Any:
-    """The config of a model_zoo name, a local folder, or a model id in the Hugging Face cache (never
-    downloaded: the estimate runs before any machine is rented, possibly offline)."""
-    if is_zoo_model(model):
-        return model_zoo.config(model)
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{model!r} is neither a model_zoo name ({', '.join(sorted(model_zoo.list()))}) nor a folder "
-                         f"or cached Hub model with a config.json: {str(error).splitlines()[0]}") from None
 
 
 @lru_cache(maxsize=8)

@@ -28,6 +28,7 @@ from hf_zero.optim.precision import LossScaler
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.comm import rank as global_rank
 from hf_zero.runtime.device import compute_device
+from hf_zero.runtime.trace import spanned
 from hf_zero.settings.config import ZeroConfig, ZeroConfigError, check_compile_backend
 from hf_zero.settings.environment import processes_per_node
 from hf_zero.zero import activations
@@ -153,6 +154,7 @@ def sync_module_states(model: nn.Module, comm: Communicator, init_from: Any) -> 
     return None
 
 
+@spanned("partition_parameters")
 def apply_partitioning(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], config: ZeroConfig,
                        comm: Communicator, init_from: Any, build_device: torch.device | None) -> ParamHolder:
     """3. The stage's parameter holder; the parameters become compute-dtype views of its buffers. A model
@@ -164,6 +166,7 @@ def apply_partitioning(model: nn.Module, groups: list[list[tuple[str, nn.Paramet
 
 
 @torch.no_grad()
+@spanned("partition_parameters")
 def apply_precision(model: nn.Module, params: ParamHolder, dtype: torch.dtype) -> None:
     """4. Frozen parameters and the floating buffers of the state dict follow the compute dtype, as a model
     transformers builds in that dtype has them. Buffers a module computes for itself (non-persistent: RoPE's
@@ -178,6 +181,7 @@ def apply_precision(model: nn.Module, params: ParamHolder, dtype: torch.dtype) -
                 setattr(m, name, b.to(dtype))
 
 
+@spanned("shard_optimizer")
 def apply_optimizer(optimizer: torch.optim.Optimizer, params: ParamHolder, config: ZeroConfig, comm: Communicator,
                     scaler: LossScaler, tp_comm: Communicator | None) -> ShardedOptimizer:
     """5. The user's optimizer, re-targeted at this rank's chunks through the update backend of where its

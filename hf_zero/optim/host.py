@@ -25,6 +25,7 @@ from hf_zero.runtime.device import (
     copy_to_device,
     host_buffers_for_good,
     host_memory_empty,
+    timeline,
 )
 from hf_zero.runtime.trace import spanned
 from hf_zero.settings.environment import cpu_adam_threads
@@ -85,7 +86,7 @@ class HostAdam:
     def __init__(self, optimizer: torch.optim.Optimizer, adamw_mode: dict[int, bool], beside_the_device: bool) -> None:
         """`beside_the_device`: the steps run while another thread drives the device (a delayed update)."""
         self.optimizer, self.adamw_mode = optimizer, adamw_mode
-        self.kernel = cpu_adam_kernel()
+        self.kernel = cpu_adam_kernel() if timeline().host_kernels else None
         self.threads = offloaded_step_threads("the CPU Adam", beside_the_device)
 
     @torch.no_grad()

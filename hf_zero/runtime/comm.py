@@ -139,6 +139,9 @@ class Communicator:
         # rank's slice in place and reducing each chunk to its owner in place move the same bytes with none
         # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
         self.per_rank_pieces = backend == "gloo"
+        # torch's fake process group (a plan's simulated world) moves nothing: every rank is taken to have sent
+        # what this one sends.
+        self.simulated = backend == "fake"
         self.subgroups: dict[tuple[tuple[int, ...], ...], Communicator] = {}
         if self.world_size > 1:
             start_heartbeat()
@@ -233,6 +236,9 @@ class Communicator:
                     outputs[0], inputs[0], group=self.group, async_op=async_op), async_op, inputs, outputs)
 
             def launch_grouped() -> _Pieces:
+                if self.simulated:  # the fake group has no coalesced all-gather; the bytes sent are the same
+                    return _Pieces([dist.all_gather_single(output, input, group=self.group, async_op=True)
+                                    for output, input in zip(outputs, inputs)], lambda: None, async_op)
                 with dist._coalescing_manager(self.group, async_ops=async_op) as grouped:
                     for output, input in zip(outputs, inputs):
                         dist.all_gather_single(output, input, group=self.group)
@@ -294,6 +300,9 @@ class Communicator:
         Not recorded: the ledger counts model-state traffic, the quantity the paper accounts for."""
         if self.world_size == 1:
             return [obj]
+        if self.simulated:
+            self._launch("all_gather_object", None, lambda: None)
+            return [obj] * self.world_size
         gathered: list[Any] = [None] * self.world_size
         self._launch("all_gather_object", None, lambda: dist.all_gather_object(gathered, obj, group=self.group))
         return gathered

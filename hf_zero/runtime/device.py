@@ -31,7 +31,7 @@ import ctypes
 import importlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,13 @@ def compute_device() -> torch.device:
     """Where this process computes: its accelerator (chosen by `use_local_accelerator`), else the host. Ranks
     of a gloo process group compute on the host even beside a GPU (`--use_cpu`, local test ranks): their
     collectives run on host tensors, and several of them would otherwise share, or look for, one GPU."""
-    if not has_accelerator() or (dist.is_initialized() and dist.get_backend() == "gloo"):
+    if not has_accelerator() or (dist.is_initialized() and dist.get_backend() in HOST_BACKENDS):
         return HOST
     return torch.device("cuda", torch.cuda.current_device())
+
+
+# Process groups whose collectives take host tensors: gloo's, and torch's fake one (a simulated world: `hf-zero plan`).
+HOST_BACKENDS = ("gloo", "fake")
 
 
 def use_local_accelerator(local_rank: int) -> None:
@@ -63,6 +67,7 @@ def use_local_accelerator(local_rank: int) -> None:
 # ---- the timeline in force ----------------------------------------------------------------------
 _CUDA = Cuda()
 _simulated: Timeline | None = None  # the simulated GPU's timeline, once installed (`install`)
+_in_force: Timeline | None = None  # a timeline put in force from outside for a while (`timeline_in_force`)
 
 
 def install(simulated: Timeline | None) -> None:
@@ -72,10 +77,25 @@ def install(simulated: Timeline | None) -> None:
     _simulated = simulated
 
 
+@contextlib.contextmanager
+def timeline_in_force(line: Timeline) -> Iterator[None]:
+    """Device work inside goes to `line`, whatever the machine: how a plan's simulated rank (hf_zero.plan) counts
+    what the engine allocates where, on a machine that may have no accelerator."""
+    global _in_force
+    before, _in_force = _in_force, line
+    try:
+        yield
+    finally:
+        _in_force = before
+
+
 def timeline() -> Timeline:
-    """The timeline device work goes to now: the simulated GPU's while HF_ZERO_SIMULATE_ASYNC is set, else CUDA's
-    beside an accelerator, else the CPU's. The simulated GPU is installed at the first device work under the
-    variable (a rank's start, a spawned rank's, a test's), through this, the one place the runtime names it."""
+    """The timeline device work goes to now: one put in force (`timeline_in_force`), else the simulated GPU's while
+    HF_ZERO_SIMULATE_ASYNC is set, else CUDA's beside an accelerator, else the CPU's. The simulated GPU is installed
+    at the first device work under the variable (a rank's start, a spawned rank's, a test's), through this, the one
+    place the runtime names it."""
+    if _in_force is not None:
+        return _in_force
     if simulation() is None:
         return _CUDA if has_accelerator() else IMMEDIATE
     if _simulated is None:

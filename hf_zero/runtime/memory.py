@@ -48,10 +48,15 @@ def memory_left(device: "torch.device", ranks_on_node: int) -> tuple[int, str]:
     """The bytes this rank can still take where `device` holds its tensors, and where that figure comes from. On a
     GPU: what the driver reports free, plus what torch's allocator holds unused, less what the steps so far took
     beyond what is allocated now (their peak comes back at the next step). On a CPU: the host memory available,
-    shared by the `ranks_on_node` processes of this node."""
+    shared by the `ranks_on_node` processes of this node. A plan's timeline says what its simulated device has left."""
     import psutil
     import torch
 
+    from hf_zero.runtime.device import timeline
+
+    planned = timeline().memory_left()
+    if planned is not None:
+        return planned
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         left = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)

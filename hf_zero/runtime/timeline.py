@@ -77,6 +77,9 @@ class Timeline:
     early = False
     # Whether device memory is apart from the host's though both are the CPU's: host tensors are then always copied.
     separate_memory = False
+    # Whether tensors hold memory the host's C++ kernels can read (CPU Adam): not a plan's, whose tensors have a
+    # size and no memory (hf_zero.plan); torch's own ops stand in for the kernels there.
+    host_kernels = True
 
     # ---- events and streams
     def record(self, device: torch.device) -> Event:
@@ -129,6 +132,11 @@ class Timeline:
 
     def reset_pinned_peak(self) -> None:
         """The peak `pinned_bytes` reports starts again from what is pinned now."""
+
+    def memory_left(self) -> tuple[int, str] | None:
+        """The bytes the device has left and where that figure comes from, where the timeline knows (a plan's
+        simulated device); None: the machine's own (hf_zero.runtime.memory.memory_left)."""
+        return None
 
     def released(self, tensor: torch.Tensor, what: str) -> None:
         """`tensor`'s memory is about to go back to the allocator (`what` gives it back)."""

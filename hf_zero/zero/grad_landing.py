@@ -35,6 +35,7 @@ from hf_zero.runtime.device import (
     to_device,
     to_host,
 )
+from hf_zero.runtime.trace import span
 from hf_zero.zero.partition import FlatParamBuffer, allocate_storage, release_storage
 from hf_zero.zero.reducer import BucketKey, BucketReduction
 from hf_zero.zero.update_files import GradientFiles
@@ -58,7 +59,9 @@ class GradLanding(ABC):
         self.flat_params, self.dtype = flat_params, dtype
         self.measure, self.recycle = measure, recycle
         numels = [sum(b.chunk_numel for b in flat.buckets) for flat in flat_params]
-        self.shard_sets = [self._new_shards(numels) for _ in range(2 if double_buffered and self.double_buffers else 1)]
+        with span("grad_shards"):
+            self.shard_sets = [self._new_shards(numels)
+                               for _ in range(2 if double_buffered and self.double_buffers else 1)]
         self._use_shards(0)
 
     @abstractmethod

@@ -1,0 +1,173 @@
+"""`hf-zero plan`: which setting fits, and how fast it runs, before any GPU is rented. The engine's own code runs as
+the target world's ranks on this CPU (hf_zero.plan), and the plan reports each rank's memory at the step's peak by
+kind, the bytes it sends over intra-node and inter-node links, and a modelled step time. Without --zero_stage (or
+with auto) it picks the fastest setting that fits among stages, CPU offload, hpZ, checkpointing and micro-batches,
+and lists the candidates with why each lost. GB = 1e9 bytes."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+from hf_zero.plan.machine import GB, KEYS, Machine
+
+if TYPE_CHECKING:
+    from hf_zero.plan.planner import Candidate, Plan
+    from hf_zero.plan.simulate import Job
+
+
+def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> None:
+    parser.add_argument("--model", required=True, help="a model_zoo name (python -c 'import model_zoo; "
+                        "print(model_zoo.list())'), or a folder or cached Hub model with a config.json")
+    parser.add_argument("--nodes", type=count, default=1, help="machines (default 1)")
+    parser.add_argument("--gpus_per_node", type=count, default=8, help="GPUs on each machine (default 8)")
+    parser.add_argument("--gpu_memory", type=size, default="80GB", help="memory of each GPU (default 80GB)")
+    parser.add_argument("--host_memory", type=size, default="1000GB", help="host memory of each machine "
+                        "(default 1000GB)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--seq_len", type=count, help="tokens per sequence (default: the model's longest, at most "
+                        "1024)")
+    parser.add_argument("--micro_batch", type=count, help="sequences per GPU per step (default: the largest that "
+                        "fits, up to --max_micro_batch)")
+    parser.add_argument("--max_micro_batch", type=count, default=64)
+    parser.add_argument("--zero_stage", choices=("auto", "0", "1", "2", "3"), default="auto")
+    parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu"), default="auto")
+    parser.add_argument("--offload_param", choices=("auto", "none", "cpu"), default="auto")
+    parser.add_argument("--hpz_partition_size", type=count, help="ZeRO++ hpZ at stage 3 (default: 1, or a node's "
+                        "GPUs when that is faster)")
+    parser.add_argument("--gradient_checkpointing", choices=("auto", "true", "false"), default="auto")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    machine = parser.add_argument_group("the machine's speed (the step-time model; defaults: A100 nodes)")
+    for f in fields(Machine):
+        if f.name not in ("gpu_memory", "host_memory"):
+            machine.add_argument(f"--{f.name}", type=float, default=f.default, help=f"(default {f.default})")
+
+
+def fixed_settings(args: argparse.Namespace) -> dict:
+    fixed: dict = {}
+    if args.zero_stage != "auto":
+        fixed["zero_stage"] = int(args.zero_stage)
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(args, key) != "auto":
+            fixed[key] = getattr(args, key)
+    if args.hpz_partition_size is not None:
+        fixed["hpz_partition_size"] = args.hpz_partition_size
+    if args.gradient_checkpointing != "auto":
+        fixed["gradient_checkpointing"] = args.gradient_checkpointing == "true"
+    if args.micro_batch is not None:
+        fixed["micro_batch"] = args.micro_batch
+    return fixed
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """The first flag that cannot be planned, said as a sentence naming it; None when all can."""
+    if args.hpz_partition_size is not None and args.hpz_partition_size > 1:
+        if args.zero_stage not in ("3", "auto"):
+            return f"--hpz_partition_size needs --zero_stage 3; got {args.zero_stage}"
+        if args.gpus_per_node % args.hpz_partition_size:
+            return (f"--hpz_partition_size must divide --gpus_per_node ({args.gpus_per_node}); got "
+                    f"{args.hpz_partition_size}")
+    if args.offload_param == "cpu" and args.zero_stage not in ("3", "auto"):
+        return f"--offload_param cpu needs --zero_stage 3; got {args.zero_stage}"
+    if args.offload_optimizer == "cpu" and args.zero_stage == "0":
+        return "--offload_optimizer cpu needs --zero_stage 1, 2 or 3; got 0"
+    if args.offload_param == "cpu" and args.offload_optimizer == "none":
+        return "--offload_param cpu is planned with --offload_optimizer cpu; got --offload_optimizer none"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_zero.plan.models import model_config
+    from hf_zero.plan.planner import choose, distinct_ranks, plan
+    from hf_zero.plan.simulate import Job, Setting
+
+    config = model_config(args.model)
+    longest = next((getattr(c, k) for c in (config, config.get_text_config()) for k in
+                    ("n_positions", "max_position_embeddings") if getattr(c, k, None)), 1024)
+    seq_len = args.seq_len or min(1024, longest)
+    if seq_len > longest:
+        raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
+    job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory)
+    machine = Machine(args.gpu_memory, args.host_memory,
+                      **{f.name: getattr(args, f.name) for f in fields(Machine)
+                         if f.name not in ("gpu_memory", "host_memory")})
+    fixed = fixed_settings(args)
+    say = (lambda line: None) if args.json else (lambda line: print(f"  {line}", flush=True))
+    if {"zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "micro_batch"} <= fixed.keys():
+        setting = Setting(fixed["zero_stage"], fixed["offload_optimizer"], fixed["offload_param"],
+                          fixed["micro_batch"], fixed["gradient_checkpointing"], fixed.get("hpz_partition_size", 1))
+        say(f"simulating {setting} at ranks {distinct_ranks(job)}")
+        chosen, candidates = plan(job, setting, machine), []
+    else:
+        chosen, candidates = choose(job, machine, fixed, args.max_micro_batch, say)
+    if args.json:
+        print(json.dumps({**(chosen.as_json() if chosen else {"fits": False}),
+                          "candidates": [{"setting": str(c.setting), "outcome": c.outcome} for c in candidates]},
+                         indent=2))
+    else:
+        print(report(job, machine, chosen, candidates))
+    return 0 if chosen is not None and chosen.fits else 1
+
+
+def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Candidate]) -> str:
+    from hf_zero.plan.planner import projected_tokens_per_second
+
+    lines = [f"{job.model} on {job.nodes} node(s) x {job.gpus_per_node} GPU(s) of {machine.gpu_memory / GB:g} GB, "
+             f"{job.dtype}, {job.seq_len} tokens a sequence"]
+    if candidates:
+        lines += ["", "Candidates: memory at micro-batch 1 (or the one given) on rank 0; tokens/s projected at the "
+                  "candidate's micro-batch", "",
+                  "| candidate | device GB at peak | host GB a node | tokens/s per GPU | outcome |",
+                  "|---|---|---|---|---|"]
+        for c in candidates:
+            p = c.plan
+            lines.append(f"| {c.setting} | {p.busiest.device_peak / GB:.3g} | "
+                         f"{p.busiest.host_peak * job.gpus_per_node / GB:.3g} | "
+                         f"{projected_tokens_per_second(c):,.0f} | {c.outcome} |" if p else
+                         f"| {c.setting} | | | | {c.outcome} |")
+    if chosen is None:
+        lines += ["", "nothing fits: " + _what_would(job, machine, candidates)]
+        return "\n".join(lines)
+    rank = chosen.busiest
+    lines += ["", f"{'chosen' if candidates else 'planned'}: {chosen.setting} "
+              f"({'fits' if chosen.fits else 'does not fit'})",
+              f"Ψ = {rank.params / 1e9:.3f}B parameters; rank {rank.rank} (of ranks {[r.rank for r in chosen.ranks]} "
+              f"simulated) at the step's peak:",
+              "| where | " + " | ".join(KEYS) + " | total |", "|---|" + "---|" * (len(KEYS) + 1)]
+    for where, held in (("device", rank.device), ("host", rank.host)):
+        lines.append(f"| {where} | " + " | ".join(f"{held[k] / GB:.3g}" for k in KEYS) +
+                     f" | {sum(held.values()) / GB:.3g} |")
+    traffic = chosen.traffic()
+    seconds = chosen.step_seconds
+    lines += [f"sent per step by the busiest rank: intra-node {traffic['intra-node'] / GB:.3g} GB, inter-node "
+              f"{traffic['inter-node'] / GB:.3g} GB",
+              f"step: {seconds['total']:.3f} s (compute {seconds['compute']:.3f}, network {seconds['network']:.3f}, "
+              f"copies {seconds['copies']:.3f}, host {seconds['host']:.3f}; nothing overlapped), "
+              f"{chosen.tokens_per_second:,.0f} tokens/s per GPU"]
+    if not chosen.fits:
+        lines.append("does not fit: " + _what_would(job, machine, [chosen]))
+    return "\n".join(lines)
+
+
+def _what_would(job: Job, machine: Machine, candidates: list) -> str:
+    """What would make the least-memory simulated candidate (a Candidate or a Plan) fit."""
+    probes = [getattr(c, "plan", c) for c in candidates if getattr(c, "plan", c) is not None]
+    if not probes:
+        return "no candidate could be simulated"
+    least = min(probes, key=lambda p: p.busiest.device_peak)
+    rank = least.busiest
+    states = sum(rank.at_rest["device"][k] for k in KEYS[:3])
+    needs = []
+    if least.busiest.device_peak > machine.gpu_memory:
+        if states > machine.gpu_memory:
+            needs.append(f"more GPUs: its model states alone take {states / GB:.1f} GB of each GPU's "
+                         f"{machine.gpu_memory / GB:g} GB at {job.world_size} GPUs, and stage 3 divides them by the "
+                         f"GPU count")
+        else:
+            needs.append(f"a shorter sequence or checkpointing: activations and temporaries take "
+                         f"{(rank.device['activations'] + rank.device['other']) / GB:.1f} GB of the "
+                         f"{least.busiest.device_peak / GB:.1f} GB peak")
+    if not least.fits_host:
+        needs.append(f"more host memory: {rank.host_peak * job.gpus_per_node / GB:.1f} GB a node")
+    return f"the least-memory candidate ({least.setting}) needs " + "; or ".join(needs)

@@ -1,0 +1,243 @@
+"""A plan: a setting's memory per rank and traffic per link from the simulated ranks (hf_zero.plan.simulate), its
+step time from a model of the machine (`Machine`), and, when the stage is left open, the fastest setting that fits.
+
+Ranks differ only where their shards or links do: the last rank holds its partitions' padding, and the last rank of
+a node sends its ring traffic across the node boundary. `distinct_ranks` simulates rank 0, the last of node 0 and
+the last of the world; every other rank holds and sends what one of them does (a test simulates all 16 ranks of
+2 x 8 to show it).
+
+The step time, per rank, with nothing overlapped (an upper bound; overlap is what the engine's streams buy back):
+
+    compute   the forward's and backward's FLOPs, counted by torch's FlopCounterMode on the step itself
+              (recomputation included), at gpu_tflops x mfu
+    network   the bytes this rank sent over intra-node and inter-node links (the ledger's), at each link's bandwidth
+    copies    the bytes copied between the device and the host (offload), at the PCIe bandwidth
+    host      the optimizer's step on the host (offload_optimizer cpu): its parameters x cpu_adam_ns
+
+The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from hf_zero.plan.machine import GB, KEYS, Machine
+from hf_zero.plan.simulate import Job, RankStep, Setting, simulate_rank
+from hf_zero.settings.config import offload_conflict
+
+
+@dataclass
+class Plan:
+    job: Job
+    setting: Setting
+    machine: Machine
+    ranks: list[RankStep]
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def busiest(self) -> RankStep:
+        """The simulated rank with the highest device peak (the one that decides whether the setting fits)."""
+        return max(self.ranks, key=lambda r: (r.device_peak, r.host_peak))
+
+    @property
+    def fits_device(self) -> bool:
+        return self.busiest.device_peak <= self.machine.gpu_memory
+
+    @property
+    def fits_host(self) -> bool:
+        return max(r.host_peak for r in self.ranks) * self.job.gpus_per_node <= self.machine.host_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Per GPU."""
+        return self.setting.micro_batch * self.job.seq_len / self.step_seconds["total"]
+
+    def traffic(self) -> dict[str, int]:
+        """The most bytes any simulated rank sent per step over each kind of link."""
+        return {span: max(r.sent.get(span, 0) for r in self.ranks) for span in ("intra-node", "inter-node")}
+
+    def as_json(self) -> dict:
+        rank = self.busiest
+        return {
+            "setting": {"zero_stage": self.setting.zero_stage, "offload_optimizer": self.setting.offload_optimizer,
+                        "offload_param": self.setting.offload_param, "micro_batch": self.setting.micro_batch,
+                        "gradient_checkpointing": self.setting.gradient_checkpointing,
+                        "hpz_partition_size": self.setting.hpz_partition_size},
+            "model": self.job.model, "params": rank.params, "nodes": self.job.nodes,
+            "gpus_per_node": self.job.gpus_per_node, "seq_len": self.job.seq_len, "dtype": self.job.dtype,
+            "per_rank": {
+                "rank": rank.rank,
+                "device": {**{k: rank.device[k] for k in KEYS}, "peak": rank.device_peak},
+                "host": {**{k: rank.host[k] for k in KEYS}, "peak": max(r.host_peak for r in self.ranks)},
+                "model_states_at_rest": {k: rank.at_rest["device"][k] for k in KEYS[:3]},
+            },
+            "traffic_per_step": {"intra_node": self.traffic()["intra-node"],
+                                 "inter_node": self.traffic()["inter-node"]},
+            "step_seconds": self.step_seconds, "tokens_per_second_per_gpu": self.tokens_per_second,
+            "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host,
+            "gpu_memory": self.machine.gpu_memory, "host_memory": self.machine.host_memory,
+        }
+
+
+def distinct_ranks(job: Job) -> list[int]:
+    return sorted({0, job.gpus_per_node - 1, job.world_size - 1})
+
+
+def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -> dict[str, float]:
+    compute = rank.flops / (machine.gpu_tflops * 1e12 * machine.mfu)
+    network = (rank.sent.get("intra-node", 0) / (machine.intra_node_gbps * GB)
+               + rank.sent.get("inter-node", 0) / (machine.inter_node_gbps * GB))
+    copies = sum(rank.copied.values()) / (machine.pcie_gbps * GB)
+    host = (rank.params / job.world_size * machine.cpu_adam_ns * 1e-9
+            if setting.offload_optimizer != "none" else 0.0)
+    return {"compute": compute, "network": network, "copies": copies, "host": host,
+            "total": compute + network + copies + host}
+
+
+def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None = None) -> Plan:
+    """`setting` simulated at each distinct rank of `job` (or at `ranks`)."""
+    simulated = [simulate_rank(job, setting, r) for r in (ranks if ranks is not None else distinct_ranks(job))]
+    result = Plan(job, setting, machine, simulated)
+    result.step_seconds = max((step_seconds(job, setting, machine, r) for r in simulated),
+                              key=lambda s: s["total"])
+    return result
+
+
+# ---- choosing -------------------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    setting: Setting
+    plan: Plan | None = None  # None: not simulated
+    outcome: str = ""  # "chosen", or why it lost
+
+
+def _bases(job: Job, fixed: dict) -> list[Setting]:
+    """Stage, offload and hpZ combinations to consider, fastest-looking first, within what `fixed` fixes."""
+    hpz_sizes = [1] + ([job.gpus_per_node] if job.nodes > 1 and job.gpus_per_node > 1 else [])
+    bases = []
+    for stage in (0, 1, 2, 3):
+        for opt, param in (("none", "none"), ("cpu", "none"), ("cpu", "cpu")):
+            for hpz in hpz_sizes if stage == 3 else [1]:
+                base = Setting(stage, opt, param, hpz_partition_size=hpz)
+                if offload_conflict(stage, opt, param) is None and all(
+                        getattr(base, k) == v for k, v in fixed.items() if k in ("zero_stage", "offload_optimizer",
+                                                                                  "offload_param",
+                                                                                  "hpz_partition_size")):
+                    bases.append(base)
+    return bases
+
+
+def _largest_micro_batch(probe: Plan, machine: Machine, limit: int) -> int:
+    """The largest power-of-two micro-batch, up to `limit`, whose device peak fits, taking activations (and the
+    backward's other temporaries) to grow with the micro-batch from the probe's at micro-batch 1."""
+    rank = probe.busiest
+    growing = rank.device["activations"] + rank.device["other"]
+    fixed = rank.device_peak - growing
+    best, m = 0, 1
+    while m <= limit and fixed + m * growing <= machine.gpu_memory:
+        best, m = m, m * 2
+    return best
+
+
+def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
+           say: callable = lambda line: None) -> tuple[Plan | None, list[Candidate]]:
+    """The fastest setting (tokens per second per GPU) that fits, among stages, offloads, hpZ, checkpointing and
+    micro-batches not `fixed`; and every candidate considered with its outcome. Each candidate is simulated at
+    rank 0 and micro-batch 1 (or the fixed one), the largest fitting micro-batch taken from how its activations
+    grow; the winner is simulated again at every distinct rank with its micro-batch, stepping the micro-batch down
+    until it fits there too. Skipped without simulation, saying why: an offloaded variant where a setting with less
+    offload already fits; checkpointing where the setting's model states alone (measured) exceed the device."""
+    candidates: list[Candidate] = []
+    fixed_micro = fixed.get("micro_batch")
+    checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
+    fits_with_less_offload: set[tuple] = set()
+    for base in _bases(job, fixed):
+        for ckpt in checkpointing:
+            setting = replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
+            candidate = Candidate(setting)
+            candidates.append(candidate)
+            key = (base.zero_stage, base.hpz_partition_size, ckpt)
+            if base.offload_optimizer != "none" and key in fits_with_less_offload:
+                candidate.outcome = ("not simulated: fits with less offload; offloading more only adds host time "
+                                     "and copies")
+                continue
+            if ckpt and len(checkpointing) > 1:
+                uncheckpointed = next(c for c in candidates if c.setting == replace(setting,
+                                                                                    gradient_checkpointing=False))
+                states = uncheckpointed.plan.busiest.at_rest["device"] if uncheckpointed.plan else None
+                if states is not None and sum(states[k] for k in KEYS[:3]) > machine.gpu_memory:
+                    candidate.outcome = "not simulated: its model states alone exceed the device"
+                    continue
+            say(f"simulating {setting}")
+            candidate.plan = plan(job, setting, machine, ranks=[0])
+            if candidate.plan.fits_device:
+                fits_with_less_offload.add(key)
+    for candidate in candidates:
+        if candidate.plan is None:
+            continue
+        probe = candidate.plan
+        if not probe.fits_host:
+            candidate.outcome = (f"host memory: {probe.busiest.host_peak * job.gpus_per_node / GB:.1f} GB a node, "
+                                 f"more than {machine.host_memory / GB:.0f} GB")
+        elif fixed_micro is None:
+            m = _largest_micro_batch(probe, machine, max_micro_batch)
+            if m == 0:
+                candidate.outcome = _over(probe)
+            else:
+                candidate.setting = replace(candidate.setting, micro_batch=m)
+        elif not probe.fits_device:
+            candidate.outcome = _over(probe)
+    viable = [c for c in candidates if c.plan is not None and not c.outcome]
+    verified: dict[int, Plan] = {}  # id(candidate) -> its plan at every distinct rank, once checked
+    chosen: Candidate | None = None
+    while viable:
+        best = max(viable, key=lambda c: verified[id(c)].tokens_per_second if id(c) in verified
+                   else projected_tokens_per_second(c))
+        if id(best) in verified:  # checked, and still the fastest
+            chosen = best
+            break
+        fitting = _verify(job, best.setting, machine, fixed_micro is None, say)
+        if fitting is None:
+            best.outcome = "does not fit at every distinct rank, even at micro-batch 1"
+            viable.remove(best)
+            continue
+        best.setting, verified[id(best)] = fitting.setting, fitting
+    if chosen is None:
+        return None, candidates
+    chosen.outcome, result = "chosen", verified[id(chosen)]
+    for candidate in viable:
+        if candidate is not chosen:
+            speed = verified[id(candidate)].tokens_per_second if id(candidate) in verified else \
+                projected_tokens_per_second(candidate)
+            candidate.outcome = f"slower: {speed:,.0f} tokens/s per GPU against {result.tokens_per_second:,.0f}"
+    return result, candidates
+
+
+def _verify(job: Job, setting: Setting, machine: Machine, halve: bool, say: callable) -> Plan | None:
+    """`setting` planned at every distinct rank, its micro-batch halved (where not fixed) until it fits there."""
+    while setting.micro_batch >= 1:
+        say(f"checking {setting} at ranks {distinct_ranks(job)}")
+        result = plan(job, setting, machine)
+        if result.fits:
+            return result
+        if not halve:
+            return None
+        setting = replace(setting, micro_batch=setting.micro_batch // 2)
+    return None
+
+
+def _over(probe: Plan) -> str:
+    return (f"device memory: {probe.busiest.device_peak / GB:.1f} GB at micro-batch {probe.setting.micro_batch}, "
+            f"more than {probe.machine.gpu_memory / GB:.0f} GB")
+
+
+def projected_tokens_per_second(candidate: Candidate) -> float:
+    """The probe's step at the candidate's micro-batch: compute grows with it, traffic and the host's step do not."""
+    probe = candidate.plan
+    seconds = dict(probe.step_seconds)
+    scale = candidate.setting.micro_batch / probe.setting.micro_batch
+    total = seconds["compute"] * scale + seconds["network"] + seconds["copies"] + seconds["host"]
+    return candidate.setting.micro_batch * probe.job.seq_len / total

@@ -1,0 +1,221 @@
+"""One rank of a training job, simulated: the engine's own code (initialize, then two steps of forward, backward and
+optimizer step) run as one rank of a world of any size, on one CPU, holding no memory.
+
+- The world is torch's fake process group at the target size (`simulated_world`): this process is one rank of it,
+  every collective returns at once, and the ledger counts what the rank sends over intra-node and inter-node links.
+- Tensors are fake (torch's FakeTensorMode): they have sizes and no memory, so a 175B model fits in a few hundred
+  MiB of host memory. A value the engine reads back from the device (the ranks' unused-parameter flags, the gradient
+  norm) reads as 1: every parameter used, gradients finite.
+- The device layer's timeline is the plan's (hf_zero.plan.timeline): host memory it hands out is the host's, the
+  rest the device's, and every collective is recorded with its group.
+- Memory is counted as tensors are made and freed (hf_zero.plan.memory), by kind, at the peak of the second step:
+  the first creates the optimizer's states, which the second holds through its forward and backward, as every later
+  step does.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from hf_zero.plan.memory import PLACES, MemoryCount
+from hf_zero.plan.models import build_model
+from hf_zero.plan.timeline import PlanTimeline
+from hf_zero.runtime.device import timeline_in_force
+from hf_zero.runtime.trace import watching_spans
+from hf_zero.settings.environment import CHECK_COLLECTIVES_ENV
+
+OFFLOADS = ("none", "cpu")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained, on what: `nodes` x `gpus_per_node` ranks."""
+    model: str  # a model_zoo name, a folder, or a Hub id in the local cache
+    nodes: int = 1
+    gpus_per_node: int = 8
+    dtype: str = "bf16"
+    seq_len: int = 1024
+    gpu_memory: int = 80 * 10**9  # bytes per device
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How it is trained: the settings a plan chooses among (the engine's names)."""
+    zero_stage: int
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    micro_batch: int = 1
+    gradient_checkpointing: bool = False
+    hpz_partition_size: int = 1
+
+    def engine_config(self, job: Job) -> dict[str, Any]:
+        return {"zero_stage": self.zero_stage, "dtype": job.dtype, "offload_optimizer": self.offload_optimizer,
+                "offload_param": self.offload_param, "hpz_partition_size": self.hpz_partition_size,
+                "ranks_per_node": job.gpus_per_node}
+
+    def __str__(self) -> str:
+        parts = [f"stage {self.zero_stage}"]
+        if self.offload_optimizer != "none":
+            parts.append(f"optimizer on {self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"parameters on {self.offload_param}")
+        if self.hpz_partition_size > 1:
+            parts.append(f"hpZ {self.hpz_partition_size}")
+        parts.append(f"micro-batch {self.micro_batch}")
+        if self.gradient_checkpointing:
+            parts.append("checkpointing")
+        return ", ".join(parts)
+
+
+@dataclass
+class RankStep:
+    """What one simulated rank held and sent in one training step."""
+    rank: int
+    device: dict[str, int]  # bytes by kind at the device's peak
+    host: dict[str, int]  # bytes by kind at the host's peak
+    at_rest: dict[str, dict[str, int]]  # by place, by kind: held after the step (gradients: at the end of backward)
+    sent: dict[str, int]  # bytes this rank sent over its intra-node and inter-node links
+    paper_volume: dict[str, int]  # elements by collective, as the ZeRO paper counts them (the ledger's)
+    node_cross_volume: int  # this rank's part of its node's cross-node bytes, as the ZeRO++ paper counts them
+    copied: dict[str, int]  # bytes copied between the device and the host ("to_device", "to_host")
+    flops: int  # forward and backward, recomputation included
+    params: int  # Ψ: the model's parameters
+    collectives: list[tuple[str, str]] = field(default_factory=list)  # (group, what) in the order issued
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_peak(self) -> int:
+        return sum(self.host.values())
+
+
+class _FakeReads(FakeTensorMode):
+    """Fake tensors whose values, read back by the host, are 1 (`.item()`, `.tolist()`): every parameter used on
+    some rank, a finite gradient norm."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].is_floating_point() else 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, rank: int) -> Iterator[None]:
+    """This process is rank `rank` of a fake process group of `world_size`. The cross-rank check of each collective
+    is off: it exchanges hashes, which a fake group cannot; the plan compares the simulated ranks' whole sequences
+    afterwards instead (hf_zero.plan.schedule)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("hf-zero plan simulates its own world: run it outside a process group")
+    before = os.environ.get(CHECK_COLLECTIVES_ENV)
+    os.environ[CHECK_COLLECTIVES_ENV] = "0"
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if before is None:
+            os.environ.pop(CHECK_COLLECTIVES_ENV)
+        else:
+            os.environ[CHECK_COLLECTIVES_ENV] = before
+
+
+@contextlib.contextmanager
+def _forwards_counted(count: MemoryCount) -> Iterator[None]:
+    """count.forward_depth follows the modules' forwards (a checkpoint's recomputation in backward included)."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    def entered(module: Any, args: Any) -> None:
+        count.forward_depth += 1
+
+    def left(module: Any, args: Any, output: Any) -> None:
+        count.forward_depth -= 1
+
+    handles = [register_module_forward_pre_hook(entered), register_module_forward_hook(left, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _gradient_counted(count: MemoryCount) -> Any:
+    """A hook sorting a parameter's accumulated gradient as gradients (where the engine left one: stages 0-1)."""
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None:
+            count.track(param.grad, "gradients")
+    return hook
+
+
+def _loss(engine: Any, model: torch.nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (micro_batch, seq_len))
+    try:
+        out = engine(input_ids=ids, labels=ids)
+    except TypeError:  # a model without a head takes no labels: train its last hidden state
+        out = engine(input_ids=ids)
+    loss = getattr(out, "loss", None)
+    return loss if loss is not None else out[0].float().pow(2).mean()
+
+
+def simulate_rank(job: Job, setting: Setting, rank: int) -> RankStep:
+    """Rank `rank` of `job` trained with `setting`: its memory at the second step's peak and what it sent then."""
+    count = MemoryCount()
+    line = PlanTimeline(count, job.gpu_memory)
+    with warnings.catch_warnings():
+        # The engine compares storages by address in places; a fake tensor's is 0, which only makes it skip copies.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return _simulate(job, setting, rank, count, line)
+
+
+def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: PlanTimeline) -> RankStep:
+    from hf_zero.engine import initialize
+
+    with simulated_world(job.world_size, rank), _FakeReads(allow_non_fake_inputs=True), count, \
+            timeline_in_force(line), watching_spans(count.span), _forwards_counted(count):
+        model = build_model(job.model)
+        params = sum(p.numel() for p in model.parameters())
+        for p in model.parameters():
+            count.track(p, "parameters")
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_gradient_counted(count))
+        for b in model.buffers():
+            count.track(b, "buffers")
+        model.train()
+        if setting.gradient_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+        if hasattr(model.config, "use_cache"):
+            model.config.use_cache = False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = initialize(model, optimizer, setting.engine_config(job))
+        flops = FlopCounterMode(display=False)
+        for step in range(2):
+            if step == 1:
+                count.start_window()
+                line.start_window()
+            with flops if step == 1 else contextlib.nullcontext():
+                engine.backward(_loss(engine, model, setting.micro_batch, job.seq_len))
+            gradients = {place: count.by_kind[place]["gradients"] for place in PLACES}
+            engine.step()
+        at_rest = {place: {**count.by_kind[place], "gradients": gradients[place]} for place in PLACES}
+        ledger = engine.ledger
+        return RankStep(rank, count.peak("device"), count.peak("host"), at_rest, dict(ledger.last_step_span_bytes),
+                        dict(ledger.last_step_elements), ledger.last_step_paper_cross_node_bytes, dict(line.copied),
+                        flops.get_total_flops(), params, list(line.collectives))

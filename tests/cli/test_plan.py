@@ -1,0 +1,66 @@
+"""`hf-zero plan` as a user runs it: its JSON, the setting it chooses checked against the simulated ranks, and one
+line for each bad flag."""
+import json
+
+import pytest
+
+import model_zoo
+from hf_zero.cli.commands import main
+
+TINY = ["--model", "gpt2-tiny", "--seq_len", "32", "--gpus_per_node", "2"]
+FIXED = ["--zero_stage", "3", "--offload_optimizer", "none", "--offload_param", "none",
+         "--gradient_checkpointing", "false", "--micro_batch", "2"]
+
+
+def test_a_fixed_setting_gives_the_documented_json(capsys):
+    assert main(["plan", *TINY, *FIXED, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setting"] == {"zero_stage": 3, "offload_optimizer": "none", "offload_param": "none",
+                              "micro_batch": 2, "gradient_checkpointing": False, "hpz_partition_size": 1}
+    assert out["params"] == model_zoo.parameter_count("gpt2-tiny")
+    device = out["per_rank"]["device"]
+    assert device["peak"] == sum(device[k] for k in ("parameters", "gradients", "optimizer_states", "activations",
+                                                      "buffers", "other"))
+    assert device["activations"] > 0 and out["per_rank"]["host"]["peak"] == 0
+    # one node: every byte stays on it; stage 3 sends (p-1)/p of 3Ψ in bf16 per rank, the root unit kept gathered
+    assert out["traffic_per_step"]["inter_node"] == 0
+    assert 0.8 * 3 * out["params"] < out["traffic_per_step"]["intra_node"] <= 3 * out["params"]
+    assert out["fits"] is True
+
+
+def test_auto_chooses_the_fastest_setting_that_fits_and_says_why_the_others_lost(capsys):
+    # 2.5 MB a device: stage 0's 16Ψ of model states (2 MB) leaves too little for its step
+    assert main(["plan", *TINY, "--gpu_memory", "0.0025GB", "--max_micro_batch", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["per_rank"]["device"]["peak"] <= 2_500_000
+    outcomes = {c["setting"]: c["outcome"] for c in out["candidates"]}
+    assert sum(o == "chosen" for o in outcomes.values()) == 1
+    assert outcomes["stage 0, micro-batch 1"].startswith("device memory:")
+    assert all(o == "chosen" or o.startswith(("slower:", "device memory:", "not simulated:"))
+               for o in outcomes.values())
+    chosen_speed = out["tokens_per_second_per_gpu"]
+    for outcome in outcomes.values():
+        if outcome.startswith("slower:"):
+            assert float(outcome.split()[1].replace(",", "")) <= chosen_speed
+
+
+def test_nothing_fitting_says_what_would(capsys):
+    assert main(["plan", *TINY, *FIXED, "--gpu_memory", "0.0005GB"]) == 1
+    out = capsys.readouterr().out
+    assert "(does not fit)" in out and "more GPUs: its model states alone take" in out
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--model", "no-such-model"], "--model"),
+    (["--model", "gpt2-tiny", "--gpu_memory", "80XB"], "--gpu_memory"),
+    (["--model", "gpt2-tiny", "--hpz_partition_size", "3"], "--hpz_partition_size"),
+    (["--model", "gpt2-tiny", "--zero_stage", "2", "--offload_param", "cpu"], "--offload_param"),
+    (["--model", "gpt2-tiny", "--seq_len", "4096"], "--seq_len"),
+    (["--model", "gpt2-tiny", "--nodes", "0"], "--nodes"),
+])
+def test_bad_input_is_one_line_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", *flags])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err

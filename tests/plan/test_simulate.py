@@ -1,0 +1,131 @@
+"""A simulated rank (hf_zero.plan.simulate) against what no one here wrote: the ZeRO paper's per-device model states
+and traffic, the ring algorithm's bytes per link, the ZeRO++ paper's hpZ, and every rank of a 2 x 8 world issuing
+one collective schedule."""
+import re
+from collections import defaultdict
+
+import pytest
+
+from hf_zero.plan.planner import distinct_ranks
+from hf_zero.plan.simulate import Job, Setting, simulate_rank
+
+XL_OVER_16 = Job("gpt2-xl", nodes=2, gpus_per_node=8, seq_len=64)
+TINY_OVER_2X8 = Job("gpt2-tiny", nodes=2, gpus_per_node=8, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def xl_rank0():
+    """GPT-2 XL (1.56B) over 16 GPUs, rank 0, at stages 1-3."""
+    return {stage: simulate_rank(XL_OVER_16, Setting(stage), 0) for stage in (1, 2, 3)}
+
+
+def test_model_states_match_the_paper_within_3_percent(xl_rank0):
+    nd = XL_OVER_16.world_size
+    for stage, paper in ((1, lambda psi: 4 * psi + 12 * psi / nd), (2, lambda psi: 2 * psi + 14 * psi / nd),
+                         (3, lambda psi: 16 * psi / nd)):
+        rank = xl_rank0[stage]
+        held = rank.at_rest["device"]
+        states = held["parameters"] + held["gradients"] + held["optimizer_states"]
+        assert states == pytest.approx(paper(rank.params), rel=0.03), (stage, held)
+
+
+def test_traffic_per_step_is_the_papers_2_and_3_psi(xl_rank0):
+    """Stages 1-2: a reduce-scatter and an all-gather of Ψ each (padding aside). Stage 3 keeps its root unit (the
+    embeddings and head, 5% of GPT-2 XL) gathered from the forward to the backward, as FSDP2 keeps its root: 3Ψ less
+    that unit's backward gather."""
+    for stage, psis, within in ((1, 2, 1e-3), (2, 2, 1e-3), (3, 3, 0.03)):
+        rank = xl_rank0[stage]
+        moved = sum(n for op, n in rank.paper_volume.items() if op in ("all_gather", "reduce_scatter"))
+        assert moved == pytest.approx(psis * rank.params, rel=within), (stage, rank.paper_volume)
+        assert rank.paper_volume["reduce_scatter"] == pytest.approx(rank.params, rel=1e-3)
+
+
+def _elements(what: str) -> int:
+    return int(re.search(r"\(([\d,]+) \w+ elements\)", what).group(1).replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def every_rank_2x8():
+    """Each of the 16 ranks of 2 nodes x 8, stage 3 with hpZ over a node, and without."""
+    return {hpz: [simulate_rank(TINY_OVER_2X8, Setting(3, hpz_partition_size=hpz), r) for r in range(16)]
+            for hpz in (1, 8)}
+
+
+def test_sixteen_ranks_issue_the_same_collectives_on_each_group(every_rank_2x8):
+    for hpz, ranks in every_rank_2x8.items():
+        issued: dict[str, dict[int, list[str]]] = defaultdict(dict)
+        for step in ranks:
+            for group, what in step.collectives:
+                issued[group].setdefault(step.rank, []).append(what)
+        expected_groups = {"the group of ranks [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]"}
+        if hpz == 8:
+            expected_groups |= {"the group of ranks [0, 1, 2, 3, 4, 5, 6, 7]",
+                                "the group of ranks [8, 9, 10, 11, 12, 13, 14, 15]"}
+        assert set(issued) == expected_groups
+        for group, by_rank in issued.items():
+            members = [int(r) for r in re.findall(r"\d+", group)]
+            assert sorted(by_rank) == members, group  # every member issues on it, no one else
+            sequences = list(by_rank.values())
+            assert all(s == sequences[0] for s in sequences), group  # none waits on one another never issues
+            assert sequences[0]
+
+
+def test_the_distinct_ranks_hold_and_send_what_every_rank_does(every_rank_2x8):
+    for ranks in every_rank_2x8.values():
+        simulated = [ranks[r] for r in distinct_ranks(TINY_OVER_2X8)]
+        assert max(r.device_peak for r in ranks) == max(r.device_peak for r in simulated)
+        assert {tuple(sorted(r.device.items())) for r in ranks} <= {tuple(sorted(r.device.items())) for r in simulated}
+        assert {tuple(sorted(r.sent.items())) for r in ranks} <= {tuple(sorted(r.sent.items())) for r in simulated}
+    # the last rank of a node sends across the node boundary, the others within it: ranks do differ
+    assert len({tuple(sorted(r.sent.items())) for r in every_rank_2x8[1]}) > 1
+
+
+def test_bytes_per_link_are_the_rings(every_rank_2x8):
+    """A ring over p ranks sends (p-1)/p of each buffer from every rank to the next: over 2 nodes of 8 the world's
+    ring crosses the node boundary at ranks 7 and 15; a node's ring stays in it. Totals over all 16 ranks."""
+    for hpz, ranks in every_rank_2x8.items():
+        intra = inter = 0
+        for group, what in ranks[0].collectives:  # identical on every rank of the group (tested above)
+            if not what.startswith(("all_gather", "reduce_scatter")) or "elements" not in what:
+                continue
+            if " #" in what and what.split(" #")[0] not in ("all_gather", "reduce_scatter"):
+                continue
+            p = len(re.findall(r"\d+", group))
+            sent_per_rank = (p - 1) * (_elements(what) * 2 // p)  # bf16
+            if p == 16:
+                inter += 2 * sent_per_rank
+                intra += 14 * sent_per_rank
+            else:  # node 0's ring; node 1's is its twin
+                intra += 2 * 8 * sent_per_rank
+        step = [r for r in ranks]
+        window = {"inter-node": sum(r.sent.get("inter-node", 0) for r in step),
+                  "intra-node": sum(r.sent.get("intra-node", 0) for r in step)}
+        # ranks[0].collectives covers set-up and both steps; the ledger's bytes are the second step's alone
+        steps_fraction = window["inter-node"] / inter
+        assert 0.3 < steps_fraction < 0.7, (hpz, window, inter)
+        assert window["intra-node"] / intra == pytest.approx(steps_fraction, rel=0.05), (hpz, window, intra, inter)
+
+
+def test_hpz_moves_the_backward_gather_off_the_inter_node_links(every_rank_2x8):
+    plain, hpz = every_rank_2x8[1], every_rank_2x8[8]
+    backward_gathers = [(g, w) for g, w in hpz[7].collectives if "backward gather" in w]
+    assert backward_gathers and all(g == "the group of ranks [0, 1, 2, 3, 4, 5, 6, 7]" for g, _ in backward_gathers)
+    plain_inter, hpz_inter = (sum(r.sent.get("inter-node", 0) for r in ranks) for ranks in (plain, hpz))
+    # Without hpZ each backward gather is a ring over the 16 ranks, crossing the node boundary at ranks 7 and 15,
+    # each sending 15/16 of the buffer; the collectives listed cover both steps, the ledger's bytes the second.
+    plain_backward = [w for _, w in plain[7].collectives if "backward gather" in w]
+    crossing = sum(2 * 15 * (_elements(w) * 2 // 16) for w in plain_backward) // 2
+    assert crossing > 0
+    assert plain_inter - hpz_inter == crossing
+
+
+def test_offloaded_states_are_the_hosts():
+    """ZeRO-Offload: the optimizer's 12Ψ/Nd (fp32 masters and Adam's moments) and the parameter shard live in host
+    memory; the device keeps none of them between steps (a few scalars: the step count, the norm)."""
+    job = Job("gpt2-tiny", nodes=1, gpus_per_node=2, seq_len=32)
+    rank = simulate_rank(job, Setting(3, "cpu", "cpu"), 0)
+    host, device = rank.at_rest["host"], rank.at_rest["device"]
+    assert host["optimizer_states"] == pytest.approx(12 * rank.params / 2, rel=0.03)
+    assert host["parameters"] == pytest.approx(2 * rank.params / 2, rel=0.03)
+    assert device["optimizer_states"] < 64 and device["parameters"] < 64
+    assert rank.copied["to_device"] >= 2 * rank.params / 2  # the shard goes up for each gather
