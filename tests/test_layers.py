@@ -12,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_zero"
 # Lowest first. The package's own top-level modules (hf_zero/__init__.py, the former import paths kept as
 # re-exports) sit above every layer.
-LAYERS = ["settings", "runtime", "ops", "zero", "optim", "checkpoint", "engine", "hf", "plan", "cli"]
+LAYERS = ["settings", "runtime", "ops", "zero", "optim", "checkpoint", "engine", "plan", "hf", "cli"]
 TOP = len(LAYERS)
 SIMULATOR = "hf_zero.testing"
 PLUG_POINT = "hf_zero.runtime.device"

@@ -145,12 +145,13 @@ def _train(argv: list[str]) -> int:
     if processes == 1:
         _forget_launcher_world(parser.prog)
     check_environment()
+    train_lm.plan_settings(args, processes, args.nproc_per_node)  # `auto` settings become the plan's choice
     train_lm.check_args(args, processes, args.nproc_per_node)  # bad settings stop here, before any process starts
     use_mmap_for_large_allocations()
     if processes == 1 and not args.max_restarts:  # restarts are torchrun's
         train_lm.main(args)
         return 0
-    return _torchrun(args, "hf_zero.cli.train_lm", _without_launch_flags(argv))
+    return _torchrun(args, "hf_zero.cli.train_lm", train_lm.concrete_argv(_without_launch_flags(argv), args))
 
 
 class _RunParser(Parser):

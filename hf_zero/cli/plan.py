@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Candidate]) -> str:
     from hf_zero.plan.planner import projected_tokens_per_second
 
-    lines = [f"{job.model} on {job.nodes} node(s) x {job.gpus_per_node} GPU(s) of {machine.gpu_memory / GB:g} GB, "
+    lines = [f"{job.model} on {job.nodes} node(s) x {job.gpus_per_node} GPU(s) of {machine.gpu_memory / GB:.3g} GB, "
              f"{job.dtype}, {job.seq_len} tokens a sequence"]
     if candidates:
         lines += ["", "Candidates: memory at micro-batch 1 (or the one given) on rank 0; tokens/s projected at the "
@@ -142,8 +142,8 @@ def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Can
     seconds = chosen.step_seconds
     lines += [f"sent per step by the busiest rank: intra-node {traffic['intra-node'] / GB:.3g} GB, inter-node "
               f"{traffic['inter-node'] / GB:.3g} GB",
-              f"step: {seconds['total']:.3f} s (compute {seconds['compute']:.3f}, network {seconds['network']:.3f}, "
-              f"copies {seconds['copies']:.3f}, host {seconds['host']:.3f}; nothing overlapped), "
+              f"step: {seconds['total']:.3g} s (compute {seconds['compute']:.3g}, network {seconds['network']:.3g}, "
+              f"copies {seconds['copies']:.3g}, host {seconds['host']:.3g}; nothing overlapped), "
               f"{chosen.tokens_per_second:,.0f} tokens/s per GPU"]
     if not chosen.fits:
         lines.append("does not fit: " + _what_would(job, machine, [chosen]))

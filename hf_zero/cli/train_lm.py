@@ -27,13 +27,13 @@ from hf_zero.engine import ZeroEngine, initialize
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.launch import init_distributed
-from hf_zero.runtime.memory import model_state_bytes
+from hf_zero.runtime.memory import measured_peak, memory_left, model_state_bytes, start_measuring
 from hf_zero.runtime.tensor_parallel import (
     apply_tensor_parallel,
     check_tp_within_a_node,
     init_mesh,
 )
-from hf_zero.settings.config import ZeroConfig, ZeroConfigError, check_compile_backend
+from hf_zero.settings.config import AUTO, ZeroConfig, ZeroConfigError, check_compile_backend
 from hf_zero.settings.config import add_arguments as add_engine_arguments
 from hf_zero.settings.environment import processes_per_node, restarts_so_far
 
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="a local text file (default: pydoc_data.topics)")
     # The demo model (3.3M) is below the engine's default bucket, so stage 2 would keep one bucket as large
     # as the model: a smaller one keeps a few.
-    add_engine_arguments(p, ENGINE_SETTINGS, defaults={"reduce_bucket_size": 500_000})
+    add_engine_arguments(p, ENGINE_SETTINGS, defaults={"reduce_bucket_size": 500_000}, planned=PLANNED)
     p.add_argument("--batch_size", type=int, default=8, help="micro-batch per rank")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--tensor_parallel_size", type=int, default=1,
@@ -84,6 +84,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "from the newest complete one there")
     p.add_argument("--save_steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
+    p.add_argument("--planned_peak", type=int, default=None, help="bytes a rank's step was planned to take at its "
+                   "peak (set by --zero_stage auto): the second step is checked against it, and a measured peak "
+                   "more than 10%% above it is reported")
+
+
+# The settings `auto` leaves to the plan (hf_zero.plan), chosen before the processes start.
+PLANNED = ("zero_stage", "offload_optimizer", "offload_param")
+
+
+def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> None:
+    """Replaces each `auto` among PLANNED by the fastest setting that fits this machine (`hf-zero plan` for the job's
+    model, sequence, micro-batch and processes), printing the candidates and why each lost; sets --planned_peak."""
+    asked = [key for key in PLANNED if getattr(args, key) == AUTO]
+    if not asked:
+        return
+    # Every other flag is checked first, with the planned ones at their defaults.
+    check_args(argparse.Namespace(**{**vars(args), **{key: ZeroConfig.__dataclass_fields__[key].default
+                                                        for key in asked}}), processes, per_node)
+    if args.tensor_parallel_size > 1 or "nvme" in (args.offload_optimizer, args.offload_param):
+        raise ZeroConfigError(f"--{asked[0]} auto plans data parallelism with CPU offload; got "
+                              f"--tensor_parallel_size {args.tensor_parallel_size}, --offload_optimizer "
+                              f"{args.offload_optimizer}, --offload_param {args.offload_param}: fix the setting")
+    from hf_zero.cli.plan import report
+    from hf_zero.plan.machine import Machine
+    from hf_zero.plan.planner import choose
+    from hf_zero.plan.simulate import Job
+
+    device_bytes, where = memory_left(compute_device(), per_node)
+    host_bytes = psutil.virtual_memory().available
+    job = Job(args.model, processes // per_node, per_node, args.dtype, args.seq_len, device_bytes)
+    fixed = {key: getattr(args, key) for key in PLANNED if key not in asked}
+    fixed |= {"micro_batch": args.batch_size, "gradient_checkpointing": False,
+              "hpz_partition_size": args.hpz_partition_size}
+    logger.info(f"planning {', '.join('--' + key for key in asked)} for {processes} process(es), "
+                f"{device_bytes / 1e9:.3g} GB each ({where}) ...")
+    machine = Machine(device_bytes, host_bytes)
+    chosen, candidates = choose(job, machine, fixed, say=logger.info)
+    print(report(job, machine, chosen, candidates), flush=True)
+    if chosen is None:
+        raise ZeroConfigError(f"--{asked[0]} auto: no setting fits {device_bytes / 1e9:.3g} GB a process; give a "
+                              f"smaller --batch_size or --seq_len, or more processes")
+    for key in asked:
+        setattr(args, key, getattr(chosen.setting, key))
+    rank = chosen.busiest
+    # On a CPU the device's memory and the host's are one.
+    args.planned_peak = rank.device_peak + (rank.host_peak if compute_device().type == "cpu" else 0)
+
+
+def concrete_argv(argv: list[str], args: argparse.Namespace) -> list[str]:
+    """`argv` with each `auto` setting replaced by what the plan chose, for the processes to start with."""
+    out, skip = [], False
+    for i, token in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        key = token.removeprefix("--").split("=")[0]
+        if key in PLANNED and (token.endswith("=auto") or argv[i + 1:i + 2] == [AUTO]):
+            skip = not token.endswith("=auto")
+            continue
+        out.append(token)
+    if args.planned_peak is None:
+        return out
+    return out + [arg for key in PLANNED for arg in (f"--{key}", str(getattr(args, key)))] + \
+        ["--planned_peak", str(args.planned_peak)]
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, object]:
@@ -243,9 +307,11 @@ def save(args: argparse.Namespace, engine: ZeroEngine, schedule: torch.optim.lr_
 
 
 def train(args: argparse.Namespace, engine: ZeroEngine, schedule: torch.optim.lr_scheduler.LRScheduler,
-          stream: Iterator[torch.Tensor], rank: int, first_step: int = 0) -> tuple[list[float], float]:
+          stream: Iterator[torch.Tensor], rank: int, first_step: int = 0, baseline: int = 0
+          ) -> tuple[list[float], float]:
     """Steps from `first_step` until --max_steps or --max_minutes, saving every --save_steps; returns each step's
-    loss and the seconds spent."""
+    loss and the seconds spent. With --planned_peak, the second step's peak (above `baseline`) is checked against
+    the plan."""
     start, losses = time.monotonic(), []
     budget = 60 * args.max_minutes
     # Counts steps towards whichever limit comes first: the total is the steps the time budget allows at the
@@ -261,6 +327,8 @@ def train(args: argparse.Namespace, engine: ZeroEngine, schedule: torch.optim.lr
                 engine.step()
             schedule.step()
             losses.append(loss.item())
+            if args.planned_peak and step == first_step + 1:
+                _check_plan(args.planned_peak, measured_peak(compute_device(), baseline), rank)
             if args.save_steps and (step + 1) % args.save_steps == 0:
                 save(args, engine, schedule, step + 1, rank)
             elapsed = time.monotonic() - start
@@ -275,6 +343,16 @@ def train(args: argparse.Namespace, engine: ZeroEngine, schedule: torch.optim.lr
                 break
     engine.check_skipped_steps()  # the last steps' outcome, where the device decided it
     return losses, time.monotonic() - start
+
+
+def _check_plan(planned: int, measured: int, rank: int) -> None:
+    from hf_zero.plan.planner import plan_miss
+
+    miss = plan_miss(planned, measured, rank, by_rss=compute_device().type == "cpu")
+    if miss:
+        logger.warning(miss)
+    elif rank == 0:
+        logger.info(f"rank 0: the step took {measured / 1e9:.3g} GB at its peak, the plan {planned / 1e9:.3g} GB")
 
 
 def _out_of_time(on_this_rank: bool, comm: Communicator) -> bool:
@@ -301,6 +379,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     check_args(args, world, processes_per_node(world))
     train_text, val_text = split_text(args)
+    baseline = start_measuring(compute_device())
     engine, schedule, dp_rank = build_engine(args, rank, world)
     first_step = resume(args, engine, schedule, rank)
     # The ranks of a tp group compute one batch together, so they draw the same windows; a resumed run skips the
@@ -308,7 +387,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     stream = batches(train_text, args.batch_size, args.seq_len + 1, seed=args.seed * 1000 + dp_rank)
     for _ in range(first_step * args.gradient_accumulation_steps):
         next(stream)
-    losses, elapsed = train(args, engine, schedule, stream, rank, first_step)
+    losses, elapsed = train(args, engine, schedule, stream, rank, first_step, baseline)
     val_loss = validation_loss(args, engine, val_text)
     # Every rank reports what it holds and sends, in rank order.
     for r in range(world):

@@ -101,3 +101,26 @@ def _status_bytes(key: str) -> int:
             if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {key} line; memory is measured on Linux only")
+
+
+def start_measuring(device: "torch.device") -> int:
+    """Starts a new peak window for `measured_peak` where `device` holds the run's tensors; returns the baseline:
+    what is in use before the model is built (a GPU's allocated bytes, the host's resident memory)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    reset_peak_rss()
+    return current_rss()
+
+
+def measured_peak(device: "torch.device", baseline: int) -> int:
+    """The most this run took at once since `start_measuring`, above its baseline: torch's allocator's peak on a
+    GPU, the peak resident memory on the host."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) - baseline
+    return peak_rss() - baseline
+

@@ -462,9 +462,11 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None = None) -> None:
+def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None = None,
+                  planned: Iterable[str] = ()) -> None:
     """Adds `--NAME` options for these engine settings to an argparse parser, with their declared help,
-    choices and defaults (`defaults` overrides some, for a front end whose workload needs other values)."""
+    choices and defaults (`defaults` overrides some, for a front end whose workload needs other values). Those
+    `planned` also take `auto`: the front end plans them for its machine (hf_zero.plan)."""
     by_name = {s.name: s for s in described_settings()}
     for name in names:
         s = by_name[name]
@@ -474,7 +476,22 @@ def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None
             continue
         kind = {"int": int, "float": float}.get(s.type.removesuffix(" | None"), str)
         choices = list(s.metadata["choices"]) if s.metadata["choices"] else None
-        parser.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help_of(s, default))
+        help_text = help_of(s, default)
+        if name in planned:
+            kind = _or_auto(kind)
+            choices = None if choices is None else [*choices, AUTO]
+            help_text += "; auto: the fastest setting that fits this machine, planned before the processes start"
+        parser.add_argument(f"--{name}", type=kind, default=default, choices=choices, help=help_text)
+
+
+AUTO = "auto"
+
+
+def _or_auto(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(value: str) -> Any:
+        return value if value == AUTO else kind(value)
+    convert.__name__ = kind.__name__
+    return convert
 
 
 def did_you_mean(unknown: str, known: Iterable[str]) -> str:

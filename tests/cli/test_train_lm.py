@@ -189,3 +189,18 @@ def test_a_job_whose_rank_is_killed_restarts_from_its_newest_checkpoint_and_ends
         assert expected.keys() == resumed.keys()
         for key, tensor in expected.items():
             assert torch.equal(tensor, resumed[key]), key
+
+
+def test_zero_stage_auto_trains_with_the_plans_choice_and_checks_the_step_against_it(tmp_path):
+    """`hf-zero train --zero_stage auto`: the plan runs before the processes start, prints its candidates, and the
+    processes train with the chosen setting, each checking its second step's peak against the plan."""
+    out = subprocess.run([sys.executable, "-m", "hf_zero", "train", "--zero_stage", "auto", "--max_steps", "3",
+                          "--nproc_per_node", "2", "--batch_size", "2", "--seq_len", "32", "--log_every", "1"],
+                         capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    chosen = next(line for line in text.splitlines() if line.startswith("chosen: "))
+    stage = int(chosen.split()[2].rstrip(","))
+    assert f"ZeRO stage {stage}, 2 data-parallel rank(s)" in text  # trained with it
+    assert "| stage 0, micro-batch 2 |" in text and "| stage 3, micro-batch 2 |" in text
+    assert "rank 0: the step took" in text and "the plan" in text

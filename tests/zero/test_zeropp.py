@@ -488,3 +488,22 @@ def test_checkpoints_with_zeropp_resume_bitwise_consolidate_and_load_on_another_
     assert saved and all(torch.equal(t, run["masters"][name]) for name, t in saved.items())
     for name, value in spawn_gloo(load_elsewhere, 2, str(folder))[0].items():
         assert torch.equal(value, run["masters"][name]), name
+
+
+def eight_ranks_as_two_nodes_of_four() -> dict:
+    """Stage 3 with hpZ over each node's 4 ranks, ranks 0-3 and 4-7 the two nodes: what every rank issued on each
+    group, and the trained weights."""
+    from tests.helpers import Scenario, run_scenarios
+
+    config = {"zero_stage": 3, "ranks_per_node": 4, "hpz_partition_size": 4}
+    return run_scenarios([Scenario("hpz 4 of 8", config=config, steps=STEPS, global_batch=GLOBAL_BATCH)])
+
+
+@pytest.mark.slow
+def test_eight_ranks_as_two_nodes_of_four_with_hpz_train_as_one_process():
+    from tests.helpers import max_diff, train_single_process
+
+    results = spawn_gloo(eight_ranks_as_two_nodes_of_four, 8)
+    expected = train_single_process("gpt2", STEPS, GLOBAL_BATCH)["params"]
+    for rank_result in results:
+        assert max_diff(rank_result["hpz 4 of 8"]["params"], expected) < 1e-5
