@@ -122,10 +122,13 @@ def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Can
                   "|---|---|---|---|---|"]
         for c in candidates:
             p = c.plan
+            if p is None:
+                lines.append(f"| {c.setting} | | | | {c.outcome} |")
+                continue
+            speed = projected_tokens_per_second(c)  # 0: not run (stages 0-2 whose parameters alone overflow)
             lines.append(f"| {c.setting} | {p.busiest.device_peak / GB:.3g} | "
                          f"{p.busiest.host_peak * job.gpus_per_node / GB:.3g} | "
-                         f"{projected_tokens_per_second(c):,.0f} | {c.outcome} |" if p else
-                         f"| {c.setting} | | | | {c.outcome} |")
+                         f"{f'{speed:,.0f}' if speed else ''} | {c.outcome} |")
     if chosen is None:
         lines += ["", "nothing fits: " + _what_would(job, machine, candidates)]
         return "\n".join(lines)

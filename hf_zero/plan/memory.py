@@ -162,9 +162,18 @@ class MemoryCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        place = self._inputs_place(tree_flatten((args, kwargs))[0])
-        with self.on_host() if place == "host" else contextlib.nullcontext():
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.track(t)
+        if func in _NOTHING_MADE:
+            return out
+        made = [out] if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0]
+                                                            if isinstance(t, torch.Tensor)]
+        if not made:
+            return out
+        on_host = self.live["host"] and self._inputs_place(tree_flatten((args, kwargs))[0]) == "host"
+        with self.on_host() if on_host else contextlib.nullcontext():
+            for t in made:
+                self.track(t)
         return out
+
+
+# Ops that make no tensor: asked for on every `tensor.device` of a fake tensor, a third of a step's dispatches.
+_NOTHING_MADE = {torch.ops.prim.device.default, torch.ops.aten._local_scalar_dense.default}

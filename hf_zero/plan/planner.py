@@ -98,9 +98,12 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
             "total": compute + network + copies + host}
 
 
-def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None = None) -> Plan:
-    """`setting` simulated at each distinct rank of `job` (or at `ranks`)."""
-    simulated = [simulate_rank(job, setting, r) for r in (ranks if ranks is not None else distinct_ranks(job))]
+def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None = None,
+         known: list[RankStep] = ()) -> Plan:
+    """`setting` simulated at each distinct rank of `job` (or at `ranks`); `known` ranks are not simulated again."""
+    done = {r.rank: r for r in known}
+    simulated = [done.get(r) or simulate_rank(job, setting, r)
+                 for r in (ranks if ranks is not None else distinct_ranks(job))]
     result = Plan(job, setting, machine, simulated)
     result.step_seconds = max((step_seconds(job, setting, machine, r) for r in simulated),
                               key=lambda s: s["total"])
@@ -165,11 +168,18 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
                 candidate.outcome = ("not simulated: fits with less offload; offloading more only adds host time "
                                      "and copies")
                 continue
+            staying = _staying_on_device(candidates, setting, machine)
+            if staying:
+                candidate.outcome = f"not simulated: {staying}"
+                continue
             if ckpt and len(checkpointing) > 1:
                 uncheckpointed = next(c for c in candidates if c.setting == replace(setting,
                                                                                     gradient_checkpointing=False))
-                states = uncheckpointed.plan.busiest.at_rest["device"] if uncheckpointed.plan else None
-                if states is not None and sum(states[k] for k in KEYS[:3]) > machine.gpu_memory:
+                if uncheckpointed.plan is None:  # skipped for a reason checkpointing does not change
+                    candidate.outcome = uncheckpointed.outcome
+                    continue
+                states = uncheckpointed.plan.busiest.at_rest["device"]
+                if sum(states[k] for k in KEYS[:3]) > machine.gpu_memory:
                     candidate.outcome = "not simulated: its model states alone exceed the device"
                     continue
             say(f"simulating {setting}")
@@ -200,7 +210,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
         if id(best) in verified:  # checked, and still the fastest
             chosen = best
             break
-        fitting = _verify(job, best.setting, machine, fixed_micro is None, say)
+        fitting = _verify(job, best.setting, machine, fixed_micro is None, say, best.plan)
         if fitting is None:
             best.outcome = "does not fit at every distinct rank, even at micro-batch 1"
             viable.remove(best)
@@ -224,17 +234,45 @@ def _speed(candidate: Candidate, verified: dict[int, Plan]) -> float:
     return checked.tokens_per_second if checked is not None else projected_tokens_per_second(candidate)
 
 
-def _verify(job: Job, setting: Setting, machine: Machine, halve: bool, say: callable) -> Plan | None:
-    """`setting` planned at every distinct rank, its micro-batch halved (where not fixed) until it fits there."""
+def _verify(job: Job, setting: Setting, machine: Machine, halve: bool, say: callable, probe: Plan) -> Plan | None:
+    """`setting` planned at every distinct rank, its micro-batch halved (where not fixed) until it fits there. The
+    probe's rank 0 serves where it ran at the same micro-batch."""
     while setting.micro_batch >= 1:
+        known = probe.ranks if probe.setting == setting else []
         say(f"checking {setting} at ranks {distinct_ranks(job)}")
-        result = plan(job, setting, machine)
+        result = plan(job, setting, machine, known=known)
         if result.fits:
             return result
         if not halve:
             return None
         setting = replace(setting, micro_batch=setting.micro_batch // 2)
     return None
+
+
+def _staying_on_device(candidates: list[Candidate], setting: Setting, machine: Machine) -> str | None:
+    """Why offloading cannot make `setting` fit, from the same setting without offload measured: its activations
+    and temporaries alone exceed the device; or (the optimizer offloaded, not the parameters) its parameters, and at
+    stages 0-1 its gradients, which stay on the device, already do. None otherwise."""
+    if setting.offload_optimizer == "none":
+        return None
+    unloaded = next((c.plan for c in candidates if c.plan is not None and c.setting == replace(
+        setting, offload_optimizer="none", offload_param="none")), None)
+    if unloaded is None:
+        return None
+    rank = unloaded.busiest
+    transient = rank.device["activations"] + rank.device["other"]
+    if transient > machine.gpu_memory:
+        return (f"its activations and temporaries alone ({transient / GB:.3g} GB at the peak, measured without "
+                f"offload) exceed the device; offloading model states cannot make it fit")
+    if setting.offload_param != "none":
+        return None
+    held = rank.at_rest["device"]
+    kinds = ["parameters"] + (["gradients"] if setting.zero_stage <= 1 else [])
+    staying = sum(held[k] for k in kinds)
+    if staying <= machine.gpu_memory:
+        return None
+    return (f"its {' and '.join(kinds)} alone ({staying / GB:.3g} GB, measured without offload) exceed the device; "
+            f"offloading the optimizer cannot make it fit")
 
 
 def _over(probe: Plan) -> str:
@@ -248,7 +286,7 @@ def projected_tokens_per_second(candidate: Candidate) -> float:
     seconds = dict(probe.step_seconds)
     scale = candidate.setting.micro_batch / probe.setting.micro_batch
     total = seconds["compute"] * scale + seconds["network"] + seconds["copies"] + seconds["host"]
-    return candidate.setting.micro_batch * probe.job.seq_len / total
+    return candidate.setting.micro_batch * probe.job.seq_len / total if total else 0.0
 
 
 PLAN_MISS = 0.10  # a measured peak this much above the plan's is reported

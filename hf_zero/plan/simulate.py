@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from hf_zero.plan.memory import PLACES, MemoryCount
+from hf_zero.plan.memory import KINDS, PLACES, MemoryCount
 from hf_zero.plan.models import build_model
 from hf_zero.plan.timeline import PlanTimeline
 from hf_zero.runtime.device import timeline_in_force
@@ -34,6 +35,7 @@ from hf_zero.runtime.trace import watching_spans
 from hf_zero.settings.environment import CHECK_COLLECTIVES_ENV
 
 OFFLOADS = ("none", "cpu")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,9 @@ def simulated_world(world_size: int, rank: int) -> Iterator[None]:
         raise RuntimeError("hf-zero plan simulates its own world: run it outside a process group")
     before = os.environ.get(CHECK_COLLECTIVES_ENV)
     os.environ[CHECK_COLLECTIVES_ENV] = "0"
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    sys.excepthook = hook  # torch's prefixes each traceback with the rank, once more for every simulated rank
     try:
         yield
     finally:
@@ -191,6 +195,13 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
             timeline_in_force(line), watching_spans(count.span), _forwards_counted(count):
         model = build_model(job.model)
         params = sum(p.numel() for p in model.parameters())
+        whole = params * DTYPE_BYTES[job.dtype]
+        if setting.zero_stage < 3 and whole > job.gpu_memory:
+            # Every rank would hold the whole model in the compute dtype: it cannot fit, and the engine's buckets,
+            # cut to the little memory left, would number in the millions. Said without running the engine.
+            held = {kind: 0 for kind in KINDS} | {"parameters": whole}
+            return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
+                            {}, {}, 0, {}, 0, params)
         for p in model.parameters():
             count.track(p, "parameters")
             if p.requires_grad:
