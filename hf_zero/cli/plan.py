@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "GPUs when that is faster)")
     parser.add_argument("--gradient_checkpointing", choices=("auto", "true", "false"), default="auto")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw each simulated candidate's memory per GPU by kind "
+                        "against the device's capacity, and its speed (needs matplotlib: pip install hf_zero[plot])")
     machine = parser.add_argument_group("the machine's speed (the step-time model; defaults: A100 nodes)")
     for f in fields(Machine):
         if f.name not in ("gpu_memory", "host_memory"):
@@ -62,6 +64,13 @@ def fixed_settings(args: argparse.Namespace) -> dict:
 
 def check(args: argparse.Namespace) -> str | None:
     """The first flag that cannot be planned, said as a sentence naming it; None when all can."""
+    if args.plot:
+        if not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+            return f"--plot must name a .png, .svg or .pdf file; got {args.plot}"
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib: pip install 'hf_zero[plot]'"
     if args.hpz_partition_size is not None and args.hpz_partition_size > 1:
         if args.zero_stage not in ("3", "auto"):
             return f"--hpz_partition_size needs --zero_stage 3; got {args.zero_stage}"
@@ -101,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         chosen, candidates = plan(job, setting, machine), []
     else:
         chosen, candidates = choose(job, machine, fixed, args.max_micro_batch, say)
+    if args.plot:
+        plot(args.plot, job, machine, chosen, candidates)
     if args.json:
         print(json.dumps({**(chosen.as_json() if chosen else {"fits": False}),
                           "candidates": [{"setting": str(c.setting), "outcome": c.outcome} for c in candidates]},
@@ -174,3 +185,44 @@ def _what_would(job: Job, machine: Machine, candidates: list) -> str:
     if not least.fits_host:
         needs.append(f"more host memory: {rank.host_peak * job.gpus_per_node / GB:.1f} GB a node")
     return f"the least-memory candidate ({least.setting}) needs " + "; or ".join(needs)
+
+
+def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates: list) -> None:
+    """Each simulated candidate's device memory per GPU by kind at the step's peak, stacked, against the device's
+    capacity (the way the ZeRO paper's Figure 1 sets the stages side by side), its host memory per node, and its
+    speed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hf_zero.plan.planner import projected_tokens_per_second
+
+    shown = [(c.setting, c.plan, c.outcome) for c in candidates if c.plan is not None]
+    if not shown and chosen is not None:
+        shown = [(chosen.setting, chosen, "planned")]
+    labels = [str(setting).replace(", ", "\n") for setting, _, _ in shown]
+    figure, (memory, host, speed) = plt.subplots(1, 3, figsize=(6 + 1.6 * len(shown), 5.5),
+                                                  gridspec_kw={"width_ratios": [3, 1.5, 1.5]})
+    bottom = [0.0] * len(shown)
+    for kind in KEYS:
+        heights = [p.busiest.device[kind] / GB for _, p, _ in shown]
+        memory.bar(labels, heights, bottom=bottom, label=kind.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    memory.axhline(machine.gpu_memory / GB, color="black", linestyle="--", label="device capacity")
+    memory.set_ylabel("GB per GPU at the step's peak")
+    memory.set_title(f"{job.model}, {job.nodes} x {job.gpus_per_node} GPUs")
+    memory.legend(fontsize=7)
+    host.bar(labels, [p.busiest.host_peak * job.gpus_per_node / GB for _, p, _ in shown], color="tab:gray")
+    host.axhline(machine.host_memory / GB, color="black", linestyle="--")
+    host.set_ylabel("host GB per node")
+    speed.bar(labels, [projected_tokens_per_second(c) if c.plan is not chosen else chosen.tokens_per_second
+                       for c in candidates if c.plan is not None] or [chosen.tokens_per_second],
+              color=["tab:green" if outcome == "chosen" else "tab:blue" for _, _, outcome in shown])
+    speed.set_ylabel("tokens/s per GPU (modelled)")
+    for axis in (memory, host, speed):
+        axis.tick_params(axis="x", labelsize=6, rotation=90)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+

@@ -65,3 +65,12 @@ def test_bad_input_is_one_line_naming_the_flag(flags, named, capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err
+
+
+def test_plot_draws_the_candidates_as_a_png(tmp_path, capsys):
+    drawn = tmp_path / "plan.png"
+    assert main(["plan", *TINY, "--gpu_memory", "0.0025GB", "--max_micro_batch", "2", "--plot", str(drawn)]) == 0
+    assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and drawn.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        main(["plan", *TINY, "--plot", str(tmp_path / "plan.txt")])
+    assert "--plot must name a .png, .svg or .pdf file" in capsys.readouterr().err
