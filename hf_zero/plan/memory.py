@@ -34,7 +34,7 @@ PLACES = ("device", "host")
 # The kind of what is made inside each of the engine's spans (hf_zero.runtime.trace).
 KIND_OF_SPAN = {
     "partition_parameters": "parameters", "gather": "parameters", "all_gather_parameters": "parameters",
-    "wait_for_gather": "parameters", "reduce": "gradients", "grad_shards": "gradients",
+    "wait_for_gather": "parameters", "keep_secondary": "parameters", "reduce": "gradients", "grad_shards": "gradients",
     "shard_optimizer": "optimizer_states", "optimizer_step": "optimizer_states", "host_step": "optimizer_states",
     "nvme_step": "optimizer_states",
 }

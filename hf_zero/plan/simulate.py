@@ -96,6 +96,9 @@ class RankStep:
     flops: int  # forward and backward, recomputation included
     params: int  # Ψ: the model's parameters
     collectives: list[tuple[str, str]] = field(default_factory=list)  # (group, what) in the order issued
+    # The most each place held from building the model whole to the first step's end (a model built partitioned,
+    # as stage 3 can, never holds it whole: hf_zero.zero.construct, the Trainer's --zero_init_partitioned).
+    setup_peak: dict[str, int] = field(default_factory=dict)
 
     @property
     def device_peak(self) -> int:
@@ -219,6 +222,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         flops = FlopCounterMode(display=False)
         for step in range(2):
             if step == 1:
+                setup_peak = dict(count.peak_total)  # building the model whole, set-up and the first step
                 count.start_window()
                 line.start_window()
             with flops if step == 1 else contextlib.nullcontext():
@@ -229,4 +233,4 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         ledger = engine.ledger
         return RankStep(rank, count.peak("device"), count.peak("host"), at_rest, dict(ledger.last_step_span_bytes),
                         dict(ledger.last_step_elements), ledger.last_step_paper_cross_node_bytes, dict(line.copied),
-                        flops.get_total_flops(), params, list(line.collectives))
+                        flops.get_total_flops(), params, list(line.collectives), setup_peak)

@@ -169,9 +169,10 @@ class Unit:
         self.wait()
         assert self.state is UnitState.GATHERED, f"{self.title} keeps a secondary partition of what it has not gathered"
         size, index = self.secondary.world_size, self.secondary.rank
-        for flat in self.flats:
-            n = flat.padded_numel // size
-            self.secondary_parts.append(flat.data[index * n:(index + 1) * n].clone())
+        with span("keep_secondary", self.title):
+            for flat in self.flats:
+                n = flat.padded_numel // size
+                self.secondary_parts.append(flat.data[index * n:(index + 1) * n].clone())
         self.comm.ledger.hold("bytes of secondary partitions", self.nbytes // size)
 
     def drop_secondary(self) -> None:

@@ -1,0 +1,86 @@
+"""`hf-zero plan`'s peak against a real run's: 2 and 4 gloo ranks on this CPU, stages 1-3, with and without the
+optimizer offloaded, a GPT-2 of `--layers` x `--width` (vocabulary 8192), micro-batch `--batch` x `--seq` tokens,
+bf16, AdamW, two steps.
+
+Measured: each rank's peak resident memory over the two steps less its resident memory before the model is built
+(a fresh interpreter per rank: a forked one inherits its parent's pages). On a CPU the device's memory and the
+host's are one, so the plan's figure is the device's peak plus the host's, or its set-up's (the model built whole,
+as here), whichever is more. Planned: the same job, world and setting, `hf_zero.plan.planner.plan` at rank 0.
+
+  python -m benchmarks.bench_plan_memory
+  python -m benchmarks.bench_plan_memory --layers 12 --width 1024 --ranks 2 4
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETTINGS = [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
+
+
+def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload: str) -> int:
+    """One rank's peak resident bytes over two steps, above its resident bytes before the model is built."""
+    import torch
+    import torch.distributed as dist
+
+    import hf_zero
+    import model_zoo
+    from hf_zero.runtime.memory import current_rss, peak_rss, reset_peak_rss
+
+    reset_peak_rss()
+    baseline = current_rss()
+    torch.manual_seed(0)
+    model = model_zoo.build("gpt2-bench-memory", n_layer=layers, n_embd=width, n_head=width // 64, attn_pdrop=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage, "dtype": "bf16", "offload_optimizer": offload})
+    for step in range(2):
+        ids = torch.randint(0, 8192, (batch, seq), generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    return peak_rss() - baseline
+
+
+def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: str, ranks: int) -> int:
+    """The plan's peak for rank 0, the model given as a folder holding its config.json, as users give theirs."""
+    import tempfile
+
+    import model_zoo
+    from hf_zero.plan.machine import Machine
+    from hf_zero.plan.planner import plan
+    from hf_zero.plan.simulate import Job, Setting
+
+    config = model_zoo.config("gpt2-bench-memory", n_layer=layers, n_embd=width, n_head=width // 64)
+    config.architectures = ["GPT2LMHeadModel"]
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        job = Job(folder, 1, ranks, "bf16", seq, 10**15)
+        rank = plan(job, Setting(stage, offload, micro_batch=batch), Machine(10**15, 10**15), ranks=[0]).busiest
+    return max(rank.device_peak + rank.host_peak, sum(rank.setup_peak.values()))
+
+
+def main() -> None:
+    from hf_zero.runtime.launch import spawn_gloo
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    print("| ranks | setting | planned GB | measured GB (each rank) | measured / planned |")
+    print("|---|---|---|---|---|")
+    for ranks in args.ranks:
+        for stage, offload in SETTINGS:
+            shape = (args.layers, args.width, args.batch, args.seq, stage, offload)
+            got = spawn_gloo(measured, ranks, *shape, start_method="spawn")
+            want = planned(*shape, ranks)
+            print(f"| {ranks} | stage {stage}{', optimizer on cpu' if offload != 'none' else ''} | {want / 1e9:.3f} "
+                  f"| {', '.join(f'{g / 1e9:.3f}' for g in got)} | {max(got) / want:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
