@@ -49,11 +49,6 @@ class ZeroConfigError(ValueError):
     """A setting has a value the engine cannot use; the message names the setting and what is allowed."""
 
 
-# The smallest bucket a memory budget may cut: with the device nearly full (a model that will not fit), a budget
-# of a few elements would cut 175B parameters into billions of buckets, a hang before the out-of-memory error.
-SMALLEST_BUCKET = 1_000_000
-
-
 def default_reduce_bucket_size(data_parallel_ranks: int) -> int:
     """At least 1M elements of each bucket per rank (2 MiB in bf16, where NCCL's ring is no longer
     latency-bound), never below the 5M that small worlds had, nor above DeepSpeed's 5e8 (two buckets in
@@ -227,14 +222,12 @@ class ZeroConfig:
 
     def bucket_numel(self, data_parallel_ranks: int, memory_cap: int) -> int:
         """reduce_bucket_size, or when unset the size for this many ranks (`default_reduce_bucket_size`), three of
-        which fit in `memory_cap` elements (`memory.budget_of_every_rank`), and never under SMALLEST_BUCKET."""
-        return self.reduce_bucket_size or max(SMALLEST_BUCKET, min(default_reduce_bucket_size(data_parallel_ranks),
-                                                                    memory_cap // 3))
+        which fit in `memory_cap` elements (`memory.budget_of_every_rank`)."""
+        return self.reduce_bucket_size or max(1, min(default_reduce_bucket_size(data_parallel_ranks), memory_cap // 3))
 
     def allgather_numel(self, memory_cap: int) -> int:
-        """allgather_bucket_size, or when unset DeepSpeed's 5e7 elements, at most `memory_cap` and at least
-        SMALLEST_BUCKET."""
-        return self.allgather_bucket_size or max(SMALLEST_BUCKET, min(50_000_000, memory_cap))
+        """allgather_bucket_size, or when unset DeepSpeed's 5e7 elements, at most `memory_cap`."""
+        return self.allgather_bucket_size or max(1, min(50_000_000, memory_cap))
 
     @property
     def torch_reduce_dtype(self) -> torch.dtype:

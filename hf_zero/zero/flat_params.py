@@ -39,6 +39,9 @@ from hf_zero.zero.reducer import BucketKey, BucketReduction, GradientReducer
 from hf_zero.zero.stage2 import PartitionedGradients
 
 
+MOST_BUCKETS = 10_000  # buckets a memory budget may cut a param group into
+
+
 class FlatParams(ParamHolder):
     """The parameters of stages 0-2, grouped by optimizer param group, in reverse model order (backward
     produces the last layers' gradients first, so buckets fill in turn)."""
@@ -54,7 +57,10 @@ class FlatParams(ParamHolder):
         sized_by_memory = config.reduce_bucket_size is None or config.allgather_bucket_size is None
         device = next(p for named in groups for _, p in named).device
         budget = budget_of_every_rank(device, comm)[0] if sized_by_memory else 0
-        budget_numel = budget // max(dtype.itemsize, config.torch_reduce_dtype.itemsize)
+        # At least 1/MOST_BUCKETS of the parameters: a nearly full device (a model that will not fit) would leave a
+        # budget of a few elements, and 175B parameters cut into billions of buckets hang before running out of memory.
+        least = -(-sum(p.numel() for named in groups for _, p in named) // MOST_BUCKETS)
+        budget_numel = max(least * 3, budget // max(dtype.itemsize, config.torch_reduce_dtype.itemsize))
         self.allgather_bucket_size = config.allgather_numel(budget_numel)
         # One flat buffer per param group that has parameters (the Trainer's no-decay group is empty under LoRA).
         self.flats = [FlatParamBuffer(list(reversed(named)), 1 if self.replicated else comm.world_size, dtype,

@@ -88,3 +88,14 @@ def test_left_unset_the_buckets_take_at_most_half_the_memory_the_rank_has_left(m
     assert max(b.numel for f in little.params.flats for b in f.buckets) <= 6_000 // 3
     assert little.params.allgather_bucket_size == 6_000 and plenty.params.allgather_bucket_size == 50_000_000
     assert max_diff(plenty_weights, little_weights) == 0
+
+
+def test_a_full_device_never_cuts_a_param_group_into_more_than_most_buckets(monkeypatch):
+    """Nothing left (a model that will not fit): the budget would cut one element a bucket, a hang for a large
+    model before its out-of-memory error; at most MOST_BUCKETS per param group instead."""
+    from hf_zero.zero.flat_params import MOST_BUCKETS
+
+    monkeypatch.setattr("hf_zero.runtime.memory.memory_left", lambda device, ranks: (0, "the test's figure"))
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero_stage": 2})
+    assert all(1 < len(f.buckets) <= MOST_BUCKETS for f in engine.params.flats)
