@@ -83,6 +83,10 @@ class Plan:
         }
 
 
+# A step's FLOPs by (job, micro-batch, checkpointing): the same whatever the stage, offload or rank.
+_counted_flops: dict[tuple, int] = {}
+
+
 def distinct_ranks(job: Job) -> list[int]:
     return sorted({0, job.gpus_per_node - 1, job.world_size - 1})
 
@@ -102,8 +106,12 @@ def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None =
          known: list[RankStep] = ()) -> Plan:
     """`setting` simulated at each distinct rank of `job` (or at `ranks`); `known` ranks are not simulated again."""
     done = {r.rank: r for r in known}
-    simulated = [done.get(r) or simulate_rank(job, setting, r)
-                 for r in (ranks if ranks is not None else distinct_ranks(job))]
+    simulated = []
+    for r in ranks if ranks is not None else distinct_ranks(job):
+        counted = _counted_flops.get((job, setting.micro_batch, setting.gradient_checkpointing))
+        simulated.append(done.get(r) or simulate_rank(job, setting, r, counted))
+        if simulated[-1].flops:
+            _counted_flops[job, setting.micro_batch, setting.gradient_checkpointing] = simulated[-1].flops
     result = Plan(job, setting, machine, simulated)
     result.step_seconds = max((step_seconds(job, setting, machine, r) for r in simulated),
                               key=lambda s: s["total"])

@@ -181,17 +181,20 @@ def _loss(engine: Any, model: torch.nn.Module, micro_batch: int, seq_len: int) -
     return loss if loss is not None else out[0].float().pow(2).mean()
 
 
-def simulate_rank(job: Job, setting: Setting, rank: int) -> RankStep:
-    """Rank `rank` of `job` trained with `setting`: its memory at the second step's peak and what it sent then."""
+def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = None) -> RankStep:
+    """Rank `rank` of `job` trained with `setting`: its memory at the second step's peak and what it sent then.
+    `flops`: the step's, known from another simulation of the same model, micro-batch and checkpointing (the ZeRO
+    setting does not change them), so not counted again (counting costs a tenth of the simulation)."""
     count = MemoryCount()
     line = PlanTimeline(count, job.gpu_memory)
     with warnings.catch_warnings():
         # The engine compares storages by address in places; a fake tensor's is 0, which only makes it skip copies.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        return _simulate(job, setting, rank, count, line)
+        return _simulate(job, setting, rank, count, line, flops)
 
 
-def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: PlanTimeline) -> RankStep:
+def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: PlanTimeline,
+              known_flops: int | None) -> RankStep:
     from hf_zero.engine import initialize
 
     with simulated_world(job.world_size, rank), _FakeReads(allow_non_fake_inputs=True), count, \
@@ -219,7 +222,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
             model.config.use_cache = False
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = initialize(model, optimizer, setting.engine_config(job))
-        flops = FlopCounterMode(display=False)
+        flops = FlopCounterMode(display=False) if known_flops is None else contextlib.nullcontext()
         for step in range(2):
             if step == 1:
                 setup_peak = dict(count.peak_total)  # building the model whole, set-up and the first step
@@ -233,4 +236,5 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         ledger = engine.ledger
         return RankStep(rank, count.peak("device"), count.peak("host"), at_rest, dict(ledger.last_step_span_bytes),
                         dict(ledger.last_step_elements), ledger.last_step_paper_cross_node_bytes, dict(line.copied),
-                        flops.get_total_flops(), params, list(line.collectives), setup_peak)
+                        flops.get_total_flops() if known_flops is None else known_flops, params,
+                        list(line.collectives), setup_peak)
