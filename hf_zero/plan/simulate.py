@@ -228,7 +228,9 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
                 setup_peak = dict(count.peak_total)  # building the model whole, set-up and the first step
                 count.start_window()
                 line.start_window()
-            with flops if step == 1 else contextlib.nullcontext():
+            # FLOPs are counted in the first step (the second's are the same): the counter's module hooks keep
+            # tensors alive, which would add to the measured step's peak.
+            with flops if step == 0 else contextlib.nullcontext():
                 engine.backward(_loss(engine, model, setting.micro_batch, job.seq_len))
             gradients = {place: count.by_kind[place]["gradients"] for place in PLACES}
             engine.step()
