@@ -242,19 +242,35 @@ def _speed(candidate: Candidate, verified: dict[int, Plan]) -> float:
     return checked.tokens_per_second if checked is not None else projected_tokens_per_second(candidate)
 
 
-def _verify(job: Job, setting: Setting, machine: Machine, halve: bool, say: callable, probe: Plan) -> Plan | None:
-    """`setting` planned at every distinct rank, its micro-batch halved (where not fixed) until it fits there. The
-    probe's rank 0 serves where it ran at the same micro-batch."""
+def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: callable, probe: Plan) -> Plan | None:
+    """`setting` planned at every distinct rank, rank 0 first. Where rank 0 does not fit and the micro-batch is open
+    (`search`), the next micro-batch tried is the largest that fits on the line through the two peaks rank 0 measured
+    (the probe's and this one: activations grow linearly with the micro-batch); where another rank does not, half."""
+    low = probe.ranks[0]  # rank 0 at the probe's micro-batch
     while setting.micro_batch >= 1:
-        known = probe.ranks if probe.setting == setting else []
-        say(f"checking {setting} at ranks {distinct_ranks(job)}")
-        result = plan(job, setting, machine, known=known)
-        if result.fits:
-            return result
-        if not halve:
+        say(f"checking {setting} at rank 0")
+        first = plan(job, setting, machine, ranks=[0], known=probe.ranks if probe.setting == setting else [])
+        if first.fits:
+            say(f"checking {setting} at ranks {distinct_ranks(job)}")
+            result = plan(job, setting, machine, known=first.ranks)
+            if result.fits:
+                return result
+            next_micro = setting.micro_batch // 2
+        else:
+            next_micro = _on_the_line(probe.setting.micro_batch, low.device_peak, setting.micro_batch,
+                                      first.busiest.device_peak, machine.gpu_memory)
+        if not search or next_micro >= setting.micro_batch:
             return None
-        setting = replace(setting, micro_batch=setting.micro_batch // 2)
+        setting = replace(setting, micro_batch=next_micro)
     return None
+
+
+def _on_the_line(m1: int, peak1: int, m2: int, peak2: int, capacity: int) -> int:
+    """The largest micro-batch below m2 whose peak, on the line through (m1, peak1) and (m2, peak2), fits."""
+    if m2 == m1 or peak2 <= peak1:
+        return m2 // 2
+    slope = (peak2 - peak1) / (m2 - m1)
+    return max(0, min(m2 - 1, m1 + int((capacity - peak1) // slope)))
 
 
 def _staying_on_device(candidates: list[Candidate], setting: Setting, machine: Machine) -> str | None:
