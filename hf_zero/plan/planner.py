@@ -159,9 +159,10 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     """The fastest setting (tokens per second per GPU) that fits, among stages, offloads, hpZ, checkpointing and
     micro-batches not `fixed`; and every candidate considered with its outcome. Each candidate is simulated at
     rank 0 and micro-batch 1 (or the fixed one), the largest fitting micro-batch taken from how its activations
-    grow; the winner is simulated again at every distinct rank with its micro-batch, stepping the micro-batch down
-    until it fits there too. Skipped without simulation, saying why: an offloaded variant where a setting with less
-    offload already fits; checkpointing where the setting's model states alone (measured) exceed the device."""
+    grow; the winner is simulated again at its micro-batch, at every distinct rank (`_verify`), and kept if it is
+    still the fastest. Skipped without simulation, saying why: an offloaded variant where a setting with less offload
+    already fits, or where what offload leaves on the device already overflows it (`_staying_on_device`);
+    checkpointing where the setting's model states alone (measured) exceed the device."""
     candidates: list[Candidate] = []
     fixed_micro = fixed.get("micro_batch")
     checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
