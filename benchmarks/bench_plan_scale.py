@@ -43,8 +43,7 @@ def main() -> None:
                 start = time.perf_counter()
                 rank = plan(job, Setting(stage, gradient_checkpointing=True), Machine(10**15), ranks=[0]).busiest
                 seconds = time.perf_counter() - start
-                held = rank.at_rest["device"]
-                states = (held["parameters"] + held["gradients"] + held["optimizer_states"]) / 1e9
+                states = rank.model_states / 1e9
                 formula = paper(rank.params, stage, nd)
                 print(f"| {model} | {rank.params / 1e9:.1f}B | {nd} | {stage} | {states:,.2f} | {formula:,.2f} | "
                       f"{states / formula:.3f} | {seconds:.0f} |", flush=True)

@@ -11,6 +11,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from hf_zero.plan.machine import GB, KEYS, Machine
+from hf_zero.settings.config import offload_conflict
 
 if TYPE_CHECKING:
     from hf_zero.plan.planner import Candidate, Plan
@@ -77,10 +78,11 @@ def check(args: argparse.Namespace) -> str | None:
         if args.gpus_per_node % args.hpz_partition_size:
             return (f"--hpz_partition_size must divide --gpus_per_node ({args.gpus_per_node}); got "
                     f"{args.hpz_partition_size}")
-    if args.offload_param == "cpu" and args.zero_stage not in ("3", "auto"):
-        return f"--offload_param cpu needs --zero_stage 3; got {args.zero_stage}"
-    if args.offload_optimizer == "cpu" and args.zero_stage == "0":
-        return "--offload_optimizer cpu needs --zero_stage 1, 2 or 3; got 0"
+    if args.zero_stage != "auto":  # the engine's own rule; an `auto` offload is chosen within it
+        conflict = offload_conflict(int(args.zero_stage), args.offload_optimizer.replace("auto", "none"),
+                                    args.offload_param.replace("auto", "none"), lambda key: f"--{key}")
+        if conflict:
+            return conflict
     if args.offload_param == "cpu" and args.offload_optimizer == "none":
         return "--offload_param cpu is planned with --offload_optimizer cpu; got --offload_optimizer none"
     return None
@@ -104,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
     fixed = fixed_settings(args)
     say = (lambda line: None) if args.json else (lambda line: print(f"  {line}", flush=True))
     if {"zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "micro_batch"} <= fixed.keys():
-        setting = Setting(fixed["zero_stage"], fixed["offload_optimizer"], fixed["offload_param"],
-                          fixed["micro_batch"], fixed["gradient_checkpointing"], fixed.get("hpz_partition_size", 1))
+        setting = Setting(**fixed)
         say(f"simulating {setting} at ranks {distinct_ranks(job)}")
         chosen, candidates = plan(job, setting, machine), []
     else:
@@ -138,10 +139,10 @@ def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Can
                 continue
             speed = projected_tokens_per_second(c)  # 0: not run (stages 0-2 whose parameters alone overflow)
             lines.append(f"| {c.setting} | {p.busiest.device_peak / GB:.3g} | "
-                         f"{p.busiest.host_peak * job.gpus_per_node / GB:.3g} | "
+                         f"{p.host_per_node / GB:.3g} | "
                          f"{f'{speed:,.0f}' if speed else ''} | {c.outcome} |")
     if chosen is None:
-        lines += ["", "nothing fits: " + _what_would(job, machine, candidates)]
+        lines += ["", "nothing fits: " + _what_would(job, machine, [c.plan for c in candidates if c.plan])]
         return "\n".join(lines)
     rank = chosen.busiest
     lines += ["", f"{'chosen' if candidates else 'planned'}: {chosen.setting} "
@@ -164,26 +165,23 @@ def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Can
     return "\n".join(lines)
 
 
-def _what_would(job: Job, machine: Machine, candidates: list) -> str:
-    """What would make the least-memory simulated candidate (a Candidate or a Plan) fit."""
-    probes = [getattr(c, "plan", c) for c in candidates if getattr(c, "plan", c) is not None]
-    if not probes:
+def _what_would(job: Job, machine: Machine, plans: list[Plan]) -> str:
+    """What would make the least-memory of these plans fit."""
+    if not plans:
         return "no candidate could be simulated"
-    least = min(probes, key=lambda p: p.busiest.device_peak)
+    least = min(plans, key=lambda p: p.busiest.device_peak)
     rank = least.busiest
-    states = sum(rank.at_rest["device"][k] for k in KEYS[:3])
     needs = []
-    if least.busiest.device_peak > machine.gpu_memory:
-        if states > machine.gpu_memory:
-            needs.append(f"more GPUs: its model states alone take {states / GB:.1f} GB of each GPU's "
+    if rank.device_peak > machine.gpu_memory:
+        if rank.model_states > machine.gpu_memory:
+            needs.append(f"more GPUs: its model states alone take {rank.model_states / GB:.1f} GB of each GPU's "
                          f"{machine.gpu_memory / GB:g} GB at {job.world_size} GPUs, and stage 3 divides them by the "
                          f"GPU count")
         else:
             needs.append(f"a shorter sequence or checkpointing: activations and temporaries take "
-                         f"{(rank.device['activations'] + rank.device['other']) / GB:.1f} GB of the "
-                         f"{least.busiest.device_peak / GB:.1f} GB peak")
+                         f"{rank.transient / GB:.1f} GB of the {rank.device_peak / GB:.1f} GB peak")
     if not least.fits_host:
-        needs.append(f"more host memory: {rank.host_peak * job.gpus_per_node / GB:.1f} GB a node")
+        needs.append(f"more host memory: {least.host_per_node / GB:.1f} GB a node")
     return f"the least-memory candidate ({least.setting}) needs " + "; or ".join(needs)
 
 
@@ -198,27 +196,27 @@ def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates:
 
     from hf_zero.plan.planner import projected_tokens_per_second
 
-    shown = [(c.setting, c.plan, c.outcome) for c in candidates if c.plan is not None]
+    # (setting, its plan, outcome, tokens/s per GPU): each simulated candidate, or the one setting planned
+    shown = [(c.setting, c.plan, c.outcome, projected_tokens_per_second(c)) for c in candidates if c.plan is not None]
     if not shown and chosen is not None:
-        shown = [(chosen.setting, chosen, "planned")]
-    labels = [str(setting).replace(", ", "\n") for setting, _, _ in shown]
+        shown = [(chosen.setting, chosen, "planned", chosen.tokens_per_second)]
+    labels = [str(setting).replace(", ", "\n") for setting, *_ in shown]
     figure, (memory, host, speed) = plt.subplots(1, 3, figsize=(6 + 1.6 * len(shown), 5.5),
                                                   gridspec_kw={"width_ratios": [3, 1.5, 1.5]})
     bottom = [0.0] * len(shown)
     for kind in KEYS:
-        heights = [p.busiest.device[kind] / GB for _, p, _ in shown]
+        heights = [p.busiest.device[kind] / GB for _, p, *_ in shown]
         memory.bar(labels, heights, bottom=bottom, label=kind.replace("_", " "))
         bottom = [b + h for b, h in zip(bottom, heights)]
     memory.axhline(machine.gpu_memory / GB, color="black", linestyle="--", label="device capacity")
     memory.set_ylabel("GB per GPU at the step's peak")
     memory.set_title(f"{job.model}, {job.nodes} x {job.gpus_per_node} GPUs")
     memory.legend(fontsize=7)
-    host.bar(labels, [p.busiest.host_peak * job.gpus_per_node / GB for _, p, _ in shown], color="tab:gray")
+    host.bar(labels, [p.host_per_node / GB for _, p, *_ in shown], color="tab:gray")
     host.axhline(machine.host_memory / GB, color="black", linestyle="--")
     host.set_ylabel("host GB per node")
-    speed.bar(labels, [projected_tokens_per_second(c) if c.plan is not chosen else chosen.tokens_per_second
-                       for c in candidates if c.plan is not None] or [chosen.tokens_per_second],
-              color=["tab:green" if outcome == "chosen" else "tab:blue" for _, _, outcome in shown])
+    speed.bar(labels, [tokens for *_, tokens in shown],
+              color=["tab:green" if outcome == "chosen" else "tab:blue" for _, _, outcome, _ in shown])
     speed.set_ylabel("tokens/s per GPU (modelled)")
     for axis in (memory, host, speed):
         axis.tick_params(axis="x", labelsize=6, rotation=90)

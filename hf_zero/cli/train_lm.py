@@ -133,20 +133,11 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
 
 
 def concrete_argv(argv: list[str], args: argparse.Namespace) -> list[str]:
-    """`argv` with each `auto` setting replaced by what the plan chose, for the processes to start with."""
-    out, skip = [], False
-    for i, token in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        key = token.removeprefix("--").split("=")[0]
-        if key in PLANNED and (token.endswith("=auto") or argv[i + 1:i + 2] == [AUTO]):
-            skip = not token.endswith("=auto")
-            continue
-        out.append(token)
+    """`argv` with what the plan chose for each PLANNED setting, and --planned_peak, for the processes to start with:
+    appended, since the last of a repeated option is the one argparse keeps."""
     if args.planned_peak is None:
-        return out
-    return out + [arg for key in PLANNED for arg in (f"--{key}", str(getattr(args, key)))] + \
+        return argv
+    return argv + [arg for key in PLANNED for arg in (f"--{key}", str(getattr(args, key)))] + \
         ["--planned_peak", str(args.planned_peak)]
 
 

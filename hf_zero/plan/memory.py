@@ -99,10 +99,11 @@ class MemoryCount(TorchDispatchMode):
             weakref.finalize(storage, self._freed, place, number)
             self._set_size(place, number, storage.nbytes())
         elif kind is not None and kind != self.kind_of[number]:
-            place, nbytes = self.place_of[number], self.live[self.place_of[number]].get(number, 0)
+            place = self.place_of[number]
+            nbytes = self.live[place].get(number, 0)
             self.by_kind[place][self.kind_of[number]] -= nbytes
+            self.by_kind[place][kind] += nbytes
             self.kind_of[number] = kind
-            self._add(place, kind, nbytes)
 
     def resized(self, tensor: torch.Tensor, nbytes: int) -> None:
         """`tensor`'s storage now holds `nbytes` (given back by release_storage, or taken again)."""
@@ -119,21 +120,23 @@ class MemoryCount(TorchDispatchMode):
     def _set_size(self, place: str, number: int, nbytes: int) -> None:
         live = self.live[place]
         change = nbytes - live.get(number, 0)
-        if change < 0 and self.rising[place]:  # the total falls from a peak: keep what was alive there
-            self.at_peak[place] = dict(live)
-            self.rising[place] = False
+        if change < 0:  # the total falls, from a peak if it was rising
+            self._keep_peak(place)
         if nbytes:
             live[number] = nbytes
         else:
             live.pop(number, None)
         self.total[place] += change
-        self._add(place, self.kind_of[number], change)
+        self.by_kind[place][self.kind_of[number]] += change
         if self.total[place] > self.peak_total[place]:
             self.peak_total[place] = self.total[place]
             self.rising[place] = True
 
-    def _add(self, place: str, kind: str, nbytes: int) -> None:
-        self.by_kind[place][kind] += nbytes
+    def _keep_peak(self, place: str) -> None:
+        """Keeps what is alive now as `place`'s peak, if its total rose to a new peak since it was last kept."""
+        if self.rising[place]:
+            self.at_peak[place] = dict(self.live[place])
+            self.rising[place] = False
 
     def start_window(self) -> None:
         """The peak is taken from now on."""
@@ -144,21 +147,19 @@ class MemoryCount(TorchDispatchMode):
 
     def peak(self, place: str) -> dict[str, int]:
         """The bytes by kind at `place`'s peak, each storage sorted by what it turned out to be."""
-        if self.rising[place]:
-            self.at_peak[place] = dict(self.live[place])
-            self.rising[place] = False
-        by_kind = Counter({kind: 0 for kind in KINDS})
+        self._keep_peak(place)
+        by_kind = dict.fromkeys(KINDS, 0)
         for number, nbytes in self.at_peak[place].items():
             by_kind[self.kind_of[number]] += nbytes
-        return dict(by_kind)
+        return by_kind
 
     # ---- the dispatch mode
-    def _inputs_place(self, inputs: list[Any]) -> str | None:
-        """"host" when every input counted so far is the host's: an op on host tensors makes host tensors (Adam's
+    def _on_host_only(self, inputs: list[Any]) -> bool:
+        """Whether every input counted so far is the host's: an op on host tensors makes host tensors (Adam's
         states made like its offloaded masters), as it would beside a GPU."""
         places = {self.place_of[n] for t in inputs if isinstance(t, torch.Tensor)
                   and (n := self.number_of.get(t.untyped_storage())) is not None}
-        return "host" if places == {"host"} else None
+        return places == {"host"}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -168,7 +169,7 @@ class MemoryCount(TorchDispatchMode):
                                                             if isinstance(t, torch.Tensor)]
         if not made:
             return out
-        on_host = self.live["host"] and self._inputs_place(tree_flatten((args, kwargs))[0]) == "host"
+        on_host = self.live["host"] and self._on_host_only(tree_flatten((args, kwargs))[0])
         with self.on_host() if on_host else contextlib.nullcontext():
             for t in made:
                 self.track(t)

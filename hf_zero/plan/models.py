@@ -2,6 +2,7 @@
 downloaded: a plan runs before any machine is rented, possibly offline)."""
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 from typing import Any
 
@@ -17,7 +18,7 @@ def is_zoo_model(model: str) -> bool:
 @lru_cache(maxsize=8)
 def model_config(model: str) -> Any:
     """The config of a model_zoo name, a local folder, or a model id in the Hugging Face cache (never
-    downloaded: the estimate runs before any machine is rented, possibly offline)."""
+    downloaded). Shared by every caller: read it, never change it."""
     if is_zoo_model(model):
         return model_zoo.config(model)
     from transformers import AutoConfig
@@ -35,13 +36,12 @@ def build_model(model: str) -> torch.nn.Module:
     fused kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form."""
     import transformers
 
-
-    config = model_config(model)
-    for name, value in config.to_dict().items():
-        if "drop" in name and ("attn" in name or "attention" in name) and isinstance(value, float):
-            setattr(config, name, 0.0)
+    config = copy.deepcopy(model_config(model))  # the cached one serves the next plan and `hf-zero estimate` as it is
+    no_attention_dropout = {name: 0.0 for name, value in config.to_dict().items()
+                            if "drop" in name and ("attn" in name or "attention" in name) and isinstance(value, float)}
     if is_zoo_model(model) and model != model_zoo.MINILM:
-        return model_zoo.build(model, **{k: getattr(config, k) for k in config.to_dict() if "drop" in k})
+        return model_zoo.build(model, **no_attention_dropout)
+    config.update(no_attention_dropout)
     names = getattr(config, "architectures", None) or []
     model_class = getattr(transformers, names[0], None) if names else None
     return (model_class or transformers.AutoModelForCausalLM)._from_config(config)

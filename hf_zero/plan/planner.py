@@ -1,15 +1,15 @@
 """A plan: a setting's memory per rank and traffic per link from the simulated ranks (hf_zero.plan.simulate), its
 step time from a model of the machine (`Machine`), and, when the stage is left open, the fastest setting that fits.
 
-Ranks differ only where their shards or links do: the last rank holds its partitions' padding, and the last rank of
-a node sends its ring traffic across the node boundary. `distinct_ranks` simulates rank 0, the last of node 0 and
-the last of the world; every other rank holds and sends what one of them does (a test simulates all 16 ranks of
+Ranks differ only where their links do: the last rank of a node sends its ring traffic across the node boundary
+(shards are padded to equal sizes, so no rank holds more). `distinct_ranks` simulates rank 0, the last of node 0
+and the last of the world; every other rank holds and sends what one of them does (a test simulates all 16 ranks of
 2 x 8 to show it).
 
 The step time, per rank, with nothing overlapped (an upper bound; overlap is what the engine's streams buy back):
 
-    compute   the forward's and backward's FLOPs, counted by torch's FlopCounterMode on the step itself
-              (recomputation included), at gpu_tflops x mfu
+    compute   the forward's and backward's FLOPs, counted by torch's FlopCounterMode on the first step (the same
+              shapes; recomputation included), at gpu_tflops x mfu
     network   the bytes this rank sent over intra-node and inter-node links (the ledger's), at each link's bandwidth
     copies    the bytes copied between the device and the host (offload), at the PCIe bandwidth
     host      the optimizer's step on the host (offload_optimizer cpu): its parameters x cpu_adam_ns
@@ -19,7 +19,7 @@ The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from hf_zero.plan.machine import GB, KEYS, Machine
 from hf_zero.plan.simulate import Job, RankStep, Setting, simulate_rank
@@ -44,8 +44,13 @@ class Plan:
         return self.busiest.device_peak <= self.machine.gpu_memory
 
     @property
+    def host_per_node(self) -> int:
+        """The host memory a node's ranks take together, each at the most any simulated rank took."""
+        return max(r.host_peak for r in self.ranks) * self.job.gpus_per_node
+
+    @property
     def fits_host(self) -> bool:
-        return max(r.host_peak for r in self.ranks) * self.job.gpus_per_node <= self.machine.host_memory
+        return self.host_per_node <= self.machine.host_memory
 
     @property
     def fits(self) -> bool:
@@ -61,12 +66,9 @@ class Plan:
         return {span: max(r.sent.get(span, 0) for r in self.ranks) for span in ("intra-node", "inter-node")}
 
     def as_json(self) -> dict:
-        rank = self.busiest
+        rank, traffic = self.busiest, self.traffic()
         return {
-            "setting": {"zero_stage": self.setting.zero_stage, "offload_optimizer": self.setting.offload_optimizer,
-                        "offload_param": self.setting.offload_param, "micro_batch": self.setting.micro_batch,
-                        "gradient_checkpointing": self.setting.gradient_checkpointing,
-                        "hpz_partition_size": self.setting.hpz_partition_size},
+            "setting": asdict(self.setting),
             "model": self.job.model, "params": rank.params, "nodes": self.job.nodes,
             "gpus_per_node": self.job.gpus_per_node, "seq_len": self.job.seq_len, "dtype": self.job.dtype,
             "per_rank": {
@@ -75,8 +77,7 @@ class Plan:
                 "host": {**{k: rank.host[k] for k in KEYS}, "peak": max(r.host_peak for r in self.ranks)},
                 "model_states_at_rest": {k: rank.at_rest["device"][k] for k in KEYS[:3]},
             },
-            "traffic_per_step": {"intra_node": self.traffic()["intra-node"],
-                                 "inter_node": self.traffic()["inter-node"]},
+            "traffic_per_step": {"intra_node": traffic["intra-node"], "inter_node": traffic["inter-node"]},
             "step_seconds": self.step_seconds, "tokens_per_second_per_gpu": self.tokens_per_second,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host,
             "gpu_memory": self.machine.gpu_memory, "host_memory": self.machine.host_memory,
@@ -146,7 +147,7 @@ def _largest_micro_batch(probe: Plan, machine: Machine, limit: int) -> int:
     """The largest power-of-two micro-batch, up to `limit`, whose device peak fits, taking activations (and the
     backward's other temporaries) to grow with the micro-batch from the probe's at micro-batch 1."""
     rank = probe.busiest
-    growing = rank.device["activations"] + rank.device["other"]
+    growing = rank.transient
     fixed = rank.device_peak - growing
     best, m = 0, 1
     while m <= limit and fixed + m * growing <= machine.gpu_memory:
@@ -187,8 +188,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
                 if uncheckpointed.plan is None:  # skipped for a reason checkpointing does not change
                     candidate.outcome = uncheckpointed.outcome
                     continue
-                states = uncheckpointed.plan.busiest.at_rest["device"]
-                if sum(states[k] for k in KEYS[:3]) > machine.gpu_memory:
+                if uncheckpointed.plan.busiest.model_states > machine.gpu_memory:
                     candidate.outcome = "not simulated: its model states alone exceed the device"
                     continue
             say(f"simulating {setting}")
@@ -200,7 +200,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
             continue
         probe = candidate.plan
         if not probe.fits_host:
-            candidate.outcome = (f"host memory: {probe.busiest.host_peak * job.gpus_per_node / GB:.1f} GB a node, "
+            candidate.outcome = (f"host memory: {probe.host_per_node / GB:.1f} GB a node, "
                                  f"more than {machine.host_memory / GB:.0f} GB")
         elif fixed_micro is None:
             m = _largest_micro_batch(probe, machine, max_micro_batch)
@@ -285,9 +285,8 @@ def _staying_on_device(candidates: list[Candidate], setting: Setting, machine: M
     if unloaded is None:
         return None
     rank = unloaded.busiest
-    transient = rank.device["activations"] + rank.device["other"]
-    if transient > machine.gpu_memory:
-        return (f"its activations and temporaries alone ({transient / GB:.3g} GB at the peak, measured without "
+    if rank.transient > machine.gpu_memory:
+        return (f"its activations and temporaries alone ({rank.transient / GB:.3g} GB at the peak, measured without "
                 f"offload) exceed the device; offloading model states cannot make it fit")
     if setting.offload_param != "none":
         return None
@@ -308,7 +307,7 @@ def _over(probe: Plan) -> str:
 def projected_tokens_per_second(candidate: Candidate) -> float:
     """The probe's step at the candidate's micro-batch: compute grows with it, traffic and the host's step do not."""
     probe = candidate.plan
-    seconds = dict(probe.step_seconds)
+    seconds = probe.step_seconds
     scale = candidate.setting.micro_batch / probe.setting.micro_batch
     total = seconds["compute"] * scale + seconds["network"] + seconds["copies"] + seconds["host"]
     return candidate.setting.micro_batch * probe.job.seq_len / total if total else 0.0

@@ -31,11 +31,9 @@ from hf_zero.plan.memory import KINDS, PLACES, MemoryCount
 from hf_zero.plan.models import build_model
 from hf_zero.plan.timeline import PlanTimeline
 from hf_zero.runtime.device import timeline_in_force
+from hf_zero.runtime.memory import BYTES_PER_ELEMENT
 from hf_zero.runtime.trace import watching_spans
 from hf_zero.settings.environment import CHECK_COLLECTIVES_ENV
-
-OFFLOADS = ("none", "cpu")
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -108,6 +106,18 @@ class RankStep:
     def host_peak(self) -> int:
         return sum(self.host.values())
 
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer states on the device between steps: what the paper's formulas count."""
+        held = self.at_rest["device"]
+        return held["parameters"] + held["gradients"] + held["optimizer_states"]
+
+    @property
+    def transient(self) -> int:
+        """Activations and the backward's other temporaries at the device's peak: what grows with the micro-batch
+        and what offloading model states cannot move."""
+        return self.device["activations"] + self.device["other"]
+
 
 class _FakeReads(FakeTensorMode):
     """Fake tensors whose values, read back by the host, are 1 (`.item()`, `.tolist()`): every parameter used on
@@ -122,8 +132,8 @@ class _FakeReads(FakeTensorMode):
 @contextlib.contextmanager
 def simulated_world(world_size: int, rank: int) -> Iterator[None]:
     """This process is rank `rank` of a fake process group of `world_size`. The cross-rank check of each collective
-    is off: it exchanges hashes, which a fake group cannot; the plan compares the simulated ranks' whole sequences
-    afterwards instead (hf_zero.plan.schedule)."""
+    is off: it exchanges hashes, which a fake group cannot. Each simulated rank records its whole sequence instead
+    (RankStep.collectives), which tests/plan compares across all 16 ranks of 2 x 8."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -201,11 +211,11 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
             timeline_in_force(line), watching_spans(count.span), _forwards_counted(count):
         model = build_model(job.model)
         params = sum(p.numel() for p in model.parameters())
-        whole = params * DTYPE_BYTES[job.dtype]
+        whole = params * BYTES_PER_ELEMENT[job.dtype]
         if setting.zero_stage < 3 and whole > job.gpu_memory:
             # Every rank would hold the whole model in the compute dtype: it cannot fit, and the engine's buckets,
             # cut to the little memory left, would number in the millions. Said without running the engine.
-            held = {kind: 0 for kind in KINDS} | {"parameters": whole}
+            held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
             return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
                             {}, {}, 0, {}, 0, params)
         for p in model.parameters():

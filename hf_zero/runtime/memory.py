@@ -123,4 +123,3 @@ def measured_peak(device: "torch.device", baseline: int) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) - baseline
     return peak_rss() - baseline
-

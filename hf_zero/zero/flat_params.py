@@ -38,7 +38,6 @@ from hf_zero.zero.partition import (
 from hf_zero.zero.reducer import BucketKey, BucketReduction, GradientReducer
 from hf_zero.zero.stage2 import PartitionedGradients
 
-
 MOST_BUCKETS = 10_000  # buckets a memory budget may cut a param group into
 
 
