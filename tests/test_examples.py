@@ -67,6 +67,26 @@ def test_gpt2_from_the_zoo_lowers_perplexity_on_the_python_reference(tmp_path):
     assert final["perplexity"] < 0.05 * 2.718281828 ** start_loss
 
 
+def test_run_clm_with_zero_stage_auto_trains_with_the_plans_choice_and_checks_its_step(tmp_path):
+    """transformers' run_clm.py under `hf-zero run --zero_stage auto --zero_offload_optimizer auto`: the plan of the
+    script's own model and first batch, its candidates, the engine at the chosen setting, and the second step's
+    measured peak beside the planned one."""
+    done = subprocess.run([*run_clm("--zero_stage", "auto", "--zero_offload_optimizer", "auto"),
+                           "--train_file", str(python_reference(tmp_path)), "--block_size", "64", "--output_dir",
+                           str(tmp_path / "out"), "--do_train", "--max_steps", "4", "--per_device_train_batch_size",
+                           "8", "--log_level", "info", *QUIET], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    planned = next(line for line in done.stderr.splitlines() if line.startswith("planned: --zero_stage "))
+    stage, offload = planned.removeprefix("planned: --zero_stage ").split(" (")[0].split(", --zero_offload_optimizer ")
+    assert f"stage {stage}{', optimizer on cpu' if offload == 'cpu' else ''}, micro-batch 8: chosen" in done.stderr
+    assert "64 tokens a sample" in planned
+    trained = torch.load(tmp_path / "out" / "training_args.bin", weights_only=False).zero_engine_config
+    assert (trained.zero_stage, trained.offload_optimizer) == (int(stage), offload)
+    assert "rank 0: the step took " in done.stderr and "the plan " in done.stderr
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+
+
 def test_run_clm_with_tensor_parallelism_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
     """--tensor_parallel_size 2 at stage 3: 6 steps with a checkpoint at 3, then a second run resumed
     from checkpoint-3 (--resume_from_checkpoint, as in transformers' scripts) ends with the same weights."""

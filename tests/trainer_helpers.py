@@ -6,11 +6,12 @@ and returns what the tests compare: logged losses and grad norms, eval loss, pre
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ class EndAfter(LogitsProcessor):
 @dataclass
 class TrainerRun:
     name: str
-    zero_stage: int | None  # None: the stock Trainer (DDP)
+    zero_stage: int | str | None  # None: the stock Trainer (DDP); "auto": planned (hf_zero.hf.auto)
     model: str = "gpt2"  # "gpt2" or "t5" (Seq2Seq with generation)
     args: dict[str, Any] = field(default_factory=dict)
     # The model wrapped by peft, its base frozen: "lora" (adapters on the attention) or "prompt_tuning" (virtual
@@ -114,6 +115,26 @@ def _trainer_class(run: TrainerRun) -> type[Trainer]:
     return Trainer if run.zero_stage is None else ZeroTrainer
 
 
+@contextlib.contextmanager
+def _said_by(loggers: list[str]) -> Iterator[list[str]]:
+    """The messages these loggers pass on while inside (at their levels: the Trainer's --log_level sets
+    transformers')."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep()
+    for name in loggers:
+        logging.getLogger(name).addHandler(handler)
+    try:
+        yield said
+    finally:
+        for name in loggers:
+            logging.getLogger(name).removeHandler(handler)
+
+
 def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
     """Runs inside the spawned process group; returns each run's record on this rank."""
     rank = dist.get_rank()
@@ -127,12 +148,13 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
             trainer = _trainer_class(run)(model=model, args=_arguments(run, output_dir),
                                           train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
                                           eval_dataset=lm_examples(EVAL_EXAMPLES, seed=2))
-            trainer.train()
+            with _said_by(["hf_zero.hf.auto", "transformers.trainer"]) as said:
+                trainer.train()
             logs = [h for h in trainer.state.log_history if "loss" in h]
             record: dict[str, Any] = {
                 "losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
                 "lrs": [h["learning_rate"] for h in logs], "eval_loss": trainer.evaluate()["eval_loss"],
-                "global_step": trainer.state.global_step,
+                "global_step": trainer.state.global_step, "said": said,
             }
             if run.model == "t5":
                 # Rank 0 ends every sequence after 3 tokens, rank 1 after 6: without synced

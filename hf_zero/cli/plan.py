@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
     parser.add_argument("--micro_batch", type=count, help="sequences per GPU per step (default: the largest that "
                         "fits, up to --max_micro_batch)")
     parser.add_argument("--max_micro_batch", type=count, default=64)
+    parser.add_argument("--sample", metavar="FILE.json", help="one training sample's tensors, as {name: {\"shape\": "
+                        "[...], \"dtype\": \"int64\", \"high\": N}} (the shape without the batch dimension; "
+                        "integers are drawn below high). ZeroTrainer's --zero_stage auto writes it from its first "
+                        "batch. Default: a language model's input_ids and labels of --seq_len tokens")
     parser.add_argument("--zero_stage", choices=("auto", "0", "1", "2", "3"), default="auto")
     parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu"), default="auto")
     parser.add_argument("--offload_param", choices=("auto", "none", "cpu"), default="auto")
@@ -85,7 +89,33 @@ def check(args: argparse.Namespace) -> str | None:
             return conflict
     if args.offload_param == "cpu" and args.offload_optimizer == "none":
         return "--offload_param cpu is planned with --offload_optimizer cpu; got --offload_optimizer none"
+    if args.sample:
+        try:
+            args.sample = read_sample(args.sample)
+        except (OSError, ValueError) as error:
+            return f"--sample {args.sample}: {error}"
     return None
+
+
+def read_sample(path: str) -> tuple[tuple[str, tuple[int, ...], str, int], ...]:
+    """--sample's file as Job.sample; ValueError saying what is wrong."""
+    import torch
+
+    with open(path) as f:
+        tensors = json.load(f)
+    if not isinstance(tensors, dict) or not tensors:
+        raise ValueError("expected an object of one or more tensors")
+    sample = []
+    for name, spec in tensors.items():
+        shape, dtype, high = (spec.get(key) if isinstance(spec, dict) else None for key in ("shape", "dtype", "high"))
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n > 0 for n in shape)):
+            raise ValueError(f"{name}'s shape must be a list of positive integers; got {shape!r}")
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ValueError(f"{name}'s dtype must name a torch dtype (int64, float32, ...); got {dtype!r}")
+        if not (isinstance(high, int) and high > 0):
+            raise ValueError(f"{name}'s high must be a positive integer; got {high!r}")
+        sample.append((name, tuple(shape), dtype, high))
+    return tuple(sample)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,10 +126,11 @@ def run(args: argparse.Namespace) -> int:
     config = model_config(args.model)
     longest = next((getattr(c, k) for c in (config, config.get_text_config()) for k in
                     ("n_positions", "max_position_embeddings") if getattr(c, k, None)), 1024)
-    seq_len = args.seq_len or min(1024, longest)
+    sample_length = next((shape[-1] for name, shape, *_ in args.sample or () if name == "input_ids" and shape), None)
+    seq_len = args.seq_len or sample_length or min(1024, longest)
     if seq_len > longest:
         raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
-    job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory)
+    job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or ())
     machine = Machine(args.gpu_memory, args.host_memory,
                       **{f.name: getattr(args, f.name) for f in fields(Machine)
                          if f.name not in ("gpu_memory", "host_memory")})

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 import model_zoo
 from hf_zero.checkpoint import is_complete, numbered_folders
 from hf_zero.engine import ZeroEngine, initialize
+from hf_zero.plan.planner import check_against_plan
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.launch import init_distributed
@@ -33,7 +34,7 @@ from hf_zero.runtime.tensor_parallel import (
     check_tp_within_a_node,
     init_mesh,
 )
-from hf_zero.settings.config import AUTO, ZeroConfig, ZeroConfigError, check_compile_backend
+from hf_zero.settings.config import AUTO, PLANNED, ZeroConfig, ZeroConfigError, check_compile_backend
 from hf_zero.settings.config import add_arguments as add_engine_arguments
 from hf_zero.settings.environment import processes_per_node, restarts_so_far
 
@@ -87,10 +88,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planned_peak", type=int, default=None, help="bytes a rank's step was planned to take at its "
                    "peak (set by --zero_stage auto): the second step is checked against it, and a measured peak "
                    "more than 10%% above it is reported")
-
-
-# The settings `auto` leaves to the plan (hf_zero.plan), chosen before the processes start.
-PLANNED = ("zero_stage", "offload_optimizer", "offload_param")
 
 
 def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> None:
@@ -319,7 +316,8 @@ def train(args: argparse.Namespace, engine: ZeroEngine, schedule: torch.optim.lr
             schedule.step()
             losses.append(loss.item())
             if args.planned_peak and step == first_step + 1:
-                _check_plan(args.planned_peak, measured_peak(compute_device(), baseline), rank)
+                check_against_plan(args.planned_peak, measured_peak(compute_device(), baseline), rank, logger,
+                                   by_rss=compute_device().type == "cpu")
             if args.save_steps and (step + 1) % args.save_steps == 0:
                 save(args, engine, schedule, step + 1, rank)
             elapsed = time.monotonic() - start
@@ -334,16 +332,6 @@ def train(args: argparse.Namespace, engine: ZeroEngine, schedule: torch.optim.lr
                 break
     engine.check_skipped_steps()  # the last steps' outcome, where the device decided it
     return losses, time.monotonic() - start
-
-
-def _check_plan(planned: int, measured: int, rank: int) -> None:
-    from hf_zero.plan.planner import plan_miss
-
-    miss = plan_miss(planned, measured, rank, by_rss=compute_device().type == "cpu")
-    if miss:
-        logger.warning(miss)
-    elif rank == 0:
-        logger.info(f"rank 0: the step took {measured / 1e9:.3g} GB at its peak, the plan {planned / 1e9:.3g} GB")
 
 
 def _out_of_time(on_this_rank: bool, comm: Communicator) -> bool:

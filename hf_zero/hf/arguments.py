@@ -33,6 +33,8 @@ from hf_zero.runtime.launch import (
 from hf_zero.runtime.tensor_parallel import check_tp_within_a_node
 from hf_zero.settings import deepspeed_config, environment
 from hf_zero.settings.config import (
+    AUTO,
+    PLANNED,
     ZeroConfig,
     ZeroConfigError,
     check_compile_backend,
@@ -58,10 +60,16 @@ from hf_zero.settings.flag_names import (
 logger = logging.get_logger(__name__)
 
 def _flag_field(name: str, setting: Any, hint: Any) -> tuple[str, Any, Any]:
-    """The --zero_* dataclass field for an engine setting: optional, None when not given."""
+    """The --zero_* dataclass field for an engine setting: optional, None when not given. A PLANNED one also takes
+    `auto` (its choices then read as strings: HfArgumentParser gives a field one type)."""
     metadata: dict[str, Any] = {"help": help_of(setting)}
     if setting.metadata["choices"]:
         metadata["choices"] = list(setting.metadata["choices"])
+    if setting.name in PLANNED:
+        metadata["choices"] = [str(choice) for choice in metadata["choices"]] + [AUTO]
+        metadata["help"] += ("; auto: the fastest setting that fits this machine, planned by ZeroTrainer from the "
+                             "model and the first batch (docs/plan.md)")
+        hint = hint | str
     if hint is bool:  # given bare (--zero_cpu_checkpointing) or with a value, as the Trainer's switches are
         metadata.update(nargs="?", const=True)
     optional = hint if type(None) in typing.get_args(hint) else hint | None
@@ -239,9 +247,13 @@ def zero_config_from_flags(args: Any, processes: int = 1) -> ZeroConfig:
     args.zero_deepspeed = None
     if args.zero_config:
         settings, args.zero_deepspeed = _read_config_file(args, processes)
+    # `auto` settings keep their default until ZeroTrainer plans them (hf_zero.hf.auto); the rest are checked now.
+    args.zero_planned = tuple(key for flag, key in ENGINE_FLAGS.items() if getattr(args, flag) == AUTO)
     for flag, key in ENGINE_FLAGS.items():
-        if getattr(args, flag) is not None:
-            settings[key] = getattr(args, flag)
+        value = getattr(args, flag)
+        if value is not None and value != AUTO:
+            settings[key] = int(value) if key == "zero_stage" and isinstance(value, str) and value.isdigit() \
+                else value
             if args.zero_deepspeed is not None and key in args.zero_deepspeed.sized_by_model:
                 args.zero_deepspeed = dataclasses.replace(args.zero_deepspeed, sized_by_model=tuple(
                     name for name in args.zero_deepspeed.sized_by_model if name != key))
@@ -251,10 +263,27 @@ def zero_config_from_flags(args: Any, processes: int = 1) -> ZeroConfig:
     settings.update(dtype=_engine_dtype(args), gradient_clipping=float(args.max_grad_norm or 0.0),
                     gradient_accumulation_steps=1, compile=deepspeed_config.compiles(args),
                     compile_backend=args.torch_compile_backend, compile_mode=args.torch_compile_mode)
+    if args.zero_planned:
+        check_plannable(args, settings)
     config = ZeroConfig(**settings)
     config.validate(name=trainer_flag)
     check_compile_backend(config, trainer_flag)
     return config
+
+
+def check_plannable(args: Any, settings: dict[str, Any]) -> None:
+    """What a plan of --zero_stage (or an offload) auto cannot cover, refused before any work starts; the planned
+    settings are taken out of `settings` (a --zero_config file's value too: the flag asked for the plan's)."""
+    for key in args.zero_planned:
+        settings.pop(key, None)
+    flag = trainer_flag(args.zero_planned[0])
+    tp = args.tensor_parallel_size
+    if isinstance(tp, int) and tp > 1:
+        raise ZeroConfigError(f"{flag} auto plans data parallelism; got --tensor_parallel_size {tp}: give "
+                              f"{flag} a value, or drop --tensor_parallel_size")
+    if "nvme" in (settings.get("offload_optimizer"), settings.get("offload_param")):
+        raise ZeroConfigError(f"{flag} auto plans with the optimizer and parameters on the device or in CPU memory; "
+                              f"got NVMe offload: give {flag} a value")
 
 
 def _engine_dtype(args: Any) -> str:

@@ -59,10 +59,14 @@ from hf_zero.checkpoint import (
     read_json_object,
 )
 from hf_zero.engine import ZeroEngine, initialize
-from hf_zero.hf import pretrained
+from hf_zero.hf import auto, pretrained
 from hf_zero.hf.arguments import ZeroArgumentsMixin
+from hf_zero.plan.planner import check_against_plan
+from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.groups import device_mesh
+from hf_zero.runtime.memory import measured_peak, start_measuring
 from hf_zero.runtime.tensor_parallel import apply_tensor_parallel, init_mesh
+from hf_zero.settings.config import trainer_flag
 from hf_zero.settings.environment import restarts_so_far
 from hf_zero.zero.partition import local, wrap_like
 
@@ -92,9 +96,10 @@ class ZeroOptimizer(AcceleratedOptimizer):
     # accelerate must not wrap it a second time (with its own GradScaler for fp16).
     _is_accelerate_prepared = True
 
-    def __init__(self, engine: ZeroEngine) -> None:
+    def __init__(self, engine: ZeroEngine, plan_check: Callable[[], Any] | None = None) -> None:
         super().__init__(engine.optimizer, device_placement=False, scaler=None)
         self.engine = engine
+        self.plan_check = plan_check  # --zero_stage auto: run after the second step (hf_zero.hf.auto)
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
@@ -104,6 +109,9 @@ class ZeroOptimizer(AcceleratedOptimizer):
         # anyway: max_skipped_steps_in_a_row stops here, every rank alike, not at the next step (or never, at the
         # last).
         self.engine.check_skipped_steps()
+        if self.plan_check is not None and self.engine.global_steps == 2:
+            self.plan_check()
+            self.plan_check = None
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         self.engine.zero_grad()
@@ -219,6 +227,8 @@ class ZeroTrainerMixin:
         if self.args.n_gpu > 1:
             raise ValueError(f"this process sees {self.args.n_gpu} GPUs; ZeRO runs one process per device: "
                              f"hf-zero run --nproc_per_node {self.args.n_gpu} SCRIPT.py ..., or torchrun")
+        if self.args.zero_planned:
+            auto.check_model(self.model, trainer_flag(self.args.zero_planned[0]))
         self.mesh = None
         if self.args.tensor_parallel_size > 1:
             self.mesh = init_mesh(self.args.tensor_parallel_size, self.args.tensor_parallel_across_nodes)
@@ -306,6 +316,7 @@ class ZeroTrainerMixin:
                 if deepspeed.optimizer is not None and self.optimizer is None:
                     self.optimizer = deepspeed.optimizer.build(self.model)
             optimizer = super().create_optimizer(model)
+            plan_check = self._plan_auto_settings() if self.args.zero_planned else None
             source = pretrained.init_source(self.model)
             self.engine = initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh,
                                      init_from=source)
@@ -313,12 +324,23 @@ class ZeroTrainerMixin:
             pretrained.end(self.args)
             if self.built_partitioned:
                 logger.info(f"rank {self.engine.comm.rank} built the model partitioned: {pretrained.describe(source)}")
-            self.optimizer = ZeroOptimizer(self.engine)
+            self.optimizer = ZeroOptimizer(self.engine, plan_check)
             # The engine has placed the model and owns its parameters' storage; accelerate's
             # prepare_model (run by evaluate) would otherwise call model.to(device), which copies
             # parameters out of the engine's buffers when the device is spelled differently (cpu:0).
             self.model._is_accelerate_prepared = True
         return self.optimizer
+
+    def _plan_auto_settings(self) -> Callable[[], bool]:
+        """Puts the plan's choice for the `auto` settings in the engine's configuration; returns the check of the
+        second step's peak against the plan's, measured from now (above what this process held apart from the
+        model, which the plan counts)."""
+        self.args.zero_engine_config, planned_peak = auto.planned_config(self)
+        device = compute_device()
+        baseline = start_measuring(device) - auto.model_bytes(self.model, device)
+
+        return lambda: check_against_plan(planned_peak, measured_peak(device, baseline), self.engine.comm.rank, logger,
+                                          by_rss=device.type == "cpu")
 
     def create_scheduler(self, num_training_steps: int,
                          optimizer: torch.optim.Optimizer | None = None) -> torch.optim.lr_scheduler.LRScheduler:

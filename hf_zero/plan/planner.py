@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from hf_zero.plan.machine import GB, KEYS, Machine
 from hf_zero.plan.simulate import Job, RankStep, Setting, simulate_rank
@@ -320,12 +321,15 @@ PLAN_MISS = 0.10  # a measured peak this much above the plan's is reported
 RSS_OVERHEAD = 512 * 2**20
 
 
-def plan_miss(planned: int, measured: int, rank: int, by_rss: bool = False) -> str | None:
-    """What to say when a run's measured peak exceeds its plan's by more than PLAN_MISS (and RSS_OVERHEAD, measured
-    `by_rss`); None when it does not."""
+def check_against_plan(planned: int, measured: int, rank: int, logger: Any, by_rss: bool = False) -> bool:
+    """Logs a run's measured peak beside its plan's: a warning where it exceeds it by more than PLAN_MISS (and
+    RSS_OVERHEAD, measured `by_rss`), else both figures at rank 0. Returns whether it did."""
     if measured <= planned * (1 + PLAN_MISS) + (RSS_OVERHEAD if by_rss else 0):
-        return None
-    return (f"rank {rank}: the step took {measured / GB:.3g} GB at its peak, {measured / planned - 1:.0%} more than "
-            f"the plan's {planned / GB:.3g} GB (--zero_stage auto chose the setting for that figure): a longer run "
-            f"may run out of memory; plan with less --gpu_memory headroom or fix a setting that takes less")
-
+        if rank == 0:
+            logger.info(f"rank 0: the step took {measured / GB:.3g} GB at its peak, the plan {planned / GB:.3g} GB")
+        return False
+    logger.warning(f"rank {rank}: the step took {measured / GB:.3g} GB at its peak, {measured / planned - 1:.0%} more "
+                   f"than the plan's {planned / GB:.3g} GB (--zero_stage auto chose the setting for that figure): a "
+                   f"longer run may run out of memory; plan with less --gpu_memory headroom or fix a setting that "
+                   f"takes less")
+    return True

@@ -45,6 +45,9 @@ class Job:
     dtype: str = "bf16"
     seq_len: int = 1024
     gpu_memory: int = 80 * 10**9  # bytes per device
+    # One sample's tensors as (name, shape without the batch dimension, dtype, values below): what the Trainer's
+    # first batch holds. Empty: a language model's input_ids and labels of seq_len tokens.
+    sample: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -180,13 +183,24 @@ def _gradient_counted(count: MemoryCount) -> Any:
     return hook
 
 
-def _loss(engine: Any, model: torch.nn.Module, micro_batch: int, seq_len: int) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (micro_batch, seq_len))
+def _batch(job: Job, vocab: int, micro_batch: int) -> dict[str, torch.Tensor]:
+    """`micro_batch` samples of `job.sample`'s shapes, integers drawn below each one's bound."""
+    if not job.sample:
+        ids = torch.randint(0, vocab, (micro_batch, job.seq_len))
+        return {"input_ids": ids, "labels": ids}
+    return {name: torch.randint(0, high, (micro_batch, *shape), dtype=getattr(torch, dtype))
+            if not getattr(torch, dtype).is_floating_point else
+            torch.randn((micro_batch, *shape), dtype=getattr(torch, dtype))
+            for name, shape, dtype, high in job.sample}
+
+
+def _loss(engine: Any, model: torch.nn.Module, job: Job, micro_batch: int) -> torch.Tensor:
+    batch = _batch(job, model.config.get_text_config().vocab_size, micro_batch)
     try:
-        out = engine(input_ids=ids, labels=ids)
+        out = engine(**batch)
     except TypeError:  # a model without a head takes no labels: train its last hidden state
-        out = engine(input_ids=ids)
+        batch.pop("labels", None)
+        out = engine(**batch)
     loss = getattr(out, "loss", None)
     return loss if loss is not None else out[0].float().pow(2).mean()
 
@@ -241,7 +255,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
             # FLOPs are counted in the first step (the second's are the same): the counter's module hooks keep
             # tensors alive, which would add to the measured step's peak.
             with flops if step == 0 else contextlib.nullcontext():
-                engine.backward(_loss(engine, model, setting.micro_batch, job.seq_len))
+                engine.backward(_loss(engine, model, job, setting.micro_batch))
             gradients = {place: count.by_kind[place]["gradients"] for place in PLACES}
             engine.step()
         at_rest = {place: {**count.by_kind[place], "gradients": gradients[place]} for place in PLACES}

@@ -485,6 +485,9 @@ def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None
 
 
 AUTO = "auto"
+# The settings `auto` leaves to a plan of the job on its machine (hf_zero.plan): `hf-zero train` plans them before
+# its processes start, ZeroTrainer once it has the model and a first batch.
+PLANNED = ("zero_stage", "offload_optimizer", "offload_param")
 
 
 def _or_auto(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -515,8 +518,12 @@ def flag_rows() -> list[str]:
     rows = []
     for s in described_settings():
         owned = s.metadata["trainer_flag"]
-        value = " {" + ",".join(map(str, s.metadata["choices"])) + "}" if s.metadata["choices"] else METAVARS[s.type]
+        planned = [AUTO] if s.name in PLANNED else []
+        value = " {" + ",".join(map(str, [*s.metadata["choices"], *planned])) + "}" if s.metadata["choices"] \
+            else METAVARS[s.type]
         default = "the Trainer's" if owned else "" if s.default is None else _show(s.default)
         key = f"`{s.metadata['deepspeed']}`" if s.metadata["deepspeed"] else ""
-        rows.append(f"| `{owned or trainer_flag(s.name) + value}` | {default} | {key} | {s.metadata['help']} |")
+        said = s.metadata["help"] + ("; `auto`: the fastest setting that fits this machine, planned from the model "
+                                     "and the first batch ([docs/plan.md](docs/plan.md))" if planned else "")
+        rows.append(f"| `{owned or trainer_flag(s.name) + value}` | {default} | {key} | {said} |")
     return rows

@@ -74,3 +74,37 @@ def test_plot_draws_the_candidates_as_a_png(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", *TINY, "--plot", str(tmp_path / "plan.txt")])
     assert "--plot must name a .png, .svg or .pdf file" in capsys.readouterr().err
+
+
+def test_a_sample_of_other_tensors_plans_the_model_that_takes_them(tmp_path, capsys):
+    """--sample: a sequence classifier's batch (a label per sequence) planned for the model its config names, the
+    sequence length read from input_ids."""
+    from tests.helpers import tiny_model
+
+    classifier = tiny_model("bert")
+    classifier.config.architectures = [type(classifier).__name__]
+    classifier.config.save_pretrained(tmp_path)
+    sample = tmp_path / "sample.json"
+    sample.write_text(json.dumps({"input_ids": {"shape": [24], "dtype": "int64", "high": 64},
+                                  "labels": {"shape": [], "dtype": "int64", "high": 3}}))
+    assert main(["plan", "--model", str(tmp_path), "--sample", str(sample), "--gpus_per_node", "2",
+                 *FIXED, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == sum(p.numel() for p in classifier.parameters())
+    assert out["seq_len"] == 24 and out["fits"] and out["per_rank"]["device"]["activations"] > 0
+
+
+@pytest.mark.parametrize("sample, said", [
+    ("[1, 2]", "expected an object of one or more tensors"),
+    ('{"input_ids": {"shape": [0], "dtype": "int64", "high": 9}}', "input_ids's shape must be a list of positive"),
+    ('{"input_ids": {"shape": [8], "dtype": "int65", "high": 9}}', "input_ids's dtype must name a torch dtype"),
+    ('{"input_ids": {"shape": [8], "dtype": "int64"}}', "input_ids's high must be a positive integer"),
+    ("{not json", "--sample"),
+])
+def test_a_bad_sample_is_one_line_naming_the_flag(tmp_path, sample, said, capsys):
+    path = tmp_path / "sample.json"
+    path.write_text(sample)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "gpt2-tiny", "--sample", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--sample" in err and said in err, err

