@@ -1,7 +1,12 @@
 """The ZeRO paper's Table 1 (model states per device for 7.5B, 128B and 1T over 1 to 1024 GPUs, mixed-precision
-Adam, K = 12) beside what `hf-zero plan` measures for the closest models of the zoo: each stage's parameters,
-gradients and optimizer states held on rank 0's device between steps (gradients at the end of backward), the
-engine's own code run as one rank of each world.
+Adam, K = 12) beside what `hf-zero plan` measures: each stage's parameters, gradients and optimizer states held on
+rank 0's device between steps (gradients at the end of backward), the engine's own code run as one rank of each
+world; and beside both, DeepSpeed's estimators for the same model and world (`estimate_zero2_model_states_mem_needs`
+and `estimate_zero3_model_states_mem_needs`, no offload; DeepSpeed has none for stage 1), where DeepSpeed is
+installed (`pip install 'hf_zero[bench]'`).
+
+Models: the zoo's configurations of the paper's Table 4, and "1t", a GPT-2 of 128 layers x 25600 (1.007T; Table 1's
+1T row gives no shape).
 
   python -m benchmarks.bench_plan_scale
   python -m benchmarks.bench_plan_scale --models zero-72x3072 --gpus 4 64 1024
@@ -10,17 +15,61 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PAPER_NDS = (1, 4, 16, 64, 256, 1024)
+TRILLION_SHAPE = dict(n_layer=128, n_embd=25600, n_head=200)
 
 
 def paper(psi: float, stage: int, nd: int) -> float:
     """Table 1's formula: 2Ψ + 2Ψ + 12Ψ bytes, each partitioned from its stage on."""
     return (2 * psi / (nd if stage >= 3 else 1) + 2 * psi / (nd if stage >= 2 else 1) + 12 * psi / nd) / 1e9
+
+
+def deepspeed_estimate(model: str, stage: int, nd: int, per_node: int) -> float | None:
+    """DeepSpeed's own estimator's device bytes per GPU (GB) for the model and world; None for stage 1 (it has none)
+    or without DeepSpeed."""
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except ImportError:
+        return None
+    psi, largest_layer = _sizes(model)
+    if stage == 2:
+        _, gpu = estimate_zero2_model_states_mem_needs(psi, per_node, nd // per_node, cpu_offload=False)
+    elif stage == 3:
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(psi, largest_layer, per_node, nd // per_node,
+                                                          cpu_offload=False, cpu_offload_params=False)
+    else:
+        return None
+    return gpu / 1e9
+
+
+def _sizes(model: str) -> tuple[int, int]:
+    """Ψ and the largest layer's parameters, as DeepSpeed's `*_all_live` estimators count them (a module's own
+    parameters), from the model built on the meta device."""
+    import torch
+
+    from hf_zero.plan.models import build_model
+
+    with torch.device("meta"):
+        built = build_model(model)
+    psi = sum(p.numel() for p in built.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules())
+    return psi, largest
+
+
+def trillion_folder() -> str:
+    from transformers import GPT2Config
+
+    folder = Path(tempfile.mkdtemp(prefix="gpt2-1t-"))
+    config = GPT2Config(**TRILLION_SHAPE, vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0)
+    config.architectures = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(config.to_json_string())
+    return str(folder)
 
 
 def main() -> None:
@@ -29,13 +78,15 @@ def main() -> None:
     from hf_zero.plan.simulate import Job, Setting
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["zero-72x3072", "zero-212x8192"])
-    parser.add_argument("--gpus", type=int, nargs="+", default=[4, 16, 64, 256, 1024])
+    parser.add_argument("--models", nargs="+", default=["zero-48x1600", "zero-72x3072", "zero-212x8192", "1t"])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
-    print("| model | Ψ | GPUs | stage | planned GB | paper's formula GB | planned / formula | seconds |")
-    print("|---|---|---|---|---|---|---|---|")
-    for model in args.models:
+    print("| model | Ψ | GPUs | stage | planned GB | paper's formula GB | planned / formula | DeepSpeed's estimator GB "
+          "| seconds |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        model = trillion_folder() if name == "1t" else name
         for nd in args.gpus:
             per_node = min(nd, 8)
             for stage in (1, 2, 3):
@@ -45,8 +96,10 @@ def main() -> None:
                 seconds = time.perf_counter() - start
                 states = rank.model_states / 1e9
                 formula = paper(rank.params, stage, nd)
-                print(f"| {model} | {rank.params / 1e9:.1f}B | {nd} | {stage} | {states:,.2f} | {formula:,.2f} | "
-                      f"{states / formula:.3f} | {seconds:.0f} |", flush=True)
+                deepspeed = deepspeed_estimate(model, stage, nd, per_node)
+                print(f"| {name} | {rank.params / 1e9:.1f}B | {nd} | {stage} | {states:,.2f} | {formula:,.2f} | "
+                      f"{states / formula:.3f} | {'' if deepspeed is None else f'{deepspeed:,.2f}'} | {seconds:.0f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

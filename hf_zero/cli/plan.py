@@ -154,13 +154,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Candidate]) -> str:
-    from hf_zero.plan.planner import projected_tokens_per_second
+    from hf_zero.plan.planner import probe_rank, projected_tokens_per_second
 
     lines = [f"{job.model} on {job.nodes} node(s) x {job.gpus_per_node} GPU(s) of {machine.gpu_memory / GB:.3g} GB, "
              f"{job.dtype}, {job.seq_len} tokens a sequence"]
     if candidates:
-        lines += ["", "Candidates: memory at micro-batch 1 (or the one given) on rank 0; tokens/s projected at the "
-                  "candidate's micro-batch", "",
+        lines += ["", f"Candidates: memory at micro-batch 1 (or the one given) on rank {probe_rank(job)}; tokens/s "
+                  "projected at the candidate's micro-batch", "",
                   "| candidate | device GB at peak | host GB a node | tokens/s per GPU | outcome |",
                   "|---|---|---|---|---|"]
         for c in candidates:

@@ -19,6 +19,9 @@ The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -93,6 +96,23 @@ def distinct_ranks(job: Job) -> list[int]:
     return sorted({0, job.gpus_per_node - 1, job.world_size - 1})
 
 
+def probe_rank(job: Job) -> int:
+    """The rank candidates are simulated at: the last of node 0, whose ring sends cross the node boundary, so that a
+    candidate's projected step counts the inter-node links it uses (rank 0 sends within its node only). It holds what
+    rank 0 does."""
+    return job.gpus_per_node - 1
+
+
+def _side_by_side(job: Job, setting: Setting, ranks: list[int], flops: int | None) -> list[RankStep]:
+    """`ranks` simulated at once: the first here, the others in fresh interpreters (spawned: this process has torch's
+    thread pools, which a fork would copy mid-state), as many at a time as the machine has cores besides this one."""
+    workers = min(len(ranks) - 1, (os.cpu_count() or 2) - 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        elsewhere = [pool.submit(simulate_rank, job, setting, r, flops) for r in ranks[1:]]
+        here = simulate_rank(job, setting, ranks[0], flops)
+        return [here, *(future.result() for future in elsewhere)]
+
+
 def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -> dict[str, float]:
     compute = rank.flops / (machine.gpu_tflops * 1e12 * machine.mfu)
     network = (rank.sent.get("intra-node", 0) / (machine.intra_node_gbps * GB)
@@ -104,16 +124,26 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
             "total": compute + network + copies + host}
 
 
+# A simulation this long makes the next ranks worth simulating side by side, in processes of their own (each pays
+# ~5 s of imports): 175B over 1024 GPUs takes ~20 s a rank on one core.
+PARALLEL_AFTER_S = 10.0
+
+
 def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None = None,
          known: list[RankStep] = ()) -> Plan:
-    """`setting` simulated at each distinct rank of `job` (or at `ranks`); `known` ranks are not simulated again."""
+    """`setting` simulated at each distinct rank of `job` (or at `ranks`); `known` ranks are not simulated again.
+    Once a simulation of it has taken PARALLEL_AFTER_S, the rest run side by side on the machine's cores."""
+    wanted = ranks if ranks is not None else distinct_ranks(job)
     done = {r.rank: r for r in known}
-    simulated = []
-    for r in ranks if ranks is not None else distinct_ranks(job):
-        counted = _counted_flops.get((job, setting.micro_batch, setting.gradient_checkpointing))
-        simulated.append(done.get(r) or simulate_rank(job, setting, r, counted))
-        if simulated[-1].flops:
-            _counted_flops[job, setting.micro_batch, setting.gradient_checkpointing] = simulated[-1].flops
+    flops_key = (job, setting.micro_batch, setting.gradient_checkpointing)
+    while left := [r for r in wanted if r not in done]:
+        if len(left) > 1 and (os.cpu_count() or 1) > 1 and any(s.seconds >= PARALLEL_AFTER_S for s in done.values()):
+            done |= {s.rank: s for s in _side_by_side(job, setting, left, _counted_flops.get(flops_key))}
+            break
+        done[left[0]] = simulate_rank(job, setting, left[0], _counted_flops.get(flops_key))
+        if done[left[0]].flops:
+            _counted_flops[flops_key] = done[left[0]].flops
+    simulated = [done[r] for r in wanted]
     result = Plan(job, setting, machine, simulated)
     result.step_seconds = max((step_seconds(job, setting, machine, r) for r in simulated),
                               key=lambda s: s["total"])
@@ -126,6 +156,8 @@ class Candidate:
     setting: Setting
     plan: Plan | None = None  # None: not simulated
     outcome: str = ""  # "chosen", or why it lost
+    # Not simulated for what its model states take: its checkpointed and hpZ twins take as much, and are not either.
+    model_states_decide: bool = False
 
 
 def _bases(job: Job, fixed: dict) -> list[Setting]:
@@ -160,7 +192,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
            say: callable = lambda line: None) -> tuple[Plan | None, list[Candidate]]:
     """The fastest setting (tokens per second per GPU) that fits, among stages, offloads, hpZ, checkpointing and
     micro-batches not `fixed`; and every candidate considered with its outcome. Each candidate is simulated at
-    rank 0 and micro-batch 1 (or the fixed one), the largest fitting micro-batch taken from how its activations
+    `probe_rank` and micro-batch 1 (or the fixed one), the largest fitting micro-batch taken from how its activations
     grow; the winner is simulated again at its micro-batch, at every distinct rank (`_verify`), and kept if it is
     still the fastest. Skipped without simulation, saying why: an offloaded variant where a setting with less offload
     already fits, or where what offload leaves on the device already overflows it (`_staying_on_device`);
@@ -179,21 +211,24 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
                 candidate.outcome = ("not simulated: fits with less offload; offloading more only adds host time "
                                      "and copies")
                 continue
-            staying = _staying_on_device(candidates, setting, machine)
+            twin = _twin_decided_by_model_states(candidates, setting, ckpt and len(checkpointing) > 1)
+            if twin is not None:
+                candidate.outcome, candidate.model_states_decide = twin.outcome, True
+                continue
+            staying, by_model_states = _staying_on_device(candidates, setting, machine)
+            staying = staying or _without_hpz_over(candidates, setting)
             if staying:
-                candidate.outcome = f"not simulated: {staying}"
+                candidate.outcome, candidate.model_states_decide = f"not simulated: {staying}", by_model_states
                 continue
             if ckpt and len(checkpointing) > 1:
                 uncheckpointed = next(c for c in candidates if c.setting == replace(setting,
                                                                                     gradient_checkpointing=False))
-                if uncheckpointed.plan is None:  # skipped for a reason checkpointing does not change
-                    candidate.outcome = uncheckpointed.outcome
-                    continue
-                if uncheckpointed.plan.busiest.model_states > machine.gpu_memory:
+                if uncheckpointed.plan is not None and uncheckpointed.plan.busiest.model_states > machine.gpu_memory:
                     candidate.outcome = "not simulated: its model states alone exceed the device"
+                    candidate.model_states_decide = True
                     continue
             say(f"simulating {setting}")
-            candidate.plan = plan(job, setting, machine, ranks=[0])
+            candidate.plan = plan(job, setting, machine, ranks=[probe_rank(job)])
             if candidate.plan.fits_device:
                 fits_with_less_offload.add(key)
     for candidate in candidates:
@@ -245,13 +280,15 @@ def _speed(candidate: Candidate, verified: dict[int, Plan]) -> float:
 
 
 def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: callable, probe: Plan) -> Plan | None:
-    """`setting` planned at every distinct rank, rank 0 first. Where rank 0 does not fit and the micro-batch is open
-    (`search`), the next micro-batch tried is the largest that fits on the line through the two peaks rank 0 measured
-    (the probe's and this one: activations grow linearly with the micro-batch); where another rank does not, half."""
-    low = probe.ranks[0]  # rank 0 at the probe's micro-batch
+    """`setting` planned at every distinct rank, the probe's rank first. Where that rank does not fit and the
+    micro-batch is open (`search`), the next micro-batch tried is the largest that fits on the line through the two
+    peaks it measured (the probe's and this one: activations grow linearly with the micro-batch); where another rank
+    does not, half."""
+    low = probe.ranks[0]  # the probe's rank at the probe's micro-batch
     while setting.micro_batch >= 1:
-        say(f"checking {setting} at rank 0")
-        first = plan(job, setting, machine, ranks=[0], known=probe.ranks if probe.setting == setting else [])
+        say(f"checking {setting} at rank {low.rank}")
+        first = plan(job, setting, machine, ranks=[low.rank],
+                     known=probe.ranks if probe.setting == setting else [])
         if first.fits:
             say(f"checking {setting} at ranks {distinct_ranks(job)}")
             result = plan(job, setting, machine, known=first.ranks)
@@ -275,29 +312,55 @@ def _on_the_line(m1: int, peak1: int, m2: int, peak2: int, capacity: int) -> int
     return max(0, min(m2 - 1, m1 + int((capacity - peak1) // slope)))
 
 
-def _staying_on_device(candidates: list[Candidate], setting: Setting, machine: Machine) -> str | None:
-    """Why offloading cannot make `setting` fit, from the same setting without offload measured: its activations
-    and temporaries alone exceed the device; or (the optimizer offloaded, not the parameters) its parameters, and at
-    stages 0-1 its gradients, which stay on the device, already do. None otherwise."""
+def _twin_decided_by_model_states(candidates: list[Candidate], setting: Setting, checkpointed: bool
+                                  ) -> Candidate | None:
+    """The same setting without checkpointing (where `checkpointed`) or without hpZ, skipped for what its model
+    states take: checkpointing does not change them, and hpZ only adds to them."""
+    twins = [replace(setting, gradient_checkpointing=False)] if checkpointed else []
+    if setting.hpz_partition_size > 1:
+        twins.append(replace(setting, hpz_partition_size=1))
+    return next((c for c in candidates if c.setting in twins and c.model_states_decide), None)
+
+
+def _staying_on_device(candidates: list[Candidate], setting: Setting, machine: Machine) -> tuple[str | None, bool]:
+    """Why offloading cannot make `setting` fit, from the same setting without offload measured (or without hpZ
+    either, where that was not simulated): its activations and temporaries alone exceed the device; or (the optimizer
+    offloaded, not the parameters) its parameters, and at stages 0-1 its gradients, which stay on the device, already
+    do. None otherwise; and whether model states decide (the second reason)."""
     if setting.offload_optimizer == "none":
-        return None
-    unloaded = next((c.plan for c in candidates if c.plan is not None and c.setting == replace(
-        setting, offload_optimizer="none", offload_param="none")), None)
+        return None, False
+    # Without offload, with the same hpZ, or without it (hpZ changes no activation, and only adds parameters)
+    twins = [replace(setting, offload_optimizer="none", offload_param="none", hpz_partition_size=hpz)
+             for hpz in (setting.hpz_partition_size, 1)]
+    unloaded = next((c.plan for twin in twins for c in candidates if c.plan is not None and c.setting == twin), None)
     if unloaded is None:
-        return None
+        return None, False
     rank = unloaded.busiest
     if rank.transient > machine.gpu_memory:
         return (f"its activations and temporaries alone ({rank.transient / GB:.3g} GB at the peak, measured without "
-                f"offload) exceed the device; offloading model states cannot make it fit")
+                f"offload) exceed the device; offloading model states cannot make it fit"), False
     if setting.offload_param != "none":
-        return None
+        return None, False
     held = rank.at_rest["device"]
     kinds = ["parameters"] + (["gradients"] if setting.zero_stage <= 1 else [])
     staying = sum(held[k] for k in kinds)
     if staying <= machine.gpu_memory:
-        return None
+        return None, False
     return (f"its {' and '.join(kinds)} alone ({staying / GB:.3g} GB, measured without offload) exceed the device; "
-            f"offloading the optimizer cannot make it fit")
+            f"offloading the optimizer cannot make it fit"), True
+
+
+def _without_hpz_over(candidates: list[Candidate], setting: Setting) -> str | None:
+    """Why hpZ cannot make `setting` fit: the same setting without hpZ, measured, does not fit the device, and hpZ
+    only adds its secondary copy of the parameters (the gathers are the same size). None otherwise."""
+    if setting.hpz_partition_size == 1:
+        return None
+    plain = next((c.plan for c in candidates if c.plan is not None and c.setting == replace(
+        setting, hpz_partition_size=1)), None)
+    if plain is None or plain.fits_device:
+        return None
+    return (f"without hpZ it takes {plain.busiest.device_peak / GB:.3g} GB at micro-batch {setting.micro_batch} "
+            f"(measured), more than the device; hpZ only adds its secondary copy of the parameters")
 
 
 def _over(probe: Plan) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class RankStep:
     # The most each place held from building the model whole to the first step's end (a model built partitioned,
     # as stage 3 can, never holds it whole: hf_zero.zero.construct, the Trainer's --zero_init_partitioned).
     setup_peak: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0  # what simulating it took
 
     @property
     def device_peak(self) -> int:
@@ -211,10 +213,13 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     setting does not change them), so not counted again (counting costs a tenth of the simulation)."""
     count = MemoryCount()
     line = PlanTimeline(count, job.gpu_memory)
+    start = time.perf_counter()
     with warnings.catch_warnings():
         # The engine compares storages by address in places; a fake tensor's is 0, which only makes it skip copies.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        return _simulate(job, setting, rank, count, line, flops)
+        step = _simulate(job, setting, rank, count, line, flops)
+    step.seconds = time.perf_counter() - start
+    return step
 
 
 def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: PlanTimeline,
