@@ -2,10 +2,16 @@
 optimizer offloaded, a GPT-2 of `--layers` x `--width` (vocabulary 8192), micro-batch `--batch` x `--seq` tokens,
 bf16, AdamW, two steps.
 
-Measured: each rank's peak resident memory over the two steps less its resident memory before the model is built
-(a fresh interpreter per rank: a forked one inherits its parent's pages). On a CPU the device's memory and the
-host's are one, so the plan's figure is the device's peak plus the host's, or its set-up's (the model built whole,
-as here), whichever is more. Planned: the same job, world and setting, `hf_zero.plan.planner.plan` at rank 0.
+Measured, each rank a fresh interpreter (a forked one inherits its parent's pages), glibc's allocator set as `hf-zero
+run` and `hf-zero train` set it for their ranks (hf_zero.runtime.host_memory: allocations above 8 MiB mmapped, so
+freed ones leave the resident memory), over building the model and two steps:
+- resident: the peak resident memory less the resident memory before the model is built;
+- the allocator's peak: the most bytes torch's CPU allocator had handed out at once, from torch's profiler's
+  allocation events (in a run of its own).
+
+Planned: the same job, world and setting, `hf_zero.plan.planner.plan` at rank 0. On a CPU the device's memory and
+the host's are one, so the plan's figure is what device and host held together at one moment, in the step or in its
+set-up (the model built whole, as here), whichever is more.
 
   python -m benchmarks.bench_plan_memory
   python -m benchmarks.bench_plan_memory --layers 12 --width 1024 --ranks 2 4
@@ -13,6 +19,7 @@ as here), whichever is more. Planned: the same job, world and setting, `hf_zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -21,26 +28,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SETTINGS = [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
 
 
-def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload: str) -> int:
-    """One rank's peak resident bytes over two steps, above its resident bytes before the model is built."""
+def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload: str, allocated: bool) -> int:
+    """One rank's peak over building the model and two steps: its resident bytes above its resident bytes before
+    the model is built, or (`allocated`) the most bytes torch's CPU allocator had handed out at once, from torch's
+    profiler's allocation events (a run of its own: the profiler's records add to the resident memory)."""
     import torch
     import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
 
     import hf_zero
     import model_zoo
-    from hf_zero.runtime.memory import current_rss, peak_rss, reset_peak_rss
+    from hf_zero.runtime.memory import allocator_peak, current_rss, peak_rss, reset_peak_rss
 
     reset_peak_rss()
     baseline = current_rss()
-    torch.manual_seed(0)
-    model = model_zoo.build("gpt2-bench-memory", n_layer=layers, n_embd=width, n_head=width // 64, attn_pdrop=0.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage, "dtype": "bf16", "offload_optimizer": offload})
-    for step in range(2):
-        ids = torch.randint(0, 8192, (batch, seq), generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-    return peak_rss() - baseline
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) if allocated else contextlib.nullcontext() \
+            as profiler:
+        torch.manual_seed(0)
+        model = model_zoo.build("gpt2-bench-memory", n_layer=layers, n_embd=width, n_head=width // 64,
+                                attn_pdrop=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage, "dtype": "bf16",
+                                                       "offload_optimizer": offload})
+        for step in range(2):
+            ids = torch.randint(0, 8192, (batch, seq),
+                                generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+    return allocator_peak(profiler) if allocated else peak_rss() - baseline
 
 
 def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: str, ranks: int) -> int:
@@ -58,11 +73,14 @@ def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: 
         config.save_pretrained(folder)
         job = Job(folder, 1, ranks, "bf16", seq, 10**15)
         rank = plan(job, Setting(stage, offload, micro_batch=batch), Machine(10**15, 10**15), ranks=[0]).busiest
-    return max(rank.device_peak + rank.host_peak, sum(rank.setup_peak.values()))
+    return rank.measured_peak(one_memory=True)
 
 
 def main() -> None:
+    from hf_zero.runtime.host_memory import use_mmap_for_large_allocations
     from hf_zero.runtime.launch import spawn_gloo
+
+    use_mmap_for_large_allocations()  # the ranks' allocator as `hf-zero run` and `hf-zero train` set it
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
@@ -71,15 +89,18 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    print("| ranks | setting | planned GB | measured GB (each rank) | measured / planned |")
-    print("|---|---|---|---|---|")
+    print("| ranks | setting | planned GB | resident GB (each rank) | resident / planned | allocator's peak GB (each "
+          "rank) | allocator's / planned |")
+    print("|---|---|---|---|---|---|---|")
     for ranks in args.ranks:
         for stage, offload in SETTINGS:
             shape = (args.layers, args.width, args.batch, args.seq, stage, offload)
-            got = spawn_gloo(measured, ranks, *shape, start_method="spawn")
+            resident = spawn_gloo(measured, ranks, *shape, False, start_method="spawn")
+            allocated = spawn_gloo(measured, ranks, *shape, True, start_method="spawn")
             want = planned(*shape, ranks)
             print(f"| {ranks} | stage {stage}{', optimizer on cpu' if offload != 'none' else ''} | {want / 1e9:.3f} "
-                  f"| {', '.join(f'{g / 1e9:.3f}' for g in got)} | {max(got) / want:.2f} |", flush=True)
+                  f"| {', '.join(f'{g / 1e9:.3f}' for g in resident)} | {max(resident) / want:.2f} "
+                  f"| {', '.join(f'{g / 1e9:.3f}' for g in allocated)} | {max(allocated) / want:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -124,9 +124,8 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
                               f"smaller --batch_size or --seq_len, or more processes")
     for key in asked:
         setattr(args, key, getattr(chosen.setting, key))
-    rank = chosen.busiest
     # On a CPU the device's memory and the host's are one.
-    args.planned_peak = rank.device_peak + (rank.host_peak if compute_device().type == "cpu" else 0)
+    args.planned_peak = max(r.measured_peak(compute_device().type == "cpu") for r in chosen.ranks)
 
 
 def concrete_argv(argv: list[str], args: argparse.Namespace) -> list[str]:

@@ -80,9 +80,8 @@ def planned_config(trainer: Any) -> tuple[ZeroConfig, int]:
     config.validate(name=trainer_flag)
     if comm.rank == 0:
         logger.warning(_said(plan, chosen))
-    rank = plan["per_rank"]
-    on_cpu = compute_device().type == "cpu"
-    return config, rank["device"]["peak"] + (rank["host"]["peak"] if on_cpu else 0)
+    measured = plan["per_rank"]["measured_peak"]
+    return config, measured["device_and_host" if compute_device().type == "cpu" else "device"]
 
 
 def _plan(trainer: Any, per_node: int) -> dict[str, Any]:

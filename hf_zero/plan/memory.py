@@ -55,6 +55,8 @@ class MemoryCount(TorchDispatchMode):
         self.at_peak: dict[str, dict[int, int]] = {place: {} for place in PLACES}
         self.rising = dict.fromkeys(PLACES, False)  # a peak not yet kept (kept when the total first falls)
         self.by_kind = {place: Counter() for place in PLACES}  # bytes alive now, by kind
+        # Device and host together: one memory where the device is the host (a CPU run).
+        self.together = self.peak_together = 0
         self.kinds: list[str] = ["other"]
         self.places: list[str] = ["device"]
         self.forward_depth = 0
@@ -128,6 +130,8 @@ class MemoryCount(TorchDispatchMode):
         else:
             live.pop(number, None)
         self.total[place] += change
+        self.together += change
+        self.peak_together = max(self.peak_together, self.together)
         self.by_kind[place][self.kind_of[number]] += change
         if self.total[place] > self.peak_total[place]:
             self.peak_total[place] = self.total[place]
@@ -141,6 +145,7 @@ class MemoryCount(TorchDispatchMode):
 
     def start_window(self) -> None:
         """The peak is taken from now on."""
+        self.peak_together = self.together
         for place in PLACES:
             self.peak_total[place] = self.total[place]
             self.at_peak[place] = dict(self.live[place])

@@ -80,6 +80,10 @@ class Plan:
                 "device": {**{k: rank.device[k] for k in KEYS}, "peak": rank.device_peak},
                 "host": {**{k: rank.host[k] for k in KEYS}, "peak": max(r.host_peak for r in self.ranks)},
                 "model_states_at_rest": {k: rank.at_rest["device"][k] for k in KEYS[:3]},
+                # what a run measured from before its model is built sees at most (set-up included), on the device
+                # and, where the device is the host (a CPU run), on both at one moment
+                "measured_peak": {"device": max(r.measured_peak(False) for r in self.ranks),
+                                  "device_and_host": max(r.measured_peak(True) for r in self.ranks)},
             },
             "traffic_per_step": {"intra_node": traffic["intra-node"], "inter_node": traffic["inter-node"]},
             "step_seconds": self.step_seconds, "tokens_per_second_per_gpu": self.tokens_per_second,

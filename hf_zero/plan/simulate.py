@@ -101,6 +101,10 @@ class RankStep:
     # The most each place held from building the model whole to the first step's end (a model built partitioned,
     # as stage 3 can, never holds it whole: hf_zero.zero.construct, the Trainer's --zero_init_partitioned).
     setup_peak: dict[str, int] = field(default_factory=dict)
+    # The most device and host held at one moment, in the step and in the set-up: the peaks where the device's memory
+    # is the host's (a CPU run); less than the two places' peaks added, which come at different moments.
+    together_peak: int = 0
+    setup_together_peak: int = 0
     seconds: float = 0.0  # what simulating it took
 
     @property
@@ -110,6 +114,13 @@ class RankStep:
     @property
     def host_peak(self) -> int:
         return sum(self.host.values())
+
+    def measured_peak(self, one_memory: bool) -> int:
+        """What a run measured from before its model is built should see at most: the step's peak or the set-up's,
+        on the device, or (`one_memory`: a CPU run) on device and host together."""
+        if one_memory:
+            return max(self.together_peak, self.setup_together_peak)
+        return max(self.device_peak, self.setup_peak.get("device", 0))
 
     @property
     def model_states(self) -> int:
@@ -236,7 +247,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
             # cut to the little memory left, would number in the millions. Said without running the engine.
             held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
             return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
-                            {}, {}, 0, {}, 0, params)
+                            {}, {}, 0, {}, 0, params, together_peak=whole)
         for p in model.parameters():
             count.track(p, "parameters")
             if p.requires_grad:
@@ -254,7 +265,8 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         flops = FlopCounterMode(display=False) if known_flops is None else contextlib.nullcontext()
         for step in range(2):
             if step == 1:
-                setup_peak = dict(count.peak_total)  # building the model whole, set-up and the first step
+                # building the model whole, set-up and the first step
+                setup_peak, setup_together_peak = dict(count.peak_total), count.peak_together
                 count.start_window()
                 line.start_window()
             # FLOPs are counted in the first step (the second's are the same): the counter's module hooks keep
@@ -268,4 +280,4 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         return RankStep(rank, count.peak("device"), count.peak("host"), at_rest, dict(ledger.last_step_span_bytes),
                         dict(ledger.last_step_elements), ledger.last_step_paper_cross_node_bytes, dict(line.copied),
                         flops.get_total_flops() if known_flops is None else known_flops, params,
-                        list(line.collectives), setup_peak)
+                        list(line.collectives), setup_peak, count.peak_together, setup_together_peak)

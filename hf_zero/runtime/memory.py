@@ -123,3 +123,22 @@ def measured_peak(device: "torch.device", baseline: int) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) - baseline
     return peak_rss() - baseline
+
+
+def allocator_peak(profiler: "torch.profiler.profile") -> int:
+    """The most bytes torch's allocator had handed out at once while `profiler` (torch.profiler, run with
+    profile_memory=True) recorded: its allocation and free events summed in time order. A CPU's allocator keeps no
+    peak of its own (a GPU's does: max_memory_allocated)."""
+    from torch._C._profiler import _EventType
+
+    changes, nodes = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation:
+            changes.append((node.start_time_ns, node.extra_fields.alloc_size))
+        nodes.extend(node.children)
+    live = peak = 0
+    for _, change in sorted(changes):
+        live += change
+        peak = max(peak, live)
+    return peak
