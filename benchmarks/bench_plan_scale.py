@@ -14,6 +14,7 @@ Models: the zoo's configurations of the paper's Table 4, and "1t", a GPT-2 of 12
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ def deepspeed_estimate(model: str, stage: int, nd: int, per_node: int) -> float 
     return gpu / 1e9
 
 
+@functools.lru_cache(maxsize=None)
 def _sizes(model: str) -> tuple[int, int]:
     """Ψ and the largest layer's parameters, as DeepSpeed's `*_all_live` estimators count them (a module's own
     parameters), from the model built on the meta device."""
@@ -62,10 +64,11 @@ def _sizes(model: str) -> tuple[int, int]:
     return psi, largest
 
 
-def trillion_folder() -> str:
+def trillion_folder(scratch: str) -> str:
     from transformers import GPT2Config
 
-    folder = Path(tempfile.mkdtemp(prefix="gpt2-1t-"))
+    folder = Path(scratch, "gpt2-1t")
+    folder.mkdir()
     config = GPT2Config(**TRILLION_SHAPE, vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0)
     config.architectures = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(config.to_json_string())
@@ -73,10 +76,6 @@ def trillion_folder() -> str:
 
 
 def main() -> None:
-    from hf_zero.plan.machine import Machine
-    from hf_zero.plan.planner import plan
-    from hf_zero.plan.simulate import Job, Setting
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["zero-48x1600", "zero-72x3072", "zero-212x8192", "1t"])
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
@@ -85,21 +84,29 @@ def main() -> None:
     print("| model | Ψ | GPUs | stage | planned GB | paper's formula GB | planned / formula | DeepSpeed's estimator GB "
           "| seconds |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in args.models:
-        model = trillion_folder() if name == "1t" else name
-        for nd in args.gpus:
-            per_node = min(nd, 8)
-            for stage in (1, 2, 3):
-                job = Job(model, nd // per_node, per_node, "bf16", args.seq, 10**15)
-                start = time.perf_counter()
-                rank = plan(job, Setting(stage, gradient_checkpointing=True), Machine(10**15), ranks=[0]).busiest
-                seconds = time.perf_counter() - start
-                states = rank.model_states / 1e9
-                formula = paper(rank.params, stage, nd)
-                deepspeed = deepspeed_estimate(model, stage, nd, per_node)
-                print(f"| {name} | {rank.params / 1e9:.1f}B | {nd} | {stage} | {states:,.2f} | {formula:,.2f} | "
-                      f"{states / formula:.3f} | {'' if deepspeed is None else f'{deepspeed:,.2f}'} | {seconds:.0f} |",
-                      flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.models:
+            _rows(name, trillion_folder(scratch) if name == "1t" else name, args.gpus, args.seq)
+
+
+def _rows(name: str, model: str, gpus: list[int], seq: int) -> None:
+    from hf_zero.plan.machine import Machine
+    from hf_zero.plan.planner import plan
+    from hf_zero.plan.simulate import Job, Setting
+
+    for nd in gpus:
+        per_node = min(nd, 8)
+        for stage in (1, 2, 3):
+            job = Job(model, nd // per_node, per_node, "bf16", seq, 10**15)
+            start = time.perf_counter()
+            rank = plan(job, Setting(stage, gradient_checkpointing=True), Machine(10**15), ranks=[0]).busiest
+            seconds = time.perf_counter() - start
+            states = rank.model_states / 1e9
+            formula = paper(rank.params, stage, nd)
+            deepspeed = deepspeed_estimate(model, stage, nd, per_node)
+            print(f"| {name} | {rank.params / 1e9:.1f}B | {nd} | {stage} | {states:,.2f} | {formula:,.2f} | "
+                  f"{states / formula:.3f} | {'' if deepspeed is None else f'{deepspeed:,.2f}'} | {seconds:.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

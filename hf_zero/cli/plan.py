@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "[...], \"dtype\": \"int64\", \"high\": N}} (the shape without the batch dimension; "
                         "integers are drawn below high). ZeroTrainer's --zero_stage auto writes it from its first "
                         "batch. Default: a language model's input_ids and labels of --seq_len tokens")
-    parser.add_argument("--zero_stage", choices=("auto", "0", "1", "2", "3"), default="auto")
+    parser.add_argument("--zero_stage", default="auto", help="auto (default), a stage 0-3, or the stages to choose "
+                        "among, as 1,2,3")
     parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu"), default="auto")
     parser.add_argument("--offload_param", choices=("auto", "none", "cpu"), default="auto")
     parser.add_argument("--hpz_partition_size", type=count, help="ZeRO++ hpZ at stage 3 (default: 1, or a node's "
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
 def fixed_settings(args: argparse.Namespace) -> dict:
     fixed: dict = {}
     if args.zero_stage != "auto":
-        fixed["zero_stage"] = int(args.zero_stage)
+        stages = tuple(int(stage) for stage in args.zero_stage.split(","))
+        fixed["zero_stage"] = stages[0] if len(stages) == 1 else stages
     for key in ("offload_optimizer", "offload_param"):
         if getattr(args, key) != "auto":
             fixed[key] = getattr(args, key)
@@ -76,13 +78,16 @@ def check(args: argparse.Namespace) -> str | None:
             import matplotlib  # noqa: F401
         except ImportError:
             return "--plot needs matplotlib: pip install 'hf_zero[plot]'"
+    if args.zero_stage != "auto" and (not all(stage in "0123" for stage in args.zero_stage.split(","))
+                                      or len(set(args.zero_stage.split(","))) != len(args.zero_stage.split(","))):
+        return f"--zero_stage must be auto, a stage 0-3, or stages such as 1,2,3; got {args.zero_stage}"
     if args.hpz_partition_size is not None and args.hpz_partition_size > 1:
-        if args.zero_stage not in ("3", "auto"):
+        if args.zero_stage != "auto" and "3" not in args.zero_stage.split(","):
             return f"--hpz_partition_size needs --zero_stage 3; got {args.zero_stage}"
         if args.gpus_per_node % args.hpz_partition_size:
             return (f"--hpz_partition_size must divide --gpus_per_node ({args.gpus_per_node}); got "
                     f"{args.hpz_partition_size}")
-    if args.zero_stage != "auto":  # the engine's own rule; an `auto` offload is chosen within it
+    if args.zero_stage in ("0", "1", "2", "3"):  # the engine's own rule; an `auto` offload is chosen within it
         conflict = offload_conflict(int(args.zero_stage), args.offload_optimizer.replace("auto", "none"),
                                     args.offload_param.replace("auto", "none"), lambda key: f"--{key}")
         if conflict:
@@ -136,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
                          if f.name not in ("gpu_memory", "host_memory")})
     fixed = fixed_settings(args)
     say = (lambda line: None) if args.json else (lambda line: print(f"  {line}", flush=True))
-    if {"zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "micro_batch"} <= fixed.keys():
+    if {"zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "micro_batch"} <= fixed.keys() \
+            and isinstance(fixed["zero_stage"], int):
         setting = Setting(**fixed)
         say(f"simulating {setting} at ranks {distinct_ranks(job)}")
         chosen, candidates = plan(job, setting, machine), []
@@ -145,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(args.plot, job, machine, chosen, candidates)
     if args.json:
-        print(json.dumps({**(chosen.as_json() if chosen else {"fits": False}),
+        fitting = chosen is not None and chosen.fits
+        what_would = {} if fitting else {"what_would": _what_would(
+            job, machine, [chosen] if chosen is not None else [c.plan for c in candidates if c.plan])}
+        print(json.dumps({**(chosen.as_json() if chosen else {"fits": False}), **what_would,
                           "candidates": [{"setting": str(c.setting), "outcome": c.outcome} for c in candidates]},
                          indent=2))
     else:

@@ -174,6 +174,10 @@ def _check_engine_flags(args: Any, processes: int, per_node: int) -> None:
     """The validation of the engine flags, for the arguments dataclass and for a launcher's parse alike;
     `processes` in all and `per_node` on each node."""
     args.zero_engine_config = zero_config_from_flags(args, processes)
+    if args.zero_planned and processes % per_node:
+        raise ZeroConfigError(f"{trainer_flag(args.zero_planned[0])} auto plans whole nodes: {processes} processes "
+                              f"are not a whole number of nodes of {per_node} (torchrun's LOCAL_WORLD_SIZE); give "
+                              f"{trainer_flag(args.zero_planned[0])} a value")
     check_tensor_parallel_flags(args)
     check_tp_within_a_node(args.tensor_parallel_size, per_node, args.tensor_parallel_across_nodes)
     if not args.use_cpu and has_accelerator() and per_node > torch.cuda.device_count():
@@ -284,6 +288,21 @@ def check_plannable(args: Any, settings: dict[str, Any]) -> None:
     if "nvme" in (settings.get("offload_optimizer"), settings.get("offload_param")):
         raise ZeroConfigError(f"{flag} auto plans with the optimizer and parameters on the device or in CPU memory; "
                               f"got NVMe offload: give {flag} a value")
+    # The stages the other settings allow (hpZ and qwZ need stage 3, an offloaded optimizer stage 1-3, ...): the plan
+    # chooses among them, and the settings are checked now at one of them (none allowed: the default stage's error).
+    args.zero_stages = (0, 1, 2, 3)
+    if "zero_stage" in args.zero_planned:
+        args.zero_stages = tuple(stage for stage in (0, 1, 2, 3) if _valid(settings | {"zero_stage": stage}))
+        if args.zero_stages:
+            settings["zero_stage"] = 2 if 2 in args.zero_stages else args.zero_stages[-1]
+
+
+def _valid(settings: dict[str, Any]) -> bool:
+    try:
+        ZeroConfig(**settings).validate(name=trainer_flag)
+    except ZeroConfigError:
+        return False
+    return True
 
 
 def _engine_dtype(args: Any) -> str:

@@ -4,13 +4,16 @@ starts; then the second optimizer step's measured peak is checked against the pl
 
 Rank 0 plans: `hf-zero plan --json` in a process of its own, since the plan simulates its own world and this process
 is a rank of a real one. It plans the model's class from its config, for the first batch's tensors at
---per_device_train_batch_size, with --gradient_checkpointing as given, at this world's size and processes per node,
-with the device memory this rank has left (the model's own tensors counted back in: the plan builds it too) and the
-host's available memory. Every rank takes rank 0's answer, or raises rank 0's error. The first batch is read with
-every random generator kept as it was, so that the run trains as the same run with the chosen settings given.
+--per_device_train_batch_size, with --gradient_checkpointing and the other settings as given (a stage among those they
+allow), at this world's size and nodes, with the device memory the rank with the least has left (the model's own
+tensors counted back in: the plan builds it too) and the host's available memory. Every rank takes rank 0's answer,
+or raises rank 0's error. The first batch is read with every random generator kept as it was, so that the run trains
+as the same run with the chosen settings given.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import itertools
 import json
@@ -20,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 import torch
@@ -48,7 +51,11 @@ def check_model(model: nn.Module, flag: str) -> None:
     if getattr(transformers, name, None) is not type(model) or not hasattr(model, "config"):
         raise ZeroConfigError(f"{flag} auto plans transformers' own model classes (built from their config); "
                               f"{name} is not one: give {flag} a value (`hf-zero plan` shows what each takes)")
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    # Some models freeze weights of their own (sinusoidal positions): only what the script froze is refused.
+    with torch.device("meta"):
+        built = type(model)._from_config(model.config)
+    frozen_by_class = {n for n, p in built.named_parameters() if not p.requires_grad}
+    frozen = sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad and n not in frozen_by_class)
     if frozen:
         raise ZeroConfigError(f"{flag} auto plans training every parameter; this model freezes {frozen:,} of "
                               f"{sum(p.numel() for p in model.parameters()):,} (an adapter, frozen layers): give "
@@ -63,70 +70,101 @@ def model_bytes(model: nn.Module, device: torch.device) -> int:
 
 
 def planned_config(trainer: Any) -> tuple[ZeroConfig, int]:
-    """The engine's configuration with the `auto` settings planned, and the peak the plan expects of a step (bytes;
-    on a CPU device and host memory together)."""
+    """The engine's configuration with the `auto` settings planned, and the peak the plan expects a run measured
+    from now to see (bytes; on a CPU device and host memory together)."""
     args = trainer.args
     config: ZeroConfig = args.zero_engine_config
     flag = trainer_flag(args.zero_planned[0])
     per_node = processes_per_node(args.world_size)
     comm = Communicator(Ledger(), ranks_per_node=per_node)
+    device = compute_device()
+    # Planned for the rank with the least memory left: every rank runs the same setting.
+    left = min(comm.all_gather_object(memory_left(device, per_node)[0] + model_bytes(trainer.model, device)))
     if comm.rank == 0:
         logger.warning(f"planning {', '.join(trainer_flag(key) for key in args.zero_planned)} for {args.world_size} "
                        f"process(es), {per_node} a node (the other ranks wait) ...")
-    plan = comm.agree(lambda: _plan(trainer, per_node) if comm.rank == 0 else None, f"planning {flag} auto",
+    plan = comm.agree(lambda: _plan(trainer, per_node, left) if comm.rank == 0 else None, f"planning {flag} auto",
                       ZeroConfigError)[0]
     chosen = {key: plan["setting"][key] for key in args.zero_planned}
     config = dataclasses.replace(config, **chosen)
     config.validate(name=trainer_flag)
     if comm.rank == 0:
         logger.warning(_said(plan, chosen))
-    measured = plan["per_rank"]["measured_peak"]
-    return config, measured["device_and_host" if compute_device().type == "cpu" else "device"]
+    return config, plan["per_rank"]["measured_peak"]["device_and_host" if device.type == "cpu" else "device"]
 
 
-def _plan(trainer: Any, per_node: int) -> dict[str, Any]:
-    """`hf-zero plan --json` for this job on this machine (rank 0's answer for every rank)."""
+def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
+    """`hf-zero plan --json` for this job on this machine, `device_bytes` a rank (rank 0's answer for every rank)."""
     args, model = trainer.args, trainer.model
     config: ZeroConfig = args.zero_engine_config
-    device = compute_device()
-    device_bytes = memory_left(device, per_node)[0] + model_bytes(model, device)
-    batch = first_batch(trainer)
+    flag = trainer_flag(args.zero_planned[0])
+    fixed = {key: str(getattr(config, key)) for key in ("zero_stage", "offload_optimizer", "offload_param")
+             if key not in args.zero_planned}
+    if "zero_stage" in args.zero_planned and args.zero_stages != (0, 1, 2, 3):
+        fixed["zero_stage"] = ",".join(map(str, args.zero_stages))
+    if compute_device().type == "cpu":
+        # The device's memory is the host's: offloading to it frees nothing and adds copies.
+        fixed |= {key: "none" for key in ("offload_optimizer", "offload_param") if key in args.zero_planned}
+    topology = config.ranks_per_node or per_node  # the nodes the links are counted by, as the engine counts them
     with tempfile.TemporaryDirectory(prefix="hf_zero_plan_") as folder:
         model_config = model.config.__class__.from_dict(model.config.to_dict())
         model_config.architectures = [type(model).__name__]
         Path(folder, "config.json").write_text(model_config.to_json_string())
-        sample = {name: {"shape": list(tensor.shape[1:]), "dtype": str(tensor.dtype).removeprefix("torch."),
-                         "high": 1 if tensor.is_floating_point() else max(1, int(tensor.max()) + 1)}
-                  for name, tensor in batch.items() if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1}
-        Path(folder, "sample.json").write_text(json.dumps(sample))
+        Path(folder, "sample.json").write_text(json.dumps(_sample(first_batch(trainer), args)))
         command = [sys.executable, "-m", "hf_zero", "plan", "--json", "--model", folder,
                    "--sample", str(Path(folder, "sample.json")),
-                   "--nodes", str(args.world_size // per_node), "--gpus_per_node", str(per_node),
+                   "--nodes", str(args.world_size // topology), "--gpus_per_node", str(topology),
                    "--gpu_memory", f"{device_bytes / 1e9:.9f}GB",
                    "--host_memory", f"{psutil.virtual_memory().available / 1e9:.9f}GB",
                    "--dtype", config.dtype, "--micro_batch", str(args.per_device_train_batch_size),
                    "--gradient_checkpointing", str(bool(args.gradient_checkpointing)).lower(),
-                   "--hpz_partition_size", str(config.hpz_partition_size)]
-        command += [arg for key in ("zero_stage", "offload_optimizer", "offload_param")
-                    if key not in args.zero_planned for arg in (f"--{key}", str(getattr(config, key)))]
+                   "--hpz_partition_size", str(config.hpz_partition_size),
+                   *(arg for key, value in fixed.items() for arg in (f"--{key}", value))]
         env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARIABLES} | {"CUDA_VISIBLE_DEVICES": ""}
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        # The other ranks wait for the answer in one collective: the plan must end before it times out.
+        seconds = 0.9 * args.ddp_timeout
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=seconds)
+        except subprocess.TimeoutExpired:
+            raise ZeroConfigError(f"{flag} auto: the plan took longer than {seconds:.0f} s, 90% of --ddp_timeout, "
+                                  f"which the other ranks wait: give {flag} a value (`hf-zero plan` answers "
+                                  f"beforehand), or a longer --ddp_timeout") from None
     try:
         plan = json.loads(done.stdout)
     except json.JSONDecodeError:
-        raise ZeroConfigError(f"the plan failed ({' '.join(command)}): {done.stderr.strip()[-2000:]}") from None
+        raise ZeroConfigError(f"{flag} auto: the plan failed (exit status {done.returncode}; {' '.join(command)}): "
+                              f"{done.stderr.strip()[-2000:]}") from None
     if not plan["fits"]:
-        losers = "; ".join(f"{c['setting']}: {c['outcome']}" for c in plan["candidates"])
-        raise ZeroConfigError(f"{trainer_flag(args.zero_planned[0])} auto: no setting fits "
-                              f"{device_bytes / 1e9:.3g} GB a process ({losers}); give a smaller "
-                              f"--per_device_train_batch_size, --gradient_checkpointing, or more processes")
+        raise ZeroConfigError(f"{flag} auto: no setting fits {device_bytes / 1e9:.3g} GB a process: "
+                              f"{plan['what_would']}")
     return plan
+
+
+def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
+    """One sample's tensors of `batch`, as `hf-zero plan --sample` takes them. A tensor whose first dimension is not
+    the batch's (a collator that packs sequences into one row) is refused: the plan would run other shapes."""
+    samples = args.per_device_train_batch_size
+    sample = {}
+    for name, tensor in batch.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            logger.warning(f"{trainer_flag(args.zero_planned[0])} auto: the batch's {name!r} is not a tensor of "
+                           f"samples; the plan runs without it")
+            continue
+        if tensor.shape[0] != samples:
+            raise ZeroConfigError(f"{trainer_flag(args.zero_planned[0])} auto plans batches of "
+                                  f"--per_device_train_batch_size {samples} samples; the first batch's {name!r} has "
+                                  f"shape {tuple(tensor.shape)} (a collator that packs samples): give "
+                                  f"{trainer_flag(args.zero_planned[0])} a value")
+        sample[name] = {"shape": list(tensor.shape[1:]), "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "high": 1 if tensor.is_floating_point() else max(1, int(tensor.max()) + 1)}
+    return sample
 
 
 def first_batch(trainer: Any) -> dict[str, Any]:
     """The training data's first --per_device_train_batch_size samples, collated as the Trainer's data loader
-    collates them, with torch's, Python's and NumPy's random generators left as they were (a collator may draw:
-    masked language modelling)."""
+    collates them, with torch's, Python's and NumPy's random generators left as they were, and the collator's own
+    (transformers' masking collators keep one): a collator may draw (masked language modelling). An iterable dataset
+    is read from a new iterator."""
     import numpy
 
     dataset, collate = trainer.train_dataset, trainer.data_collator
@@ -137,13 +175,36 @@ def first_batch(trainer: Any) -> dict[str, Any]:
     count = trainer.args.per_device_train_batch_size
     python_state, numpy_state = random.getstate(), numpy.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[]):
-            samples = [dataset[i] for i in range(min(count, len(dataset)))] if hasattr(dataset, "__getitem__") \
-                and hasattr(dataset, "__len__") else list(itertools.islice(iter(dataset), count))
+        with torch.random.fork_rng(devices=[]), _collators_generator_kept(collate):
+            samples = list(itertools.islice(iter(dataset), count)) \
+                if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__") \
+                else [dataset[i] for i in range(min(count, len(dataset)))]
             return collate(samples)
     finally:
         random.setstate(python_state)
         numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def _collators_generator_kept(collate: Any) -> Iterator[None]:
+    """The collator's own random generator (`generator`, made at its first call), as it was before."""
+    holder = getattr(collate, "data_collator", collate)  # the Trainer's column-removing wrapper holds the user's
+    if not hasattr(holder, "generator"):
+        yield
+        return
+    generator, maker = holder.generator, getattr(holder, "_generator_pid", None)
+    state = generator.get_state() if isinstance(generator, torch.Generator) else \
+        copy.deepcopy(generator.bit_generator.state) if hasattr(generator, "bit_generator") else None
+    try:
+        yield
+    finally:
+        holder.generator = generator
+        if hasattr(holder, "_generator_pid"):
+            holder._generator_pid = maker
+        if isinstance(generator, torch.Generator):
+            generator.set_state(state)
+        elif state is not None:
+            generator.bit_generator.state = state
 
 
 def _is_datasets_dataset(dataset: Any) -> bool:
@@ -157,7 +218,7 @@ def _is_datasets_dataset(dataset: Any) -> bool:
 def _said(plan: dict[str, Any], chosen: dict[str, Any]) -> str:
     rank = plan["per_rank"]
     lines = [f"planned: {', '.join(f'{trainer_flag(key)} {value}' for key, value in chosen.items())} "
-             f"({plan['params']:,} parameters, {plan['seq_len']} tokens a sample); rank {rank['rank']} at "
+             f"({plan['params']:,} parameters, the first batch's shapes); rank {rank['rank']} at "
              f"the step's peak: device {rank['device']['peak'] / 1e9:.3g} GB of {plan['gpu_memory'] / 1e9:.3g} GB, "
              f"host {rank['host']['peak'] / 1e9:.3g} GB. Candidates:"]
     lines += [f"  {c['setting']}: {c['outcome']}" for c in plan["candidates"]]

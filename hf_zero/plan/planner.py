@@ -18,12 +18,12 @@ The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
 """
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 from hf_zero.plan.machine import GB, KEYS, Machine
 from hf_zero.plan.simulate import Job, RankStep, Setting, simulate_rank
@@ -110,11 +110,16 @@ def probe_rank(job: Job) -> int:
 def _side_by_side(job: Job, setting: Setting, ranks: list[int], flops: int | None) -> list[RankStep]:
     """`ranks` simulated at once: the first here, the others in fresh interpreters (spawned: this process has torch's
     thread pools, which a fork would copy mid-state), as many at a time as the machine has cores besides this one."""
-    workers = min(len(ranks) - 1, (os.cpu_count() or 2) - 1)
+    workers = min(len(ranks) - 1, _cores() - 1)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         elsewhere = [pool.submit(simulate_rank, job, setting, r, flops) for r in ranks[1:]]
         here = simulate_rank(job, setting, ranks[0], flops)
         return [here, *(future.result() for future in elsewhere)]
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -> dict[str, float]:
@@ -141,8 +146,9 @@ def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None =
     done = {r.rank: r for r in known}
     flops_key = (job, setting.micro_batch, setting.gradient_checkpointing)
     while left := [r for r in wanted if r not in done]:
-        if len(left) > 1 and (os.cpu_count() or 1) > 1 and any(s.seconds >= PARALLEL_AFTER_S for s in done.values()):
+        if len(left) > 1 and _cores() > 1 and any(s.seconds >= PARALLEL_AFTER_S for s in done.values()):
             done |= {s.rank: s for s in _side_by_side(job, setting, left, _counted_flops.get(flops_key))}
+            _counted_flops[flops_key] = done[left[0]].flops
             break
         done[left[0]] = simulate_rank(job, setting, left[0], _counted_flops.get(flops_key))
         if done[left[0]].flops:
@@ -172,10 +178,10 @@ def _bases(job: Job, fixed: dict) -> list[Setting]:
         for opt, param in (("none", "none"), ("cpu", "none"), ("cpu", "cpu")):
             for hpz in hpz_sizes if stage == 3 else [1]:
                 base = Setting(stage, opt, param, hpz_partition_size=hpz)
+                # a fixed value, or (zero_stage) the values to choose among
                 if offload_conflict(stage, opt, param) is None and all(
-                        getattr(base, k) == v for k, v in fixed.items() if k in ("zero_stage", "offload_optimizer",
-                                                                                  "offload_param",
-                                                                                  "hpz_partition_size")):
+                        getattr(base, k) in (v if isinstance(v, tuple) else (v,)) for k, v in fixed.items()
+                        if k in ("zero_stage", "offload_optimizer", "offload_param", "hpz_partition_size")):
                     bases.append(base)
     return bases
 
@@ -200,7 +206,8 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     grow; the winner is simulated again at its micro-batch, at every distinct rank (`_verify`), and kept if it is
     still the fastest. Skipped without simulation, saying why: an offloaded variant where a setting with less offload
     already fits, or where what offload leaves on the device already overflows it (`_staying_on_device`);
-    checkpointing where the setting's model states alone (measured) exceed the device."""
+    checkpointing where the setting's model states alone (measured) exceed the device; hpZ where the setting without
+    it does not fit (`_without_hpz_over`)."""
     candidates: list[Candidate] = []
     fixed_micro = fixed.get("micro_batch")
     checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
@@ -388,7 +395,8 @@ PLAN_MISS = 0.10  # a measured peak this much above the plan's is reported
 RSS_OVERHEAD = 512 * 2**20
 
 
-def check_against_plan(planned: int, measured: int, rank: int, logger: Any, by_rss: bool = False) -> bool:
+def check_against_plan(planned: int, measured: int, rank: int, logger: logging.Logger,
+                       by_rss: bool = False) -> bool:
     """Logs a run's measured peak beside its plan's: a warning where it exceeds it by more than PLAN_MISS (and
     RSS_OVERHEAD, measured `by_rss`), else both figures at rank 0. Returns whether it did."""
     if measured <= planned * (1 + PLAN_MISS) + (RSS_OVERHEAD if by_rss else 0):
@@ -396,7 +404,7 @@ def check_against_plan(planned: int, measured: int, rank: int, logger: Any, by_r
             logger.info(f"rank 0: the step took {measured / GB:.3g} GB at its peak, the plan {planned / GB:.3g} GB")
         return False
     logger.warning(f"rank {rank}: the step took {measured / GB:.3g} GB at its peak, {measured / planned - 1:.0%} more "
-                   f"than the plan's {planned / GB:.3g} GB (--zero_stage auto chose the setting for that figure): a "
-                   f"longer run may run out of memory; plan with less --gpu_memory headroom or fix a setting that "
-                   f"takes less")
+                   f"than the plan's {planned / GB:.3g} GB (the auto settings were chosen for that figure): a longer "
+                   f"run may run out of memory; give settings that take less (a higher stage, offload, a smaller "
+                   f"batch, checkpointing)")
     return True

@@ -134,11 +134,12 @@ def allocator_peak(profiler: "torch.profiler.profile") -> int:
     changes, nodes = [], list(profiler.profiler.kineto_results.experimental_event_tree())
     while nodes:
         node = nodes.pop()
-        if node.tag == _EventType.Allocation:
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             changes.append((node.start_time_ns, node.extra_fields.alloc_size))
         nodes.extend(node.children)
     live = peak = 0
-    for _, change in sorted(changes):
+    # By time alone: a free and an allocation at the same nanosecond stay in the order recorded.
+    for _, change in sorted(changes, key=lambda event: event[0]):
         live += change
         peak = max(peak, live)
     return peak

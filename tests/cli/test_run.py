@@ -122,7 +122,9 @@ def test_a_missing_script_is_named(refused_before_launch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--zero_stage", "5"], "hf-zero run: argument --zero_stage/--zero-stage: invalid choice: 5 (choose from 0, 1, 2, 3)"),
+    # auto is a choice too (docs/plan.md), so argparse compares, and quotes, the choices as strings
+    (["--zero_stage", "5"], "hf-zero run: argument --zero_stage/--zero-stage: invalid choice: '5' (choose from '0', "
+                            "'1', '2', '3', 'auto')"),
     (["--zero_stgae", "2"], "hf-zero run: unknown flag --zero_stgae; did you mean --zero_stage?"),
     (["--tensor_parallel_size", "3"], "hf-zero run: --tensor_parallel_size must be a positive integer dividing the "
                                       "number of processes (2); got 3"),

