@@ -110,7 +110,8 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
         model_config = model.config.__class__.from_dict(model.config.to_dict())
         model_config.architectures = [type(model).__name__]
         Path(folder, "config.json").write_text(model_config.to_json_string())
-        Path(folder, "sample.json").write_text(json.dumps(_sample(first_batch(trainer), args)))
+        sample = _sample(first_batch(trainer), args)
+        Path(folder, "sample.json").write_text(json.dumps(sample))
         command = [sys.executable, "-m", "hf_zero", "plan", "--json", "--model", folder,
                    "--sample", str(Path(folder, "sample.json")),
                    "--nodes", str(args.world_size // topology), "--gpus_per_node", str(topology),
@@ -137,7 +138,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
     if not plan["fits"]:
         raise ZeroConfigError(f"{flag} auto: no setting fits {device_bytes / 1e9:.3g} GB a process: "
                               f"{plan['what_would']}")
-    return plan
+    return plan | {"sample": sample}
 
 
 def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
@@ -215,11 +216,15 @@ def _is_datasets_dataset(dataset: Any) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
+def _shapes(sample: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{name} {' x '.join(map(str, spec['shape'])) or '(one value)'}" for name, spec in sample.items())
+
+
 def _said(plan: dict[str, Any], chosen: dict[str, Any]) -> str:
     rank = plan["per_rank"]
     lines = [f"planned: {', '.join(f'{trainer_flag(key)} {value}' for key, value in chosen.items())} "
-             f"({plan['params']:,} parameters, the first batch's shapes); rank {rank['rank']} at "
-             f"the step's peak: device {rank['device']['peak'] / 1e9:.3g} GB of {plan['gpu_memory'] / 1e9:.3g} GB, "
-             f"host {rank['host']['peak'] / 1e9:.3g} GB. Candidates:"]
+             f"({plan['params']:,} parameters; a sample of the first batch: {_shapes(plan['sample'])}); rank "
+             f"{rank['rank']} at the step's peak: device {rank['device']['peak'] / 1e9:.3g} GB of "
+             f"{plan['gpu_memory'] / 1e9:.3g} GB, host {rank['host']['peak'] / 1e9:.3g} GB. Candidates:"]
     lines += [f"  {c['setting']}: {c['outcome']}" for c in plan["candidates"]]
     return "\n".join(lines)
