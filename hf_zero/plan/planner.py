@@ -219,8 +219,8 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
             candidates.append(candidate)
             key = (base.zero_stage, base.hpz_partition_size, ckpt)
             if base.offload_optimizer != "none" and key in fits_with_less_offload:
-                candidate.outcome = ("not simulated: fits with less offload; offloading more only adds host time "
-                                     "and copies")
+                candidate.outcome = ("not simulated: fits with less offload; offloading more adds host time and "
+                                     "copies (the larger micro-batch it may allow is not weighed)")
                 continue
             twin = _twin_decided_by_model_states(candidates, setting, ckpt and len(checkpointing) > 1)
             if twin is not None:
