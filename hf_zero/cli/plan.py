@@ -78,11 +78,11 @@ def check(args: argparse.Namespace) -> str | None:
             import matplotlib  # noqa: F401
         except ImportError:
             return "--plot needs matplotlib: pip install 'hf_zero[plot]'"
-    if args.zero_stage != "auto" and (not all(stage in "0123" for stage in args.zero_stage.split(","))
-                                      or len(set(args.zero_stage.split(","))) != len(args.zero_stage.split(","))):
+    stages = ["0", "1", "2", "3"] if args.zero_stage == "auto" else args.zero_stage.split(",")
+    if not set(stages) <= {"0", "1", "2", "3"} or len(set(stages)) != len(stages):
         return f"--zero_stage must be auto, a stage 0-3, or stages such as 1,2,3; got {args.zero_stage}"
     if args.hpz_partition_size is not None and args.hpz_partition_size > 1:
-        if args.zero_stage != "auto" and "3" not in args.zero_stage.split(","):
+        if "3" not in stages:
             return f"--hpz_partition_size needs --zero_stage 3; got {args.zero_stage}"
         if args.gpus_per_node % args.hpz_partition_size:
             return (f"--hpz_partition_size must divide --gpus_per_node ({args.gpus_per_node}); got "

@@ -34,7 +34,14 @@ from hf_zero.runtime.tensor_parallel import (
     check_tp_within_a_node,
     init_mesh,
 )
-from hf_zero.settings.config import AUTO, PLANNED, ZeroConfig, ZeroConfigError, check_compile_backend
+from hf_zero.settings.config import (
+    AUTO,
+    PLANNED,
+    ZeroConfig,
+    ZeroConfigError,
+    check_compile_backend,
+    plan_conflict,
+)
 from hf_zero.settings.config import add_arguments as add_engine_arguments
 from hf_zero.settings.environment import processes_per_node, restarts_so_far
 
@@ -99,10 +106,9 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     # Every other flag is checked first, with the planned ones at their defaults.
     check_args(argparse.Namespace(**{**vars(args), **{key: ZeroConfig.__dataclass_fields__[key].default
                                                         for key in asked}}), processes, per_node)
-    if args.tensor_parallel_size > 1 or "nvme" in (args.offload_optimizer, args.offload_param):
-        raise ZeroConfigError(f"--{asked[0]} auto plans data parallelism with CPU offload; got "
-                              f"--tensor_parallel_size {args.tensor_parallel_size}, --offload_optimizer "
-                              f"{args.offload_optimizer}, --offload_param {args.offload_param}: fix the setting")
+    conflict = plan_conflict(args.tensor_parallel_size, args.offload_optimizer, args.offload_param, f"--{asked[0]}")
+    if conflict:
+        raise ZeroConfigError(conflict)
     from hf_zero.cli.plan import report
     from hf_zero.plan.machine import Machine
     from hf_zero.plan.planner import choose

@@ -35,12 +35,14 @@ from hf_zero.settings import deepspeed_config, environment
 from hf_zero.settings.config import (
     AUTO,
     PLANNED,
+    PLANNED_HELP,
     ZeroConfig,
     ZeroConfigError,
     check_compile_backend,
     described_settings,
     flag_rows,
     help_of,
+    plan_conflict,
     read_settings_file,
     trainer_flag,
 )
@@ -67,8 +69,7 @@ def _flag_field(name: str, setting: Any, hint: Any) -> tuple[str, Any, Any]:
         metadata["choices"] = list(setting.metadata["choices"])
     if setting.name in PLANNED:
         metadata["choices"] = [str(choice) for choice in metadata["choices"]] + [AUTO]
-        metadata["help"] += ("; auto: the fastest setting that fits this machine, planned by ZeroTrainer from the "
-                             "model and the first batch (docs/plan.md)")
+        metadata["help"] += f"; auto: {PLANNED_HELP}, by ZeroTrainer (docs/plan.md)"
         hint = hint | str
     if hint is bool:  # given bare (--zero_cpu_checkpointing) or with a value, as the Trainer's switches are
         metadata.update(nargs="?", const=True)
@@ -280,14 +281,11 @@ def check_plannable(args: Any, settings: dict[str, Any]) -> None:
     settings are taken out of `settings` (a --zero_config file's value too: the flag asked for the plan's)."""
     for key in args.zero_planned:
         settings.pop(key, None)
-    flag = trainer_flag(args.zero_planned[0])
     tp = args.tensor_parallel_size
-    if isinstance(tp, int) and tp > 1:
-        raise ZeroConfigError(f"{flag} auto plans data parallelism; got --tensor_parallel_size {tp}: give "
-                              f"{flag} a value, or drop --tensor_parallel_size")
-    if "nvme" in (settings.get("offload_optimizer"), settings.get("offload_param")):
-        raise ZeroConfigError(f"{flag} auto plans with the optimizer and parameters on the device or in CPU memory; "
-                              f"got NVMe offload: give {flag} a value")
+    conflict = plan_conflict(tp if isinstance(tp, int) else 1, settings.get("offload_optimizer"),
+                             settings.get("offload_param"), trainer_flag(args.zero_planned[0]))
+    if conflict:
+        raise ZeroConfigError(conflict)
     # The stages the other settings allow (hpZ and qwZ need stage 3, an offloaded optimizer stage 1-3, ...): the plan
     # chooses among them, and the settings are checked now at one of them (none allowed: the default stage's error).
     args.zero_stages = (0, 1, 2, 3)

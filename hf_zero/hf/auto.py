@@ -144,18 +144,16 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
 def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
     """One sample's tensors of `batch`, as `hf-zero plan --sample` takes them. A tensor whose first dimension is not
     the batch's (a collator that packs sequences into one row) is refused: the plan would run other shapes."""
-    samples = args.per_device_train_batch_size
+    samples, flag = args.per_device_train_batch_size, trainer_flag(args.zero_planned[0])
     sample = {}
     for name, tensor in batch.items():
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            logger.warning(f"{trainer_flag(args.zero_planned[0])} auto: the batch's {name!r} is not a tensor of "
-                           f"samples; the plan runs without it")
+            logger.warning(f"{flag} auto: the batch's {name!r} is not a tensor of samples; the plan runs without it")
             continue
         if tensor.shape[0] != samples:
-            raise ZeroConfigError(f"{trainer_flag(args.zero_planned[0])} auto plans batches of "
-                                  f"--per_device_train_batch_size {samples} samples; the first batch's {name!r} has "
-                                  f"shape {tuple(tensor.shape)} (a collator that packs samples): give "
-                                  f"{trainer_flag(args.zero_planned[0])} a value")
+            raise ZeroConfigError(f"{flag} auto plans batches of --per_device_train_batch_size {samples} samples; the "
+                                  f"first batch's {name!r} has shape {tuple(tensor.shape)} (a collator that packs "
+                                  f"samples): give {flag} a value")
         sample[name] = {"shape": list(tensor.shape[1:]), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "high": 1 if tensor.is_floating_point() else max(1, int(tensor.max()) + 1)}
     return sample

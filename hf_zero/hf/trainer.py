@@ -331,17 +331,17 @@ class ZeroTrainerMixin:
             self.model._is_accelerate_prepared = True
         return self.optimizer
 
-    def _plan_auto_settings(self) -> Callable[[], bool]:
+    def _plan_auto_settings(self) -> Callable[[], bool] | None:
         """Puts the plan's choice for the `auto` settings in the engine's configuration; returns the check of the
         second step's peak against the plan's, measured from now (above what this process held apart from the
-        model, which the plan counts)."""
+        model, which the plan counts), or None where memory cannot be measured."""
         self.args.zero_engine_config, planned_peak = auto.planned_config(self)
         device = compute_device()
         try:
             baseline = start_measuring(device) - auto.model_bytes(self.model, device)
         except (OSError, RuntimeError) as error:  # no /proc to measure a CPU rank's memory by (not Linux)
             logger.warning(f"the step's memory cannot be measured here, so it is not checked against the plan: {error}")
-            return lambda: False
+            return None
 
         return lambda: check_against_plan(planned_peak, measured_peak(device, baseline), self.engine.comm.rank, logger,
                                           by_rss=device.type == "cpu")

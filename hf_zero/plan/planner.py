@@ -146,11 +146,11 @@ def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None =
     done = {r.rank: r for r in known}
     flops_key = (job, setting.micro_batch, setting.gradient_checkpointing)
     while left := [r for r in wanted if r not in done]:
+        counted = _counted_flops.get(flops_key)
         if len(left) > 1 and _cores() > 1 and any(s.seconds >= PARALLEL_AFTER_S for s in done.values()):
-            done |= {s.rank: s for s in _side_by_side(job, setting, left, _counted_flops.get(flops_key))}
-            _counted_flops[flops_key] = done[left[0]].flops
-            break
-        done[left[0]] = simulate_rank(job, setting, left[0], _counted_flops.get(flops_key))
+            done |= {s.rank: s for s in _side_by_side(job, setting, left, counted)}
+        else:
+            done[left[0]] = simulate_rank(job, setting, left[0], counted)
         if done[left[0]].flops:
             _counted_flops[flops_key] = done[left[0]].flops
     simulated = [done[r] for r in wanted]

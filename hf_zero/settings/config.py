@@ -440,6 +440,23 @@ def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str
     return None
 
 
+def plan_conflict(tensor_parallel_size: int, offload_optimizer: str | None, offload_param: str | None,
+                  flag: str) -> str | None:
+    """Why the settings given beside an `auto` one (`flag`, as the front end spells it) cannot be planned, or None:
+    the rule `hf-zero train` and the Trainer both apply. A plan covers data parallelism, offload to the host."""
+    if tensor_parallel_size > 1:
+        return (f"{flag} auto plans data parallelism; got --tensor_parallel_size {tensor_parallel_size}: give {flag} "
+                f"a value, or drop --tensor_parallel_size")
+    if "nvme" in (offload_optimizer, offload_param):
+        return (f"{flag} auto plans with the optimizer and parameters on the device or in CPU memory; got NVMe "
+                f"offload: give {flag} a value")
+    return None
+
+
+# What `auto` means for a PLANNED setting, in the flags' help and the README's table.
+PLANNED_HELP = "the fastest setting that fits this machine, planned from the model and the first batch"
+
+
 def described_settings() -> list[dataclasses.Field]:
     """Every ZeroConfig field, in declaration order, with its metadata (help, deepspeed, choices, trainer_flag)."""
     return list(dataclasses.fields(ZeroConfig))
@@ -523,7 +540,6 @@ def flag_rows() -> list[str]:
             else METAVARS[s.type]
         default = "the Trainer's" if owned else "" if s.default is None else _show(s.default)
         key = f"`{s.metadata['deepspeed']}`" if s.metadata["deepspeed"] else ""
-        said = s.metadata["help"] + ("; `auto`: the fastest setting that fits this machine, planned from the model "
-                                     "and the first batch ([docs/plan.md](docs/plan.md))" if planned else "")
+        said = s.metadata["help"] + (f"; `auto`: {PLANNED_HELP} ([docs/plan.md](docs/plan.md))" if planned else "")
         rows.append(f"| `{owned or trainer_flag(s.name) + value}` | {default} | {key} | {said} |")
     return rows
