@@ -41,6 +41,8 @@ from hf_zero.settings.config import (
     ZeroConfigError,
     check_compile_backend,
     plan_conflict,
+    stage_to_check,
+    stages_allowed,
 )
 from hf_zero.settings.config import add_arguments as add_engine_arguments
 from hf_zero.settings.environment import processes_per_node, restarts_so_far
@@ -103,9 +105,13 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     asked = [key for key in PLANNED if getattr(args, key) == AUTO]
     if not asked:
         return
-    # Every other flag is checked first, with the planned ones at their defaults.
-    check_args(argparse.Namespace(**{**vars(args), **{key: ZeroConfig.__dataclass_fields__[key].default
-                                                        for key in asked}}), processes, per_node)
+    # Every other flag is checked first, with the planned ones at their defaults, and the stage at one the other
+    # settings allow (hpZ needs stage 3): the plan chooses among those.
+    defaults = {key: ZeroConfig.__dataclass_fields__[key].default for key in asked}
+    stages = stages_allowed({**engine_config(args), **defaults}, option_of) if "zero_stage" in asked else ()
+    if stages:
+        defaults["zero_stage"] = stage_to_check(stages)
+    check_args(argparse.Namespace(**{**vars(args), **defaults}), processes, per_node)
     conflict = plan_conflict(args.tensor_parallel_size, args.offload_optimizer, args.offload_param, f"--{asked[0]}")
     if conflict:
         raise ZeroConfigError(conflict)
@@ -118,6 +124,8 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     host_bytes = psutil.virtual_memory().available
     job = Job(args.model, processes // per_node, per_node, args.dtype, args.seq_len, device_bytes)
     fixed = {key: getattr(args, key) for key in PLANNED if key not in asked}
+    if stages:
+        fixed["zero_stage"] = stages[0] if len(stages) == 1 else stages
     fixed |= {"micro_batch": args.batch_size, "gradient_checkpointing": False,
               "hpz_partition_size": args.hpz_partition_size}
     logger.info(f"planning {', '.join('--' + key for key in asked)} for {processes} process(es), "

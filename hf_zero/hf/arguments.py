@@ -44,6 +44,8 @@ from hf_zero.settings.config import (
     help_of,
     plan_conflict,
     read_settings_file,
+    stage_to_check,
+    stages_allowed,
     trainer_flag,
 )
 from hf_zero.settings.environment import (
@@ -286,21 +288,11 @@ def check_plannable(args: Any, settings: dict[str, Any]) -> None:
                              settings.get("offload_param"), trainer_flag(args.zero_planned[0]))
     if conflict:
         raise ZeroConfigError(conflict)
-    # The stages the other settings allow (hpZ and qwZ need stage 3, an offloaded optimizer stage 1-3, ...): the plan
-    # chooses among them, and the settings are checked now at one of them (none allowed: the default stage's error).
+    # The plan chooses among the stages the other settings allow; the settings are checked now at one of them.
     args.zero_stages = (0, 1, 2, 3)
     if "zero_stage" in args.zero_planned:
-        args.zero_stages = tuple(stage for stage in (0, 1, 2, 3) if _valid(settings | {"zero_stage": stage}))
-        if args.zero_stages:
-            settings["zero_stage"] = 2 if 2 in args.zero_stages else args.zero_stages[-1]
-
-
-def _valid(settings: dict[str, Any]) -> bool:
-    try:
-        ZeroConfig(**settings).validate(name=trainer_flag)
-    except ZeroConfigError:
-        return False
-    return True
+        args.zero_stages = stages_allowed(settings, trainer_flag)
+        settings["zero_stage"] = stage_to_check(args.zero_stages)
 
 
 def _engine_dtype(args: Any) -> str:

@@ -453,6 +453,26 @@ def plan_conflict(tensor_parallel_size: int, offload_optimizer: str | None, offl
     return None
 
 
+def stages_allowed(settings: dict[str, Any], name: Callable[[str], str] = str) -> tuple[int, ...]:
+    """The stages the other settings allow, for a plan of --zero_stage auto to choose among: hpZ, qwZ, qgZ and
+    offloaded parameters need stage 3, an offloaded optimizer stages 1-3, a CUDA-graph compile mode stages 0-2."""
+    allowed = []
+    for stage in (0, 1, 2, 3):
+        try:
+            ZeroConfig(**(settings | {"zero_stage": stage})).validate(name=name)
+        except ZeroConfigError:
+            continue
+        allowed.append(stage)
+    return tuple(allowed)
+
+
+def stage_to_check(allowed: tuple[int, ...]) -> int:
+    """The stage the other settings are checked at before a plan chooses among `allowed`: the default stage where
+    it is one of them (with none allowed, its error is the one the user sees)."""
+    default = ZeroConfig.__dataclass_fields__["zero_stage"].default
+    return default if default in allowed or not allowed else allowed[-1]
+
+
 # What `auto` means for a PLANNED setting, in the flags' help and the README's table.
 PLANNED_HELP = "the fastest setting that fits this machine, planned from the model and the first batch"
 

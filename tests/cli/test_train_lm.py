@@ -191,6 +191,18 @@ def test_a_job_whose_rank_is_killed_restarts_from_its_newest_checkpoint_and_ends
             assert torch.equal(tensor, resumed[key]), key
 
 
+def test_zero_stage_auto_plans_among_the_stages_the_other_flags_allow():
+    """hpZ needs stage 3, so `--zero_stage auto --hpz_partition_size 2` plans stage 3 alone; it was refused with
+    stage 2's message, the default stage the other flags were checked at."""
+    parser = argparse.ArgumentParser()
+    train_lm.add_arguments(parser)
+    args = parser.parse_args(["--zero_stage", "auto", "--hpz_partition_size", "2", "--batch_size", "1",
+                              "--seq_len", "32"])
+    train_lm.plan_settings(args, 4, 2)
+    assert args.zero_stage == 3 and args.hpz_partition_size == 2
+    assert args.planned_peak > 0
+
+
 def test_zero_stage_auto_trains_with_the_plans_choice_and_checks_the_step_against_it(tmp_path):
     """`hf-zero train --zero_stage auto`: the plan runs before the processes start, prints its candidates, and the
     processes train with the chosen setting, each checking its second step's peak against the plan."""
