@@ -40,11 +40,11 @@ def parse_count(text: str) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """32GB, 80GB, 24GiB -> bytes (GB = 1e9 as GPU vendors and the paper count, GiB = 2**30)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(gib|gb)\s*", text.lower())
+    """32GB, 80GB, 24GiB, 3.8TB -> bytes (GB = 1e9 as GPU and drive vendors and the paper count, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*([0-9]+\.?[0-9]*)\s*(gib|gb|tib|tb)\s*", text.lower())
     if not m:
-        raise ValueError(f"expected a size such as 32GB or 80GB; got {text!r}")
-    return int(float(m.group(1)) * (2**30 if m.group(2) == "gib" else GB))
+        raise ValueError(f"expected a size such as 32GB, 80GB or 3.8TB; got {text!r}")
+    return int(float(m.group(1)) * {"gb": GB, "gib": 2**30, "tb": 1000 * GB, "tib": 2**40}[m.group(2)])
 
 
 @dataclass(frozen=True)

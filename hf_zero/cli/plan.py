@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
     parser.add_argument("--gpu_memory", type=size, default="80GB", help="memory of each GPU (default 80GB)")
     parser.add_argument("--host_memory", type=size, default="1000GB", help="host memory of each machine "
                         "(default 1000GB)")
+    parser.add_argument("--nvme", type=size, default=0, help="NVMe of each machine for ZeRO-Infinity's files "
+                        "(default: none, and offload to NVMe is not considered)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--seq_len", type=count, help="tokens per sequence (default: the model's longest, at most "
                         "1024)")
@@ -38,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "batch. Default: a language model's input_ids and labels of --seq_len tokens")
     parser.add_argument("--zero_stage", default="auto", help="auto (default), a stage 0-3, or the stages to choose "
                         "among, as 1,2,3")
-    parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu"), default="auto")
-    parser.add_argument("--offload_param", choices=("auto", "none", "cpu"), default="auto")
+    parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu", "nvme"), default="auto")
+    parser.add_argument("--offload_param", choices=("auto", "none", "cpu", "nvme"), default="auto")
     parser.add_argument("--hpz_partition_size", type=count, help="ZeRO++ hpZ at stage 3 (default: 1, or a node's "
                         "GPUs when that is faster)")
     parser.add_argument("--gradient_checkpointing", choices=("auto", "true", "false"), default="auto")
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "against the device's capacity, and its speed (needs matplotlib: pip install hf_zero[plot])")
     machine = parser.add_argument_group("the machine's speed (the step-time model; defaults: A100 nodes)")
     for f in fields(Machine):
-        if f.name not in ("gpu_memory", "host_memory"):
+        if f.name not in ("gpu_memory", "host_memory", "nvme_memory"):
             machine.add_argument(f"--{f.name}", type=float, default=f.default, help=f"(default {f.default})")
 
 
@@ -94,6 +96,12 @@ def check(args: argparse.Namespace) -> str | None:
             return conflict
     if args.offload_param == "cpu" and args.offload_optimizer == "none":
         return "--offload_param cpu is planned with --offload_optimizer cpu; got --offload_optimizer none"
+    if args.offload_param == "nvme" and args.offload_optimizer not in ("auto", "nvme"):
+        return (f"--offload_param nvme needs --offload_optimizer nvme (the parameters are written in the optimizer's "
+                f"NVMe stream); got --offload_optimizer {args.offload_optimizer}")
+    to_nvme = [f"--{key} nvme" for key in ("offload_optimizer", "offload_param") if getattr(args, key) == "nvme"]
+    if to_nvme and not args.nvme:
+        return f"{to_nvme[0]} needs --nvme, the NVMe of each machine (such as --nvme 3.8TB)"
     if args.sample:
         try:
             args.sample = read_sample(args.sample)
@@ -136,9 +144,9 @@ def run(args: argparse.Namespace) -> int:
     if seq_len > longest:
         raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
     job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or ())
-    machine = Machine(args.gpu_memory, args.host_memory,
+    machine = Machine(args.gpu_memory, args.host_memory, nvme_memory=args.nvme,
                       **{f.name: getattr(args, f.name) for f in fields(Machine)
-                         if f.name not in ("gpu_memory", "host_memory")})
+                         if f.name not in ("gpu_memory", "host_memory", "nvme_memory")})
     fixed = fixed_settings(args)
     say = (lambda line: None) if args.json else (lambda line: print(f"  {line}", flush=True))
     if {"zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "micro_batch"} <= fixed.keys() \
@@ -170,16 +178,16 @@ def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Can
     if candidates:
         lines += ["", f"Candidates: memory at micro-batch 1 (or the one given) on rank {probe_rank(job)}; tokens/s "
                   "projected at the candidate's micro-batch", "",
-                  "| candidate | device GB at peak | host GB a node | tokens/s per GPU | outcome |",
-                  "|---|---|---|---|---|"]
+                  "| candidate | device GB at peak | host GB a node | NVMe GB a node | tokens/s per GPU | outcome |",
+                  "|---|---|---|---|---|---|"]
         for c in candidates:
             p = c.plan
             if p is None:
-                lines.append(f"| {c.setting} | | | | {c.outcome} |")
+                lines.append(f"| {c.setting} | | | | | {c.outcome} |")
                 continue
             speed = projected_tokens_per_second(c)  # 0: not run (stages 0-2 whose parameters alone overflow)
             lines.append(f"| {c.setting} | {p.busiest.device_peak / GB:.3g} | "
-                         f"{p.host_per_node / GB:.3g} | "
+                         f"{p.host_per_node / GB:.3g} | {p.nvme_per_node / GB:.3g} | "
                          f"{f'{speed:,.0f}' if speed else ''} | {c.outcome} |")
     if chosen is None:
         lines += ["", "nothing fits: " + _what_would(job, machine, [c.plan for c in candidates if c.plan])]
@@ -193,13 +201,16 @@ def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Can
     for where, held in (("device", rank.device), ("host", rank.host)):
         lines.append(f"| {where} | " + " | ".join(f"{held[k] / GB:.3g}" for k in KEYS) +
                      f" | {sum(held.values()) / GB:.3g} |")
+    if chosen.nvme_per_node:
+        lines.append(f"NVMe: {max(r.nvme for r in chosen.ranks) / GB:.3g} GB of files a rank, "
+                     f"{chosen.nvme_per_node / GB:.3g} GB a node")
     traffic = chosen.traffic()
     seconds = chosen.step_seconds
     lines += [f"sent per step by the busiest rank: intra-node {traffic['intra-node'] / GB:.3g} GB, inter-node "
               f"{traffic['inter-node'] / GB:.3g} GB",
               f"step: {seconds['total']:.3g} s (compute {seconds['compute']:.3g}, network {seconds['network']:.3g}, "
-              f"copies {seconds['copies']:.3g}, host {seconds['host']:.3g}; nothing overlapped), "
-              f"{chosen.tokens_per_second:,.0f} tokens/s per GPU"]
+              f"copies {seconds['copies']:.3g}, host {seconds['host']:.3g}, NVMe {seconds['nvme']:.3g}; nothing "
+              f"overlapped), {chosen.tokens_per_second:,.0f} tokens/s per GPU"]
     if not chosen.fits:
         lines.append("does not fit: " + _what_would(job, machine, [chosen]))
     return "\n".join(lines)
@@ -221,7 +232,10 @@ def _what_would(job: Job, machine: Machine, plans: list[Plan]) -> str:
             needs.append(f"a shorter sequence or checkpointing: activations and temporaries take "
                          f"{rank.transient / GB:.1f} GB of the {rank.device_peak / GB:.1f} GB peak")
     if not least.fits_host:
-        needs.append(f"more host memory: {least.host_per_node / GB:.1f} GB a node")
+        nvme = "" if machine.nvme_memory else " (or NVMe, given as --nvme: the offloaded states can go there)"
+        needs.append(f"more host memory: {least.host_per_node / GB:.1f} GB a node{nvme}")
+    if not least.fits_nvme:
+        needs.append(f"more NVMe: {least.nvme_per_node / GB:.1f} GB a node")
     return f"the least-memory candidate ({least.setting}) needs " + "; or ".join(needs)
 
 

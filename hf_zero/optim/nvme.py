@@ -3,8 +3,8 @@ and stream through a fixed pool of host buffers, one tile at a time.
 
 Each step walks this rank's elements in tiles of `tile_numel`. Three buffer slots rotate: while the
 update runs on one tile, the next tile is being read and the previous one written, by two I/O threads
-(`os.preadv` / `os.pwritev` release the GIL). Host memory is the pool, 3 x 12 bytes x tile_numel, however
-large the model.
+(`os.preadv` / `os.pwritev` release the GIL; the files are hf_zero.runtime.files'). Host memory is the pool,
+3 x 12 bytes x tile_numel, however large the model.
 
 Every state has two files, A and B: a step reads one and writes the other, and only a step that wrote
 every tile switches to the new side. A failed write (a full disk, a removed drive) therefore leaves the
@@ -27,10 +27,9 @@ chunk's sum of squares is taken as it is written, so the gradient norm needs no 
 """
 from __future__ import annotations
 
-import errno
 import os
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -43,10 +42,11 @@ from hf_zero.runtime.device import (
     HOST,
     Copy,
     LatestCopy,
-    bytes_of,
+    check_host_access,
     host_empty,
     host_memory_empty,
     in_host_memory,
+    nvme_files,
 )
 from hf_zero.runtime.trace import spanned
 from hf_zero.settings.config import nvme_path_problem
@@ -84,9 +84,9 @@ class NvmeAdamStates:
     def __init__(self, nvme_path: str | os.PathLike, rank: int, chunk_numels: list[list[int]],
                  fp32_init: list[list[torch.Tensor]], host_adam: HostAdam, tile_numel: int,
                  param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None) -> None:
+        self.files = nvme_files()
         self.folder = check_nvme_path(nvme_path) / f"rank{rank:05d}"
-        shutil.rmtree(self.folder, ignore_errors=True)  # states of an earlier run are never resumed from here
-        self.folder.mkdir()
+        self.files.fresh_folder(self.folder)
         self.host_adam, self.tile_numel = host_adam, tile_numel
         self.chunk_numels = chunk_numels
         self.chunk_starts = [[sum(numels[:k]) for k in range(len(numels))] for numels in chunk_numels]
@@ -119,7 +119,7 @@ class NvmeAdamStates:
         # Ordinary memory: the slots go between the files and the kernel, and no device copy reads them.
         self.slots = [{kind: host_memory_empty(tile, dtype) for kind, dtype in self.dtypes.items()}
                       for _ in range(SLOTS)]
-        self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_zero-nvme")
+        self.io = self.files.executor(2, "hf_zero-nvme")
         for g, chunks in enumerate(fp32_init):
             for k, values in enumerate(chunks):
                 zeros = host_memory_empty(values.numel(), zeroed=True)
@@ -130,17 +130,13 @@ class NvmeAdamStates:
         return self.folder / f"group{g}.{kind}.{'AB'[side]}"
 
     def _allocate(self, path: Path, nbytes: int) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
+            return self.files.allocate(path, nbytes)
         except OSError as error:
-            os.close(fd)
             free = shutil.disk_usage(self.folder).free
             raise NvmeError(f"cannot allocate {nbytes / 2**20:.1f} MiB for {path} ({os.strerror(error.errno)}); "
                             f"{free / 2**20:.1f} MiB free under nvme_path. Free space or choose another "
                             f"nvme_path") from error
-        return fd
 
     def pool_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for slot in self.slots for t in slot.values())
@@ -152,11 +148,10 @@ class NvmeAdamStates:
     # ---- file I/O --------------------------------------------------------------------------------
     def _io(self, read: bool, g: int, kind: str, side: int, start: int, tensor: torch.Tensor) -> None:
         """Reads or writes `tensor` at element `start` of a state's file."""
-        fd, view, offset = self.fds[(g, kind, side)], bytes_of(tensor, writing=read), start * self.dtypes[kind].itemsize
+        offset = start * self.dtypes[kind].itemsize
+        check_host_access(tensor, writing=read)
         try:
-            done = os.preadv(fd, [view], offset) if read else os.pwritev(fd, [view], offset)
-            if done != len(view):
-                raise OSError(errno.EIO, f"{'read' if read else 'wrote'} {done} of {len(view)} bytes")
+            self.files.transfer(self.fds[(g, kind, side)], tensor, offset, read)
         except OSError as error:
             raise NvmeError(f"{'reading' if read else 'writing'} {self._path(g, kind, side)} at byte {offset} "
                             f"failed: {error.strerror or error}. The optimizer state of the last completed "
@@ -271,7 +266,7 @@ class NvmeAdamStates:
     def close(self) -> None:
         self.io.shutdown(wait=True)
         for fd in self.fds.values():
-            os.close(fd)
+            self.files.close(fd)
         self.fds.clear()
 
 

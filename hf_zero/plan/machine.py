@@ -12,7 +12,8 @@ KEYS = ("parameters", "gradients", "optimizer_states", "activations", "buffers",
 class Machine:
     """The machine a job is planned for. Defaults: a node of 8 A100s of 80 GB (312 bf16 TFLOPS, NVSwitch at 150
     GB/s per GPU, 200 Gb/s InfiniBand per GPU, PCIe 4 x16), the hf_zero CPU Adam's measured 0.54 ns per parameter
-    rounded up for a host shared by 8 ranks."""
+    rounded up for a host shared by 8 ranks, and no NVMe unless given (a DGX A100's four U.2 drives in RAID 0 move
+    about 25 GB/s)."""
     gpu_memory: int = 80 * GB
     host_memory: int = 1000 * GB  # per node
     gpu_tflops: float = 312.0
@@ -21,3 +22,5 @@ class Machine:
     inter_node_gbps: float = 25.0  # GB/s each GPU sends to other nodes
     pcie_gbps: float = 16.0  # GB/s between a GPU and its host
     cpu_adam_ns: float = 1.0  # host ns per parameter of a rank's offloaded step
+    nvme_memory: int = 0  # bytes of NVMe per node for ZeRO-Infinity's files; 0: none
+    nvme_gbps: float = 25.0  # GB/s a node's NVMe reads and writes, shared by its ranks

@@ -12,7 +12,8 @@ The step time, per rank, with nothing overlapped (an upper bound; overlap is wha
               shapes; recomputation included), at gpu_tflops x mfu
     network   the bytes this rank sent over intra-node and inter-node links (the ledger's), at each link's bandwidth
     copies    the bytes copied between the device and the host (offload), at the PCIe bandwidth
-    host      the optimizer's step on the host (offload_optimizer cpu): its parameters x cpu_adam_ns
+    host      the optimizer's step on the host (offload_optimizer cpu or nvme): its parameters x cpu_adam_ns
+    nvme      the bytes the step read from and wrote to its NVMe files, at its share of the node's nvme_gbps
 
 The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
 """
@@ -57,8 +58,17 @@ class Plan:
         return self.host_per_node <= self.machine.host_memory
 
     @property
+    def nvme_per_node(self) -> int:
+        """The NVMe a node's ranks take together, each at the most any simulated rank took."""
+        return max(r.nvme for r in self.ranks) * self.job.gpus_per_node
+
+    @property
+    def fits_nvme(self) -> bool:
+        return self.nvme_per_node <= self.machine.nvme_memory
+
+    @property
     def fits(self) -> bool:
-        return self.fits_device and self.fits_host
+        return self.fits_device and self.fits_host and self.fits_nvme
 
     @property
     def tokens_per_second(self) -> float:
@@ -87,8 +97,10 @@ class Plan:
             },
             "traffic_per_step": {"intra_node": traffic["intra-node"], "inter_node": traffic["inter-node"]},
             "step_seconds": self.step_seconds, "tokens_per_second_per_gpu": self.tokens_per_second,
+            "nvme_per_node": self.nvme_per_node,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host,
-            "gpu_memory": self.machine.gpu_memory, "host_memory": self.machine.host_memory,
+            "fits_nvme": self.fits_nvme, "gpu_memory": self.machine.gpu_memory,
+            "host_memory": self.machine.host_memory, "nvme_memory": self.machine.nvme_memory,
         }
 
 
@@ -129,8 +141,9 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
     copies = sum(rank.copied.values()) / (machine.pcie_gbps * GB)
     host = (rank.params / job.world_size * machine.cpu_adam_ns * 1e-9
             if setting.offload_optimizer != "none" else 0.0)
-    return {"compute": compute, "network": network, "copies": copies, "host": host,
-            "total": compute + network + copies + host}
+    nvme = rank.nvme_moved / (machine.nvme_gbps * GB / job.gpus_per_node)
+    return {"compute": compute, "network": network, "copies": copies, "host": host, "nvme": nvme,
+            "total": compute + network + copies + host + nvme}
 
 
 # A simulation this long makes the next ranks worth simulating side by side, in processes of their own (each pays
@@ -170,12 +183,15 @@ class Candidate:
     model_states_decide: bool = False
 
 
-def _bases(job: Job, fixed: dict) -> list[Setting]:
-    """Stage, offload and hpZ combinations to consider, fastest-looking first, within what `fixed` fixes."""
+def _bases(job: Job, fixed: dict, nvme: bool) -> list[Setting]:
+    """Stage, offload and hpZ combinations to consider, fastest-looking first (for each stage, the less offloaded
+    first), within what `fixed` fixes; offload to NVMe where the machine has it (`nvme`)."""
     hpz_sizes = [1] + ([job.gpus_per_node] if job.nodes > 1 and job.gpus_per_node > 1 else [])
+    offloads = [("none", "none"), ("cpu", "none"), ("cpu", "cpu")] + (
+        [("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme")] if nvme else [])
     bases = []
     for stage in (0, 1, 2, 3):
-        for opt, param in (("none", "none"), ("cpu", "none"), ("cpu", "cpu")):
+        for opt, param in offloads:
             for hpz in hpz_sizes if stage == 3 else [1]:
                 base = Setting(stage, opt, param, hpz_partition_size=hpz)
                 # a fixed value, or (zero_stage) the values to choose among
@@ -212,7 +228,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     fixed_micro = fixed.get("micro_batch")
     checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
     fits_with_less_offload: set[tuple] = set()
-    for base in _bases(job, fixed):
+    for base in _bases(job, fixed, machine.nvme_memory > 0):
         for ckpt in checkpointing:
             setting = replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
             candidate = Candidate(setting)
@@ -240,7 +256,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
                     continue
             say(f"simulating {setting}")
             candidate.plan = plan(job, setting, machine, ranks=[probe_rank(job)])
-            if candidate.plan.fits_device:
+            if candidate.plan.fits:
                 fits_with_less_offload.add(key)
     for candidate in candidates:
         if candidate.plan is None:
@@ -249,6 +265,9 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
         if not probe.fits_host:
             candidate.outcome = (f"host memory: {probe.host_per_node / GB:.1f} GB a node, "
                                  f"more than {machine.host_memory / GB:.0f} GB")
+        elif not probe.fits_nvme:
+            candidate.outcome = (f"NVMe: {probe.nvme_per_node / GB:.1f} GB a node, "
+                                 f"more than {machine.nvme_memory / GB:.0f} GB")
         elif fixed_micro is None:
             m = _largest_micro_batch(probe, machine, max_micro_batch)
             if m == 0:
@@ -376,15 +395,16 @@ def _without_hpz_over(candidates: list[Candidate], setting: Setting) -> str | No
 
 def _over(probe: Plan) -> str:
     return (f"device memory: {probe.busiest.device_peak / GB:.1f} GB at micro-batch {probe.setting.micro_batch}, "
-            f"more than {probe.machine.gpu_memory / GB:.0f} GB")
+            f"more than {probe.machine.gpu_memory / GB:.3g} GB")
 
 
 def projected_tokens_per_second(candidate: Candidate) -> float:
-    """The probe's step at the candidate's micro-batch: compute grows with it, traffic and the host's step do not."""
+    """The probe's step at the candidate's micro-batch: compute grows with it; traffic, the host's step and NVMe's
+    do not."""
     probe = candidate.plan
     seconds = probe.step_seconds
     scale = candidate.setting.micro_batch / probe.setting.micro_batch
-    total = seconds["compute"] * scale + seconds["network"] + seconds["copies"] + seconds["host"]
+    total = seconds["total"] + seconds["compute"] * (scale - 1)
     return candidate.setting.micro_batch * probe.job.seq_len / total if total else 0.0
 
 

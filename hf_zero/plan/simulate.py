@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -66,9 +67,12 @@ class Setting:
     hpz_partition_size: int = 1
 
     def engine_config(self, job: Job) -> dict[str, Any]:
+        # NVMe files go through the plan's files, which count their bytes and never touch the folder (it must only
+        # exist, as the engine checks).
+        nvme = {"nvme_path": tempfile.gettempdir()} if "nvme" in (self.offload_optimizer, self.offload_param) else {}
         return {"zero_stage": self.zero_stage, "dtype": job.dtype, "offload_optimizer": self.offload_optimizer,
                 "offload_param": self.offload_param, "hpz_partition_size": self.hpz_partition_size,
-                "ranks_per_node": job.gpus_per_node}
+                "ranks_per_node": job.gpus_per_node, **nvme}
 
     def __str__(self) -> str:
         parts = [f"stage {self.zero_stage}"]
@@ -105,6 +109,8 @@ class RankStep:
     # is the host's (a CPU run); less than the two places' peaks added, which come at different moments.
     together_peak: int = 0
     setup_together_peak: int = 0
+    nvme: int = 0  # bytes of the rank's NVMe files (ZeRO-Infinity)
+    nvme_moved: int = 0  # bytes the step read from and wrote to them
     seconds: float = 0.0  # what simulating it took
 
     @property
@@ -280,4 +286,5 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         return RankStep(rank, count.peak("device"), count.peak("host"), at_rest, dict(ledger.last_step_span_bytes),
                         dict(ledger.last_step_elements), ledger.last_step_paper_cross_node_bytes, dict(line.copied),
                         flops.get_total_flops() if known_flops is None else known_flops, params,
-                        list(line.collectives), setup_peak, count.peak_together, setup_together_peak)
+                        list(line.collectives), setup_peak, count.peak_together, setup_together_peak,
+                        line.counted_files.held, line.counted_files.read + line.counted_files.written)

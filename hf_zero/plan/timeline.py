@@ -2,19 +2,76 @@
 the CPU, while the memory count (hf_zero.plan.memory) hears what the device layer does with memory. Host memory
 the layer hands out is counted as the host's; all else is the simulated device's, which is apart from the host's
 (`separate_memory`), so offloaded states are copied to the device where a GPU copies them. Each collective issued is
-recorded with its group, to compare the simulated ranks' schedules."""
+recorded with its group, to compare the simulated ranks' schedules. ZeRO-Infinity's NVMe files are counted, never
+written (`CountedFiles`)."""
 from __future__ import annotations
 
+import errno
 import re
 from collections import Counter
-from typing import Callable
+from concurrent.futures import Executor, Future
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from hf_zero.plan.memory import MemoryCount
+from hf_zero.runtime.files import Files
 from hf_zero.runtime.timeline import NO_WORK, Copy, Event, Timeline
 
 _RANK_PREFIX = re.compile(r"^rank \d+: ")
+
+
+class CountedFiles(Files):
+    """Files that hold nothing: the bytes allocated (what the disk would need), and read and written since
+    `start_window`. Transfers run at once in the caller's thread, where a plan's fake tensors and memory count
+    are in force (both are the thread's own)."""
+
+    def __init__(self) -> None:
+        self.allocated: dict[int, int] = {}  # bytes by descriptor
+        self.read = self.written = 0
+
+    def start_window(self) -> None:
+        self.read = self.written = 0
+
+    def fresh_folder(self, folder: Path) -> None:
+        pass
+
+    def allocate(self, path: Path, nbytes: int) -> int:
+        fd = len(self.allocated)
+        self.allocated[fd] = nbytes
+        return fd
+
+    def transfer(self, fd: int, tensor: torch.Tensor, offset: int, read: bool) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if offset + nbytes > self.allocated[fd]:
+            raise OSError(errno.EINVAL, f"bytes {offset}-{offset + nbytes} past the file's {self.allocated[fd]}")
+        if read:
+            self.read += nbytes
+        else:
+            self.written += nbytes
+
+    def close(self, fd: int) -> None:
+        pass
+
+    def executor(self, workers: int, name: str) -> Executor:
+        return _InOrder()
+
+    @property
+    def held(self) -> int:
+        return sum(self.allocated.values())
+
+
+class _InOrder(Executor):
+    """Runs each task when it is submitted, in the submitting thread."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:  # handed to whoever waits on the future, as a thread's would be
+            future.set_exception(error)
+        return future
 
 
 class PlanTimeline(Timeline):
@@ -25,9 +82,14 @@ class PlanTimeline(Timeline):
         self.count, self.device_bytes = count, device_bytes
         self.collectives: list[tuple[str, str]] = []  # (group, what), in the order issued
         self.copied = Counter({"to_device": 0, "to_host": 0})  # bytes, since `start_window`
+        self.counted_files = CountedFiles()
 
     def start_window(self) -> None:
         self.copied = Counter({"to_device": 0, "to_host": 0})
+        self.counted_files.start_window()
+
+    def files(self) -> Files:
+        return self.counted_files
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, name: str, to_device: bool, overlap: bool) -> Copy:
         self.copied["to_device" if to_device else "to_host"] += src.numel() * src.element_size()

@@ -27,7 +27,6 @@ system is a crash or silent garbage, so `bytes_of` refuses anything else.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.runtime.cuda_timeline import Cuda, after_current, delay
+from hf_zero.runtime.files import Files, host_bytes
 from hf_zero.runtime.timeline import COMM, DONE, HOST, IMMEDIATE, NO_WORK, Copy, Event, Timeline
 from hf_zero.runtime.trace import span
 from hf_zero.settings.environment import simulation
@@ -352,6 +352,13 @@ class CommStream:
             self.wait(self.queued[-1])
 
 
+# ---- files --------------------------------------------------------------------------------------
+def nvme_files() -> Files:
+    """The files ZeRO-Infinity's NVMe states are kept in, as the timeline in force has them: the disk, or a plan's
+    count of their bytes."""
+    return timeline().files()
+
+
 # ---- host access ------------------------------------------------------------------------------
 def check_host_access(tensor: torch.Tensor, writing: bool) -> None:
     """Raises when the host may not yet read (or write) `tensor`: under the simulation, PendingCopyError when a
@@ -361,13 +368,7 @@ def check_host_access(tensor: torch.Tensor, writing: bool) -> None:
 
 
 def bytes_of(tensor: torch.Tensor, writing: bool) -> memoryview:
-    """A host tensor's memory as bytes, without a copy, for file I/O that reads it or (`writing`) fills it.
-    Not through numpy: a storage handed to numpy can no longer be resized, and stage 3 frees gathered
-    buffers by resizing their storage to zero."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"bytes_of reads host memory; got a tensor on {tensor.device} (copy it to the host first)")
-    if not tensor.is_contiguous():
-        raise ValueError("bytes_of needs a contiguous tensor")
+    """A host tensor's memory as bytes, without a copy, for file I/O that reads it or (`writing`) fills it, once the
+    host may (`check_host_access`)."""
     check_host_access(tensor, writing)
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    return host_bytes(tensor)

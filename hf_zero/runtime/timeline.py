@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from hf_zero.runtime.files import DISK, Files
 from hf_zero.runtime.pinned import page_locked
 
 HOST = torch.device("cpu")
@@ -171,6 +172,11 @@ class Timeline:
     def joined(self, running: Future) -> None:
         """Waits for work `run_beside` submitted, re-raising its error."""
         running.result()
+
+    # ---- files
+    def files(self) -> Files:
+        """Where ZeRO-Infinity's NVMe states are kept: the disk (hf_zero.runtime.files)."""
+        return DISK
 
 
 IMMEDIATE = Timeline()

@@ -448,8 +448,8 @@ def plan_conflict(tensor_parallel_size: int, offload_optimizer: str | None, offl
         return (f"{flag} auto plans data parallelism; got --tensor_parallel_size {tensor_parallel_size}: give {flag} "
                 f"a value, or drop --tensor_parallel_size")
     if "nvme" in (offload_optimizer, offload_param):
-        return (f"{flag} auto plans with the optimizer and parameters on the device or in CPU memory; got NVMe "
-                f"offload: give {flag} a value")
+        return (f"{flag} auto plans a run with the optimizer and parameters on the device or in CPU memory; got "
+                f"NVMe offload: give {flag} a value (`hf-zero plan --nvme SIZE` plans NVMe offload beforehand)")
     return None
 
 

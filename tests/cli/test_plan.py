@@ -58,6 +58,10 @@ def test_nothing_fitting_says_what_would(capsys):
     (["--model", "gpt2-tiny", "--zero_stage", "2", "--offload_param", "cpu"], "--offload_param"),
     (["--model", "gpt2-tiny", "--seq_len", "4096"], "--seq_len"),
     (["--model", "gpt2-tiny", "--nodes", "0"], "--nodes"),
+    (["--model", "gpt2-tiny", "--offload_optimizer", "nvme"], "--nvme"),
+    (["--model", "gpt2-tiny", "--offload_param", "nvme", "--offload_optimizer", "cpu", "--nvme", "1TB"],
+     "--offload_optimizer"),
+    (["--model", "gpt2-tiny", "--nvme", "3.8XB"], "--nvme"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as stopped:

@@ -41,3 +41,45 @@ def test_ranks_simulated_side_by_side_in_other_processes_are_the_ranks_simulated
     here = [simulate_rank(job, setting, rank) for rank in (1, 3)]
     assert [{**asdict(s), "seconds": 0} for s in apart] == [{**asdict(s), "seconds": 0} for s in here]
     assert apart[1].sent["inter-node"] > 0  # rank 3's ring crosses to node 0
+
+
+def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only_where_the_machine_has_it(tmp_path):
+    """ZeRO-Infinity: a GPT-2 of 51M on one GPU too small for stage 3 unoffloaded, whose host cannot hold the
+    optimizer's states offloaded to it (12 bytes a parameter), trains with them on NVMe; without NVMe nothing fits
+    and the answer says NVMe would help; with too little, NVMe's candidates lose for it."""
+    from transformers import GPT2Config
+
+    from hf_zero.cli.plan import _what_would
+
+    GPT2Config(n_layer=4, n_embd=1024, n_head=16, vocab_size=256, n_positions=64,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    job = Job(str(tmp_path), 1, 1, seq_len=32)
+    fixed = {"zero_stage": 3, "micro_batch": 1, "gradient_checkpointing": False}
+    big = Machine(10**12, 10**12, nvme_memory=10**12)
+    measured = {offload: plan(job, Setting(3, *offload), big).busiest
+                for offload in [("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "none")]}
+    device = measured["nvme", "none"].device_peak + 10**6
+    host = measured["nvme", "none"].host_peak + 10**6
+    assert measured["none", "none"].device_peak > device  # the premise: offload is needed, the host too small for it
+    assert min(measured["cpu", "none"].host_peak, measured["cpu", "cpu"].host_peak) > host
+
+    chosen, candidates = choose(job, Machine(device, host, nvme_memory=10**12), fixed)
+    outcomes = {str(c.setting): c.outcome for c in candidates}
+    assert chosen is not None and chosen.fits, outcomes
+    assert (chosen.setting.offload_optimizer, chosen.setting.offload_param) == ("nvme", "none")
+    assert chosen.busiest.nvme == measured["nvme", "none"].nvme > 0
+    assert outcomes["stage 3, optimizer on cpu, micro-batch 1"].startswith("host memory:")
+    assert outcomes["stage 3, optimizer on nvme, parameters on nvme, micro-batch 1"].startswith(
+        "not simulated: fits with less offload")
+
+    chosen, candidates = choose(job, Machine(device, host), fixed)
+    assert chosen is None and not any("nvme" in str(c.setting) for c in candidates)
+    assert "or NVMe, given as --nvme" in _what_would(job, Machine(device, host), [c.plan for c in candidates
+                                                                                  if c.plan])
+
+    too_little = measured["nvme", "none"].nvme // 2
+    chosen, candidates = choose(job, Machine(device, host, nvme_memory=too_little), fixed)
+    assert chosen is None
+    outcomes = {str(c.setting): c.outcome for c in candidates}
+    for on_nvme in ("optimizer on nvme", "optimizer on nvme, parameters on nvme"):
+        assert outcomes[f"stage 3, {on_nvme}, micro-batch 1"].startswith("NVMe: "), outcomes

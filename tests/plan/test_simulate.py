@@ -2,7 +2,9 @@
 and traffic, the ring algorithm's bytes per link, the ZeRO++ paper's hpZ, and every rank of a 2 x 8 world issuing
 one collective schedule."""
 import re
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -133,9 +135,10 @@ def test_offloaded_states_are_the_hosts():
     assert rank.copied["to_device"] >= 2 * rank.params / 2  # the shard goes up for each gather
 
 
-@pytest.mark.parametrize("setting", [Setting(3, micro_batch=4), Setting(2, "cpu", micro_batch=4)],
-                         ids=["stage 3", "stage 2, optimizer on cpu"])
-def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent(setting):
+@pytest.mark.parametrize("setting", [Setting(3, micro_batch=4), Setting(2, "cpu", micro_batch=4),
+                                     Setting(3, "nvme", "nvme", micro_batch=4)],
+                         ids=["stage 3", "stage 2, optimizer on cpu", "stage 3, optimizer and parameters on nvme"])
+def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent(setting, tmp_path, monkeypatch):
     """One rank, real: the model built and two steps trained under torch's profiler, whose allocation events give
     the most bytes its CPU allocator handed out at once. The plan's figure for a CPU, device and host together at one
     moment (set-up included), is that within 5%; device and host peaks added would count offload's host memory at a
@@ -147,6 +150,7 @@ def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent
     from hf_zero.plan.models import build_model
     from hf_zero.runtime.memory import allocator_peak
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the real run's NVMe files go there
     job = Job("gpt2-demo", 1, 1, "bf16", seq_len=128)
     planned = simulate_rank(job, setting, 0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
@@ -158,3 +162,42 @@ def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent
             engine.step()
     assert allocator_peak(profiler) == pytest.approx(planned.measured_peak(one_memory=True), rel=0.05)
     assert planned.together_peak <= planned.device_peak + planned.host_peak
+
+
+@pytest.mark.parametrize("setting", [Setting(3, "nvme", "nvme"), Setting(2, "nvme"), Setting(3, "nvme", "cpu")],
+                         ids=["stage 3, optimizer and parameters on nvme", "stage 2, optimizer on nvme",
+                              "stage 3, optimizer on nvme, parameters on cpu"])
+def test_a_ranks_nvme_files_and_io_are_the_engines_on_disk(setting, tmp_path, monkeypatch):
+    """ZeRO-Infinity planned: the bytes of a rank's NVMe files are what the engine allocates on disk, and the bytes
+    a step reads and writes are what the engine's second step moves through the disk's files, counted at the one
+    door every NVMe read and write goes through. Planning writes nothing: the folder the plan names stays empty."""
+    import torch
+
+    import hf_zero
+    from hf_zero.plan.models import build_model
+    from hf_zero.runtime.files import DISK, Files
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    job = Job("gpt2-demo", 1, 1, "bf16", seq_len=64)
+    planned = simulate_rank(job, setting, 0)
+    assert not any(tmp_path.iterdir())
+    assert planned.nvme > 0 and planned.host_peak > 0
+
+    moved = []
+    transfer = Files.transfer
+
+    def counted(self, fd, tensor, offset, read):
+        moved.append(tensor.numel() * tensor.element_size())
+        transfer(self, fd, tensor, offset, read)
+
+    monkeypatch.setattr(type(DISK), "transfer", counted)
+    model = build_model(job.model)
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), setting.engine_config(job))
+    on_disk = sum(f.stat().st_size for f in Path(tmp_path).rglob("*") if f.is_file())
+    for step in range(2):
+        moved.clear()  # the second step's
+        ids = torch.randint(0, 256, (setting.micro_batch, job.seq_len))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    assert planned.nvme == on_disk
+    assert planned.nvme_moved == sum(moved)

@@ -257,13 +257,13 @@ def test_without_the_simulation_copies_on_cpu_are_immediate_and_make_no_copy_of_
 
 def test_file_io_refuses_device_memory():
     meta = torch.empty(2, device="meta")
-    with pytest.raises(ValueError, match="bytes_of reads host memory"):
+    with pytest.raises(ValueError, match="file I/O reads host memory; got a tensor on meta"):
         bytes_of(meta, writing=False)
 
 
 def test_file_io_takes_host_memory_only():
     """Defect 1's guard: ctypes would read a device address as a host one (on CUDA: garbage or a crash)."""
-    with pytest.raises(ValueError, match="bytes_of reads host memory; got a tensor on meta"):
+    with pytest.raises(ValueError, match="file I/O reads host memory; got a tensor on meta"):
         bytes_of(torch.empty(4, device="meta"), writing=False)
 
 
