@@ -40,6 +40,7 @@ from hf_zero.settings.config import (
     ZeroConfig,
     ZeroConfigError,
     check_compile_backend,
+    nvme_left_to_plan,
     plan_conflict,
     stage_to_check,
     stages_allowed,
@@ -105,16 +106,19 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     asked = [key for key in PLANNED if getattr(args, key) == AUTO]
     if not asked:
         return
-    # Every other flag is checked first, with the planned ones at their defaults, and the stage at one the other
-    # settings allow (hpZ needs stage 3): the plan chooses among those.
+    conflict = plan_conflict(args.tensor_parallel_size, f"--{asked[0]}")
+    if conflict:
+        raise ZeroConfigError(conflict)
+    # Every other flag is checked first: the planned ones at their defaults, the stage at one the other settings
+    # allow (hpZ needs stage 3: the plan chooses among those), without the NVMe folder an offload may choose.
     defaults = {key: ZeroConfig.__dataclass_fields__[key].default for key in asked}
-    stages = stages_allowed({**engine_config(args), **defaults}, option_of) if "zero_stage" in asked else ()
+    settings = {key: value for key, value in engine_config(args).items() if key not in asked}
+    nvme_folder = nvme_left_to_plan(settings, asked, option_of)
+    defaults["nvme_path"] = settings.get("nvme_path")
+    stages = stages_allowed({**settings, **defaults}, option_of) if "zero_stage" in asked else ()
     if stages:
         defaults["zero_stage"] = stage_to_check(stages)
     check_args(argparse.Namespace(**{**vars(args), **defaults}), processes, per_node)
-    conflict = plan_conflict(args.tensor_parallel_size, args.offload_optimizer, args.offload_param, f"--{asked[0]}")
-    if conflict:
-        raise ZeroConfigError(conflict)
     from hf_zero.cli.plan import report
     from hf_zero.plan.machine import Machine
     from hf_zero.plan.planner import choose
@@ -122,6 +126,7 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
 
     device_bytes, where = memory_left(compute_device(), per_node)
     host_bytes = psutil.virtual_memory().available
+    nvme_bytes = shutil.disk_usage(args.nvme_path).free if args.nvme_path else 0  # the node's ranks share it
     job = Job(args.model, processes // per_node, per_node, args.dtype, args.seq_len, device_bytes)
     fixed = {key: getattr(args, key) for key in PLANNED if key not in asked}
     if stages:
@@ -130,7 +135,7 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
               "hpz_partition_size": args.hpz_partition_size}
     logger.info(f"planning {', '.join('--' + key for key in asked)} for {processes} process(es), "
                 f"{device_bytes / 1e9:.3g} GB each ({where}) ...")
-    machine = Machine(device_bytes, host_bytes)
+    machine = Machine(device_bytes, host_bytes, nvme_memory=nvme_bytes)
     chosen, candidates = choose(job, machine, fixed, say=logger.info)
     print(report(job, machine, chosen, candidates), flush=True)
     if chosen is None:
@@ -138,6 +143,9 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
                               f"smaller --batch_size or --seq_len, or more processes")
     for key in asked:
         setattr(args, key, getattr(chosen.setting, key))
+    if nvme_folder and "nvme" not in (args.offload_optimizer, args.offload_param):
+        logger.info(f"the plan offloads nothing to NVMe: --nvme_path {nvme_folder} is not used")
+        args.nvme_path = ""  # none, and said so to the processes (`concrete_argv`)
     # On a CPU the device's memory and the host's are one.
     args.planned_peak = max(r.measured_peak(compute_device().type == "cpu") for r in chosen.ranks)
 
@@ -147,7 +155,8 @@ def concrete_argv(argv: list[str], args: argparse.Namespace) -> list[str]:
     appended, since the last of a repeated option is the one argparse keeps."""
     if args.planned_peak is None:
         return argv
-    return argv + [arg for key in PLANNED for arg in (f"--{key}", str(getattr(args, key)))] + \
+    unused_nvme = ["--nvme_path", ""] if args.nvme_path == "" else []  # the plan offloads nothing there
+    return argv + [arg for key in PLANNED for arg in (f"--{key}", str(getattr(args, key)))] + unused_nvme + \
         ["--planned_peak", str(args.planned_peak)]
 
 

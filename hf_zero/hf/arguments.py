@@ -42,6 +42,7 @@ from hf_zero.settings.config import (
     described_settings,
     flag_rows,
     help_of,
+    nvme_left_to_plan,
     plan_conflict,
     read_settings_file,
     stage_to_check,
@@ -284,10 +285,10 @@ def check_plannable(args: Any, settings: dict[str, Any]) -> None:
     for key in args.zero_planned:
         settings.pop(key, None)
     tp = args.tensor_parallel_size
-    conflict = plan_conflict(tp if isinstance(tp, int) else 1, settings.get("offload_optimizer"),
-                             settings.get("offload_param"), trainer_flag(args.zero_planned[0]))
+    conflict = plan_conflict(tp if isinstance(tp, int) else 1, trainer_flag(args.zero_planned[0]))
     if conflict:
         raise ZeroConfigError(conflict)
+    args.zero_nvme_to_plan = nvme_left_to_plan(settings, args.zero_planned, trainer_flag)
     # The plan chooses among the stages the other settings allow; the settings are checked now at one of them.
     args.zero_stages = (0, 1, 2, 3)
     if "zero_stage" in args.zero_planned:

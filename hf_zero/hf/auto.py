@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,10 +87,15 @@ def planned_config(trainer: Any) -> tuple[ZeroConfig, int]:
     plan = comm.agree(lambda: _plan(trainer, per_node, left) if comm.rank == 0 else None, f"planning {flag} auto",
                       ZeroConfigError)[0]
     chosen = {key: plan["setting"][key] for key in args.zero_planned}
-    config = dataclasses.replace(config, **chosen)
+    on_nvme = "nvme" in (plan["setting"]["offload_optimizer"], plan["setting"]["offload_param"])
+    nvme = {"nvme_path": args.zero_nvme_to_plan} if args.zero_nvme_to_plan and on_nvme else {}
+    config = dataclasses.replace(config, **chosen, **nvme)
     config.validate(name=trainer_flag)
     if comm.rank == 0:
         logger.warning(_said(plan, chosen))
+        if args.zero_nvme_to_plan and not on_nvme:
+            logger.warning(f"the plan offloads nothing to NVMe: {trainer_flag('nvme_path')} "
+                           f"{args.zero_nvme_to_plan} is not used")
     return config, plan["per_rank"]["measured_peak"]["device_and_host" if device.type == "cpu" else "device"]
 
 
@@ -105,6 +111,9 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
     if compute_device().type == "cpu":
         # The device's memory is the host's: offloading to it frees nothing and adds copies.
         fixed |= {key: "none" for key in ("offload_optimizer", "offload_param") if key in args.zero_planned}
+    # The NVMe an offload may use: the folder's disk, which the node's ranks share.
+    nvme_folder = config.nvme_path or args.zero_nvme_to_plan
+    nvme = ["--nvme", f"{shutil.disk_usage(nvme_folder).free / 1e9:.9f}GB"] if nvme_folder else []
     topology = config.ranks_per_node or per_node  # the nodes the links are counted by, as the engine counts them
     with tempfile.TemporaryDirectory(prefix="hf_zero_plan_") as folder:
         model_config = model.config.__class__.from_dict(model.config.to_dict())
@@ -119,7 +128,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
                    "--host_memory", f"{psutil.virtual_memory().available / 1e9:.9f}GB",
                    "--dtype", config.dtype, "--micro_batch", str(args.per_device_train_batch_size),
                    "--gradient_checkpointing", str(bool(args.gradient_checkpointing)).lower(),
-                   "--hpz_partition_size", str(config.hpz_partition_size),
+                   "--hpz_partition_size", str(config.hpz_partition_size), *nvme,
                    *(arg for key, value in fixed.items() for arg in (f"--{key}", value))]
         env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARIABLES} | {"CUDA_VISIBLE_DEVICES": ""}
         # The other ranks wait for the answer in one collective: the plan must end before it times out.

@@ -440,17 +440,28 @@ def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str
     return None
 
 
-def plan_conflict(tensor_parallel_size: int, offload_optimizer: str | None, offload_param: str | None,
-                  flag: str) -> str | None:
+def plan_conflict(tensor_parallel_size: int, flag: str) -> str | None:
     """Why the settings given beside an `auto` one (`flag`, as the front end spells it) cannot be planned, or None:
-    the rule `hf-zero train` and the Trainer both apply. A plan covers data parallelism, offload to the host."""
+    the rule `hf-zero train` and the Trainer both apply. A plan covers data parallelism."""
     if tensor_parallel_size > 1:
         return (f"{flag} auto plans data parallelism; got --tensor_parallel_size {tensor_parallel_size}: give {flag} "
                 f"a value, or drop --tensor_parallel_size")
-    if "nvme" in (offload_optimizer, offload_param):
-        return (f"{flag} auto plans a run with the optimizer and parameters on the device or in CPU memory; got "
-                f"NVMe offload: give {flag} a value (`hf-zero plan --nvme SIZE` plans NVMe offload beforehand)")
     return None
+
+
+def nvme_left_to_plan(settings: dict[str, Any], planned: Iterable[str], name: Callable[[str], str] = str
+                      ) -> str | None:
+    """The NVMe folder an offload left to `auto` may choose: nvme_path, where one is given and no offload given is
+    NVMe already. It is checked now and taken out of `settings`, which are then checked without it; it goes back
+    only if the plan offloads to NVMe."""
+    path = settings.get("nvme_path")
+    offloads = ("offload_optimizer", "offload_param")
+    if not path or not set(offloads) & set(planned) or "nvme" in (settings.get(key) for key in offloads):
+        return None
+    problem = nvme_path_problem(path)
+    if problem:
+        raise ZeroConfigError(f"{name('nvme_path')} {problem}")
+    return settings.pop("nvme_path")
 
 
 def stages_allowed(settings: dict[str, Any], name: Callable[[str], str] = str) -> tuple[int, ...]:

@@ -203,6 +203,26 @@ def test_zero_stage_auto_plans_among_the_stages_the_other_flags_allow():
     assert args.planned_peak > 0
 
 
+@pytest.mark.parametrize("given, on_nvme", [
+    (["--zero_stage", "auto", "--offload_optimizer", "nvme", "--offload_param", "nvme"], True),
+    (["--zero_stage", "3", "--offload_optimizer", "auto"], False),
+], ids=["offloaded to NVMe, the stage planned", "the offload planned"])
+def test_zero_stage_auto_plans_with_nvme_and_keeps_the_folder_only_where_the_plan_offloads_there(tmp_path, given,
+                                                                                                   on_nvme):
+    """The processes start with what the plan chose: the NVMe folder where it offloads there, else none, said to
+    them as --nvme_path '' (the last of a repeated option is the one they keep), so that their settings hold."""
+    parser = argparse.ArgumentParser()
+    train_lm.add_arguments(parser)
+    argv = [*given, "--nvme_path", str(tmp_path), "--batch_size", "1", "--seq_len", "32"]
+    args = parser.parse_args(argv)
+    train_lm.plan_settings(args, 2, 2)
+    assert (args.offload_optimizer == "nvme") == on_nvme and args.zero_stage == 3
+    started = parser.parse_args(train_lm.concrete_argv(argv, args))
+    assert started.nvme_path == (str(tmp_path) if on_nvme else "")
+    train_lm.check_args(started, 2, 2)  # the processes' settings hold
+    assert not any(tmp_path.iterdir())  # planning wrote nothing there
+
+
 def test_zero_stage_auto_trains_with_the_plans_choice_and_checks_the_step_against_it(tmp_path):
     """`hf-zero train --zero_stage auto`: the plan runs before the processes start, prints its candidates, and the
     processes train with the chosen setting, each checking its second step's peak against the plan."""

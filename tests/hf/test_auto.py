@@ -54,8 +54,6 @@ class MyGPT2(GPT2LMHeadModel):
 
 @pytest.mark.parametrize("make, settings, said", [
     (lambda: tiny_model("gpt2"), {"tensor_parallel_size": 2}, "--zero_stage auto plans data parallelism"),
-    (lambda: tiny_model("gpt2"), {"zero_offload_param": "nvme", "zero_offload_optimizer": "nvme"},
-     "got NVMe offload"),
     (lambda: MyGPT2(tiny_model("gpt2").config), {}, "MyGPT2 is not one"),
     (lambda: tiny_model("gpt2").requires_grad_(False), {}, "this model freezes 29,568 of 29,568"),
 ])
@@ -64,6 +62,31 @@ def test_what_a_plan_cannot_cover_is_refused_before_training_naming_the_flag(tmp
         ZeroTrainer(model=make(), args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
                                                              **settings, **ARGS),
                     train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
+
+
+@pytest.mark.parametrize("nvme_given, planned, on_nvme", [
+    ({"zero_offload_optimizer": "nvme", "zero_offload_param": "nvme"}, {"zero_stage": "auto"}, True),
+    ({}, {"zero_stage": "auto", "zero_offload_optimizer": "auto"}, False),
+], ids=["offloaded to NVMe, the stage planned", "the offload planned on a CPU"])
+def test_auto_plans_with_nvme_offload_and_keeps_the_folder_only_where_the_plan_offloads_there(
+        tmp_path, nvme_given, planned, on_nvme, caplog):
+    """NVMe offload given beside a planned stage is planned with it (stage 3: parameters on NVMe), for the free
+    space of its folder's disk. An offload left to the plan may choose the NVMe folder given; on a CPU it chooses
+    none (the device's memory is the host's), and the folder, unused, is dropped and said so."""
+    (tmp_path / "nvme").mkdir()
+    trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_nvme_path=str(tmp_path / "nvme"), **nvme_given, **planned, **ARGS),
+        train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}] * 8)
+    with caplog.at_level("WARNING"):
+        config, peak = auto.planned_config(trainer)
+    assert peak > 0
+    if on_nvme:
+        assert config.zero_stage == 3 and (config.offload_optimizer, config.offload_param) == ("nvme", "nvme")
+        assert config.nvme_path == str(tmp_path / "nvme")
+    else:
+        assert config.offload_optimizer == "none" and config.nvme_path is None
+        assert f"--zero_nvme_path {tmp_path / 'nvme'} is not used" in caplog.text
+    assert not any((tmp_path / "nvme").iterdir())  # planning wrote nothing there
 
 
 @pytest.mark.parametrize("given, stages", [
