@@ -5,7 +5,8 @@ bf16, AdamW, two steps.
 Measured, each rank a fresh interpreter (a forked one inherits its parent's pages), glibc's allocator set as `hf-zero
 run` and `hf-zero train` set it for their ranks (hf_zero.runtime.host_memory: allocations above 8 MiB mmapped, so
 freed ones leave the resident memory), over building the model and two steps:
-- resident: the peak resident memory less the resident memory before the model is built;
+- resident: the peak resident memory less the resident memory before the model is built (its code imported, as a
+  script imports it first: transformers' GPT-2 modules take 0.14 GB of a process's memory, which is not the model's);
 - the allocator's peak: the most bytes torch's CPU allocator had handed out at once, from torch's profiler's
   allocation events (in a run of its own).
 
@@ -34,6 +35,7 @@ def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload:
     profiler's allocation events (a run of its own: the profiler's records add to the resident memory)."""
     import torch
     import torch.distributed as dist
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (a script imports its model's code before building it)
     from torch.profiler import ProfilerActivity, profile
 
     import hf_zero
