@@ -1,6 +1,6 @@
 """`hf-zero plan`'s peak against a real run's: 2 and 4 gloo ranks on this CPU, stages 1-3, with and without the
-optimizer offloaded, a GPT-2 of `--layers` x `--width` (vocabulary 8192), micro-batch `--batch` x `--seq` tokens,
-bf16, AdamW, two steps.
+optimizer offloaded to the CPU, and at stage 3 with the optimizer and parameters on NVMe (in a temporary folder), a
+GPT-2 of `--layers` x `--width` (vocabulary 8192), micro-batch `--batch` x `--seq` tokens, bf16, AdamW, two steps.
 
 Measured, each rank a fresh interpreter (a forked one inherits its parent's pages), glibc's allocator set as `hf-zero
 run` and `hf-zero train` set it for their ranks (hf_zero.runtime.host_memory: allocations above 8 MiB mmapped, so
@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
+SETTINGS = [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu"), (3, "nvme")]
 
 
 def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload: str, allocated: bool) -> int:
@@ -51,13 +53,24 @@ def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload:
                                 attn_pdrop=0.0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage, "dtype": "bf16",
-                                                       "offload_optimizer": offload})
+                                                       "offload_optimizer": offload, **nvme_of(offload)})
         for step in range(2):
             ids = torch.randint(0, 8192, (batch, seq),
                                 generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
     return allocator_peak(profiler) if allocated else peak_rss() - baseline
+
+
+NVME_FOLDER = Path(tempfile.gettempdir()) / "hf_zero_bench_plan_memory"
+
+
+def nvme_of(offload: str) -> dict[str, str]:
+    """With the optimizer on NVMe, the parameters too (ZeRO-Infinity), in a folder of this machine's temporary one."""
+    if offload != "nvme":
+        return {}
+    NVME_FOLDER.mkdir(exist_ok=True)
+    return {"offload_param": "nvme", "nvme_path": str(NVME_FOLDER)}
 
 
 def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: str, ranks: int) -> int:
@@ -74,7 +87,8 @@ def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: 
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         job = Job(folder, 1, ranks, "bf16", seq, 10**15)
-        rank = plan(job, Setting(stage, offload, micro_batch=batch), Machine(10**15, 10**15), ranks=[0]).busiest
+        setting = Setting(stage, offload, nvme_of(offload).get("offload_param", "none"), micro_batch=batch)
+        rank = plan(job, setting, Machine(10**15, 10**15, nvme_memory=10**15), ranks=[0]).busiest
     return rank.measured_peak(one_memory=True)
 
 
@@ -100,9 +114,11 @@ def main() -> None:
             resident = spawn_gloo(measured, ranks, *shape, False, start_method="spawn")
             allocated = spawn_gloo(measured, ranks, *shape, True, start_method="spawn")
             want = planned(*shape, ranks)
-            print(f"| {ranks} | stage {stage}{', optimizer on cpu' if offload != 'none' else ''} | {want / 1e9:.3f} "
+            where = {"none": "", "cpu": ", optimizer on cpu", "nvme": ", optimizer and parameters on nvme"}[offload]
+            print(f"| {ranks} | stage {stage}{where} | {want / 1e9:.3f} "
                   f"| {', '.join(f'{g / 1e9:.3f}' for g in resident)} | {max(resident) / want:.2f} "
                   f"| {', '.join(f'{g / 1e9:.3f}' for g in allocated)} | {max(allocated) / want:.2f} |", flush=True)
+    shutil.rmtree(NVME_FOLDER, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ and stream through a fixed pool of host buffers, one tile at a time.
 
 Each step walks this rank's elements in tiles of `tile_numel`. Three buffer slots rotate: while the
 update runs on one tile, the next tile is being read and the previous one written, by two I/O threads
-(`os.preadv` / `os.pwritev` release the GIL; the files are hf_zero.runtime.files'). Host memory is the pool,
+(`os.preadv` / `os.pwritev`, through the device layer's files, release the GIL). Host memory is the pool,
 3 x 12 bytes x tile_numel, however large the model.
 
 Every state has two files, A and B: a step reads one and writes the other, and only a step that wrote

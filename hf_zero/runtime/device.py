@@ -22,7 +22,8 @@ reduction's landing copies, `CommStream`) and the copy stream (`overlap=True`: c
 compute queued after them, such as a prefetched parameter shard or an offloaded activation checkpoint).
 
 File I/O reads and writes the memory of host tensors only: a device address handed to the operating
-system is a crash or silent garbage, so `bytes_of` refuses anything else.
+system is a crash or silent garbage, so `bytes_of` refuses anything else. The files ZeRO-Infinity keeps its states
+in are the timeline's too (`nvme_files`): the disk's, or a plan's count of their bytes.
 """
 from __future__ import annotations
 
