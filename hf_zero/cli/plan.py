@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "[...], \"dtype\": \"int64\", \"high\": N}} (the shape without the batch dimension; "
                         "integers are drawn below high). ZeroTrainer's --zero_stage auto writes it from its first "
                         "batch. Default: a language model's input_ids and labels of --seq_len tokens")
+    parser.add_argument("--adapter", metavar="FOLDER", help="a peft adapter around the model: the folder peft saved "
+                        "it in (its adapter_config.json); only what it trains is trained")
+    parser.add_argument("--frozen", metavar="FILE.json", help="a JSON list of the parameters that do not train (the "
+                        "names of model.named_parameters(), the adapter's around it); every other one trains. "
+                        "ZeroTrainer's --zero_stage auto writes it from its model")
     parser.add_argument("--zero_stage", default="auto", help="auto (default), a stage 0-3, or the stages to choose "
                         "among, as 1,2,3")
     parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu", "nvme"), default="auto")
@@ -107,7 +112,28 @@ def check(args: argparse.Namespace) -> str | None:
             args.sample = read_sample(args.sample)
         except (OSError, ValueError) as error:
             return f"--sample {args.sample}: {error}"
+    if args.adapter:
+        try:
+            from peft import PeftConfig
+
+            PeftConfig.from_pretrained(args.adapter)
+        except (OSError, ValueError, TypeError) as error:
+            return f"--adapter {args.adapter}: not a folder holding a peft adapter_config.json ({error})"
+    if args.frozen:
+        try:
+            args.frozen = read_frozen(args.frozen)
+        except (OSError, ValueError) as error:
+            return f"--frozen {args.frozen}: {error}"
     return None
+
+
+def read_frozen(path: str) -> tuple[str, ...]:
+    """--frozen's file as Job.frozen; ValueError saying what is wrong."""
+    with open(path) as f:
+        names = json.load(f)
+    if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        raise ValueError("expected a JSON list of parameter names")
+    return tuple(names)
 
 
 def read_sample(path: str) -> tuple[tuple[str, tuple[int, ...], str, int], ...]:
@@ -143,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or sample_length or min(1024, longest)
     if seq_len > longest:
         raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
-    job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or ())
+    job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or (),
+              args.adapter, args.frozen)
     machine = Machine(args.gpu_memory, args.host_memory, nvme_memory=args.nvme,
                       **{f.name: getattr(args, f.name) for f in fields(Machine)
                          if f.name not in ("gpu_memory", "host_memory", "nvme_memory")})

@@ -30,6 +30,7 @@ import psutil
 import torch
 import transformers
 from torch import nn
+from transformers.trainer_utils import _is_peft_model, unwrap_peft_model
 from transformers.utils import is_datasets_available, logging
 
 from hf_zero.runtime.comm import Communicator
@@ -47,20 +48,16 @@ _WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GRO
 
 
 def check_model(model: nn.Module, flag: str) -> None:
-    """Refuses, before any work starts, a model the plan cannot build and train as the run will."""
-    name = type(model).__name__
-    if getattr(transformers, name, None) is not type(model) or not hasattr(model, "config"):
+    """Refuses, before any work starts, a model the plan cannot build and train as the run will: its own class (or,
+    under a peft adapter, its base model's) must be transformers', which the plan builds from its config."""
+    base = unwrap_peft_model(model)
+    name = type(base).__name__
+    if getattr(transformers, name, None) is not type(base) or not hasattr(base, "config"):
         raise ZeroConfigError(f"{flag} auto plans transformers' own model classes (built from their config); "
                               f"{name} is not one: give {flag} a value (`hf-zero plan` shows what each takes)")
-    # Some models freeze weights of their own (sinusoidal positions): only what the script froze is refused.
-    with torch.device("meta"):
-        built = type(model)._from_config(model.config)
-    frozen_by_class = {n for n, p in built.named_parameters() if not p.requires_grad}
-    frozen = sum(p.numel() for n, p in model.named_parameters() if not p.requires_grad and n not in frozen_by_class)
-    if frozen:
-        raise ZeroConfigError(f"{flag} auto plans training every parameter; this model freezes {frozen:,} of "
-                              f"{sum(p.numel() for p in model.parameters()):,} (an adapter, frozen layers): give "
-                              f"{flag} a value")
+    if _is_peft_model(model) and len(model.peft_config) > 1:
+        raise ZeroConfigError(f"{flag} auto plans one peft adapter; this model has {len(model.peft_config)} "
+                              f"({', '.join(model.peft_config)}): give {flag} a value")
 
 
 def model_bytes(model: nn.Module, device: torch.device) -> int:
@@ -116,13 +113,22 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
     nvme = ["--nvme", f"{shutil.disk_usage(nvme_folder).free / 1e9:.9f}GB"] if nvme_folder else []
     topology = config.ranks_per_node or per_node  # the nodes the links are counted by, as the engine counts them
     with tempfile.TemporaryDirectory(prefix="hf_zero_plan_") as folder:
-        model_config = model.config.__class__.from_dict(model.config.to_dict())
-        model_config.architectures = [type(model).__name__]
+        base = unwrap_peft_model(model)
+        model_config = base.config.__class__.from_dict(base.config.to_dict())
+        model_config.architectures = [type(base).__name__]
         Path(folder, "config.json").write_text(model_config.to_json_string())
+        # What trains: the adapter around the model, and exactly the parameters the run's model trains.
+        adapter = []
+        if _is_peft_model(model):
+            model.peft_config[model.active_adapter].save_pretrained(Path(folder, "adapter"))
+            adapter = ["--adapter", str(Path(folder, "adapter"))]
+        Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
+                                                           if not p.requires_grad]))
         sample = _sample(first_batch(trainer), args)
         Path(folder, "sample.json").write_text(json.dumps(sample))
         command = [sys.executable, "-m", "hf_zero", "plan", "--json", "--model", folder,
-                   "--sample", str(Path(folder, "sample.json")),
+                   "--sample", str(Path(folder, "sample.json")), *adapter,
+                   "--frozen", str(Path(folder, "frozen.json")),
                    "--nodes", str(args.world_size // topology), "--gpus_per_node", str(topology),
                    "--gpu_memory", f"{device_bytes / 1e9:.9f}GB",
                    "--host_memory", f"{psutil.virtual_memory().available / 1e9:.9f}GB",

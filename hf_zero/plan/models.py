@@ -30,10 +30,51 @@ def model_config(model: str) -> Any:
                          f"or cached Hub model with a config.json: {str(error).splitlines()[0]}") from None
 
 
-def build_model(model: str) -> torch.nn.Module:
-    """The model to train, built from its config (random weights: a plan needs sizes only). Attention dropout is
-    0: a GPU's fused attention (flash) keeps no sequence x sequence matrices with or without dropout, and the CPU's
-    fused kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form."""
+def build_model(model: str, adapter: str | None = None, frozen: tuple[str, ...] | None = None) -> torch.nn.Module:
+    """The model to train, built from its config (random weights: a plan needs sizes only), with the peft adapter
+    saved in folder `adapter` (its adapter_config.json) around it, and, where `frozen` names the parameters that do
+    not train, every other one trained (else what the class and the adapter train). Attention dropout is 0: a GPU's
+    fused attention (flash) keeps no sequence x sequence matrices with or without dropout, and the CPU's fused
+    kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form."""
+    if adapter is None:
+        built = _base_model(model)
+    else:
+        built = _with_adapter(model, adapter)
+    if frozen is not None:
+        names = {name for name, _ in built.named_parameters()}
+        unknown = sorted(set(frozen) - names)
+        if unknown:
+            raise ValueError(f"--frozen names {len(unknown)} parameter(s) the model does not have, such as "
+                             f"{unknown[0]!r} (its first: {next(iter(built.named_parameters()))[0]!r})")
+        for name, param in built.named_parameters():
+            param.requires_grad_(name not in frozen)
+    return built
+
+
+def _with_adapter(model: str, adapter: str) -> torch.nn.Module:
+    """The model with the peft adapter around it, built on the meta device and then given fake memory (in a plan's
+    fake mode) on the host, tied weights kept tied. Built in fake mode directly, peft's move of each adapter layer to
+    its base layer's device would fail: torch swaps a fake parameter for its moved copy, which the fake mode's own
+    references to it forbid; on the meta device peft leaves it."""
+    from peft import PeftConfig, get_peft_model
+
+    with torch.device("meta"):
+        built = get_peft_model(_base_model(model), PeftConfig.from_pretrained(adapter))
+    given: dict[int, torch.nn.Parameter] = {}
+    for module in built.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in given:
+                    given[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                          requires_grad=param.requires_grad)
+                module._parameters[name] = given[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device="cpu")
+    return built
+
+
+def _base_model(model: str) -> torch.nn.Module:
     import transformers
 
     config = copy.deepcopy(model_config(model))  # the cached one serves the next plan and `hf-zero estimate` as it is

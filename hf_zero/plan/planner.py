@@ -12,7 +12,7 @@ The step time, per rank, with nothing overlapped (an upper bound; overlap is wha
               shapes; recomputation included), at gpu_tflops x mfu
     network   the bytes this rank sent over intra-node and inter-node links (the ledger's), at each link's bandwidth
     copies    the bytes copied between the device and the host (offload), at the PCIe bandwidth
-    host      the optimizer's step on the host (offload_optimizer cpu or nvme): its parameters x cpu_adam_ns
+    host      the optimizer's step on the host (offload_optimizer cpu or nvme): its trained parameters x cpu_adam_ns
     nvme      the bytes the step read from and wrote to its NVMe files, at its share of the node's nvme_gbps
 
 The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
@@ -83,7 +83,7 @@ class Plan:
         rank, traffic = self.busiest, self.traffic()
         return {
             "setting": asdict(self.setting),
-            "model": self.job.model, "params": rank.params, "nodes": self.job.nodes,
+            "model": self.job.model, "params": rank.params, "trained_params": rank.trained, "nodes": self.job.nodes,
             "gpus_per_node": self.job.gpus_per_node, "seq_len": self.job.seq_len, "dtype": self.job.dtype,
             "per_rank": {
                 "rank": rank.rank,
@@ -139,7 +139,7 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
     network = (rank.sent.get("intra-node", 0) / (machine.intra_node_gbps * GB)
                + rank.sent.get("inter-node", 0) / (machine.inter_node_gbps * GB))
     copies = sum(rank.copied.values()) / (machine.pcie_gbps * GB)
-    host = (rank.params / job.world_size * machine.cpu_adam_ns * 1e-9
+    host = (rank.trained / job.world_size * machine.cpu_adam_ns * 1e-9
             if setting.offload_optimizer != "none" else 0.0)
     nvme = rank.nvme_moved / (machine.nvme_gbps * GB / job.gpus_per_node)
     return {"compute": compute, "network": network, "copies": copies, "host": host, "nvme": nvme,

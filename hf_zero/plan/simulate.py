@@ -50,6 +50,8 @@ class Job:
     # One sample's tensors as (name, shape without the batch dimension, dtype, values below): what the Trainer's
     # first batch holds. Empty: a language model's input_ids and labels of seq_len tokens.
     sample: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
+    adapter: str | None = None  # a folder holding a peft adapter's adapter_config.json, put around the model
+    frozen: tuple[str, ...] | None = None  # the parameters that do not train; None: as the class and adapter have it
 
     @property
     def world_size(self) -> int:
@@ -111,6 +113,7 @@ class RankStep:
     setup_together_peak: int = 0
     nvme: int = 0  # bytes of the rank's NVMe files (ZeRO-Infinity)
     nvme_moved: int = 0  # bytes the step read from and wrote to them
+    trained: int = 0  # the parameters that train (the optimizer steps)
     seconds: float = 0.0  # what simulating it took
 
     @property
@@ -245,15 +248,16 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
 
     with simulated_world(job.world_size, rank), _FakeReads(allow_non_fake_inputs=True), count, \
             timeline_in_force(line), watching_spans(count.span), _forwards_counted(count):
-        model = build_model(job.model)
+        model = build_model(job.model, job.adapter, job.frozen)
         params = sum(p.numel() for p in model.parameters())
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         whole = params * BYTES_PER_ELEMENT[job.dtype]
         if setting.zero_stage < 3 and whole > job.gpu_memory:
             # Every rank would hold the whole model in the compute dtype: it cannot fit, and the engine's buckets,
             # cut to the little memory left, would number in the millions. Said without running the engine.
             held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
             return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
-                            {}, {}, 0, {}, 0, params, together_peak=whole)
+                            {}, {}, 0, {}, 0, params, together_peak=whole, trained=trained)
         for p in model.parameters():
             count.track(p, "parameters")
             if p.requires_grad:
@@ -266,7 +270,8 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
             enable()
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # As transformers' Trainer makes it: over the parameters that train.
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         engine = initialize(model, optimizer, setting.engine_config(job))
         flops = FlopCounterMode(display=False) if known_flops is None else contextlib.nullcontext()
         for step in range(2):
@@ -287,4 +292,4 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
                         dict(ledger.last_step_elements), ledger.last_step_paper_cross_node_bytes, dict(line.copied),
                         flops.get_total_flops() if known_flops is None else known_flops, params,
                         list(line.collectives), setup_peak, count.peak_together, setup_together_peak,
-                        line.counted_files.held, line.counted_files.read + line.counted_files.written)
+                        line.counted_files.held, line.counted_files.read + line.counted_files.written, trained)

@@ -62,6 +62,8 @@ def test_nothing_fitting_says_what_would(capsys):
     (["--model", "gpt2-tiny", "--offload_param", "nvme", "--offload_optimizer", "cpu", "--nvme", "1TB"],
      "--offload_optimizer"),
     (["--model", "gpt2-tiny", "--nvme", "3.8XB"], "--nvme"),
+    (["--model", "gpt2-tiny", "--adapter", "/no/such/adapter"], "--adapter"),
+    (["--model", "gpt2-tiny", "--frozen", "/no/such/frozen.json"], "--frozen"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -69,6 +71,15 @@ def test_bad_input_is_one_line_naming_the_flag(flags, named, capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err
+
+
+def test_frozen_parameters_the_model_does_not_have_are_one_line_naming_the_flag(tmp_path, capsys):
+    (tmp_path / "frozen.json").write_text(json.dumps(["transformer.h.0.attn.c_attn.weight", "no.such.parameter"]))
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", *TINY, *FIXED, "--frozen", str(tmp_path / "frozen.json")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--frozen names 1 parameter(s)" in err and "no.such.parameter" in err, err
 
 
 def test_plot_draws_the_candidates_as_a_png(tmp_path, capsys):

@@ -5,6 +5,7 @@ import random
 import numpy
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import DataCollatorForLanguageModeling, GPT2LMHeadModel, HfArgumentParser
 
 from hf_zero import ZeroTrainer
@@ -55,13 +56,42 @@ class MyGPT2(GPT2LMHeadModel):
 @pytest.mark.parametrize("make, settings, said", [
     (lambda: tiny_model("gpt2"), {"tensor_parallel_size": 2}, "--zero_stage auto plans data parallelism"),
     (lambda: MyGPT2(tiny_model("gpt2").config), {}, "MyGPT2 is not one"),
-    (lambda: tiny_model("gpt2").requires_grad_(False), {}, "this model freezes 29,568 of 29,568"),
+    (lambda: get_peft_model(MyGPT2(tiny_model("gpt2").config), LoraConfig(r=2, target_modules=["c_attn"])), {},
+     "MyGPT2 is not one"),
 ])
 def test_what_a_plan_cannot_cover_is_refused_before_training_naming_the_flag(tmp_path, make, settings, said):
     with pytest.raises(ZeroConfigError, match=said):
         ZeroTrainer(model=make(), args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
                                                              **settings, **ARGS),
                     train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
+
+
+def frozen_layers():
+    model = tiny_model("gpt2")
+    model.transformer.h[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("make", [
+    lambda: get_peft_model(tiny_model("bert"), LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS")),
+    frozen_layers,
+], ids=["a classifier's LoRA adapter (its head trained whole)", "a frozen block"])
+def test_auto_plans_what_the_runs_model_trains(tmp_path, make):
+    """An adapter around the model, or layers the script froze: the plan trains what the run's model trains, no more
+    (peft's own count of trainable parameters), with the optimizer states of those alone (fp32: Adam's two moments,
+    the parameter its own master)."""
+    model = make()
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    samples = [{"input_ids": torch.zeros(8, dtype=torch.long), "labels": torch.tensor(1 if "Seq" in
+                type(model).__name__ else [0] * 8)} for _ in range(4)]
+    trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
+                                                                  **ARGS), train_dataset=samples)
+    plan = auto._plan(trainer, 1, 10**12)
+    assert plan["params"] == sum(p.numel() for p in model.parameters())
+    if hasattr(model, "get_nb_trainable_parameters"):
+        assert trained == model.get_nb_trainable_parameters()[0]
+    assert 0 < plan["trained_params"] == trained < plan["params"]
+    assert plan["per_rank"]["model_states_at_rest"]["optimizer_states"] == pytest.approx(8 * trained, rel=0.01)
 
 
 @pytest.mark.parametrize("nvme_given, planned, on_nvme", [
