@@ -60,7 +60,8 @@ RUNS = ([TrainerRun("stock_gpt2", None)] + [TrainerRun(f"zero{s}_gpt2", s) for s
         + [TrainerRun("zero3_deepspeed_config_gpt2", 3, args={"deepspeed": TRANSFORMERS_ZERO3_WITHOUT_SCHEDULER})]
         + [TrainerRun("zero3_fused_gpt2", 3, args=FUSED)]
         # Last: its --log_level info stays transformers' verbosity for the runs after it in the process.
-        + [TrainerRun("zero_auto_gpt2", "auto", args={"log_level": "info"})])
+        + [TrainerRun("zero_auto_gpt2", "auto", args={"log_level": "info"}),
+           TrainerRun("zero_auto_lora_gpt2", "auto", peft="lora", args={"log_level": "info"})])
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +200,24 @@ def test_zero_stage_auto_trains_as_the_planned_stage_given_and_checks_the_step_a
             assert planned.startswith(f"planned: --zero_stage {chosen.zero_stage} ") and "chosen" in planned
             checked = [line for line in auto["said"] if "at its peak" in line]
             assert len(checked) == 1 and checked[0].startswith("rank 0: the step took "), auto["said"]
+
+
+@pytest.mark.slow
+def test_zero_stage_auto_plans_a_lora_adapter_and_fine_tunes_it_as_under_stock_ddp(trainer_runs):
+    """--zero_stage auto around peft's LoRA: the plan trains the adapter alone (its trained parameters and the
+    optimizer states of those), and every rank fine-tunes with the choice as stock DDP does."""
+    stock = trainer_runs[0]["stock_lora_gpt2"]
+    for rank, runs in enumerate(trainer_runs):
+        auto = runs["zero_auto_lora_gpt2"]
+        assert auto["engine_stage"] == auto["engine_config"].zero_stage
+        assert max(abs(a - b) for a, b in zip(auto["losses"], stock["losses"])) < 1e-4
+        assert max(abs(a - b) / b for a, b in zip(auto["grad_norms"], stock["grad_norms"])) < 1e-4
+        assert auto["frozen_moved"] == 0.0
+        if rank == 0:
+            for name, adapter in stock["trainable"].items():
+                torch.testing.assert_close(auto["trainable"][name], adapter, atol=1e-5, rtol=0)
+            planned = next(line for line in auto["said"] if line.startswith("planned: "))
+            assert planned.startswith(f"planned: --zero_stage {auto['engine_stage']} ")
 
 
 @pytest.mark.slow
