@@ -17,6 +17,32 @@ from training_args import ZeroTrainingArguments
 ARGS = dict(use_cpu=True, report_to=[], per_device_train_batch_size=4, disable_tqdm=True)
 
 
+@pytest.fixture
+def plan_in_this_process(monkeypatch):
+    """`hf-zero plan --json`, which rank 0 runs in a process of its own, run here instead (5 s of imports a plan
+    saved), where the test is about what is planned and this process's state does not change the plan (arguments
+    asking for stage 3 build models partitioned in the process that holds them: those plan in their own). The
+    process itself, its environment and its time limit, are tests/hf/test_trainer.py's (two ranks),
+    tests/test_examples.py's (run_clm) and the NVMe test's below."""
+    import contextlib
+    import io
+    import subprocess
+
+    from hf_zero.cli.commands import main
+
+    def run(command, **kwargs):
+        assert command[1:4] == ["-m", "hf_zero", "plan"], command
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(command[3:])
+            except SystemExit as stopped:
+                code = stopped.code
+        return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
+
+    monkeypatch.setattr(auto.subprocess, "run", run)
+
+
 def test_the_flags_take_auto_beside_their_values(tmp_path):
     parser = HfArgumentParser(ZeroTrainingArguments)
     (planned,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--use_cpu", "--zero_stage",
@@ -76,7 +102,7 @@ def frozen_layers():
     lambda: get_peft_model(tiny_model("bert"), LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS")),
     frozen_layers,
 ], ids=["a classifier's LoRA adapter (its head trained whole)", "a frozen block"])
-def test_auto_plans_what_the_runs_model_trains(tmp_path, make):
+def test_auto_plans_what_the_runs_model_trains(tmp_path, make, plan_in_this_process):
     """An adapter around the model, or layers the script froze: the plan trains what the run's model trains, no more
     (peft's own count of trainable parameters), with the optimizer states of those alone (fp32: Adam's two moments,
     the parameter its own master)."""
