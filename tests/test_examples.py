@@ -66,7 +66,7 @@ def test_run_clm_at_zero_stage_auto_trains_the_plans_choice_and_lowers_perplexit
     planned = next(line for line in done.stderr.splitlines() if line.startswith("planned: --zero_stage "))
     stage, offload = planned.removeprefix("planned: --zero_stage ").split(" (")[0].split(", --zero_offload_optimizer ")
     assert f"stage {stage}{', optimizer on cpu' if offload == 'cpu' else ''}, micro-batch 8: chosen" in done.stderr
-    assert "a sample of the first batch: input_ids 64, " in planned and "labels 64)" in planned
+    assert "a batch of the longest samples, a sample: input_ids 64, " in planned and "labels 64)" in planned
     trained = torch.load(tmp_path / "out" / "training_args.bin", weights_only=False).zero_engine_config
     assert (trained.zero_stage, trained.offload_optimizer) == (int(stage), offload)
     assert "rank 0: the step took " in done.stderr and "the plan " in done.stderr

@@ -124,7 +124,8 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
             adapter = ["--adapter", str(Path(folder, "adapter"))]
         Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
                                                            if not p.requires_grad]))
-        sample = _sample(first_batch(trainer), args)
+        batch, which = longest_batch(trainer)
+        sample = _sample(batch, args)
         Path(folder, "sample.json").write_text(json.dumps(sample))
         command = [sys.executable, "-m", "hf_zero", "plan", "--json", "--model", folder,
                    "--sample", str(Path(folder, "sample.json")), *adapter,
@@ -153,7 +154,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
     if not plan["fits"]:
         raise ZeroConfigError(f"{flag} auto: no setting fits {device_bytes / 1e9:.3g} GB a process: "
                               f"{plan['what_would']}")
-    return plan | {"sample": sample}
+    return plan | {"sample": sample, "batch_of": which}
 
 
 def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
@@ -174,29 +175,67 @@ def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
     return sample
 
 
-def first_batch(trainer: Any) -> dict[str, Any]:
-    """The training data's first --per_device_train_batch_size samples, collated as the Trainer's data loader
-    collates them, with torch's, Python's and NumPy's random generators left as they were, and the collator's own
-    (transformers' masking collators keep one): a collator may draw (masked language modelling). An iterable dataset
-    is read from a new iterator."""
+def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:
+    """--per_device_train_batch_size samples collated as the Trainer's data loader collates them: the longest of the
+    training data (by the model's main input, as transformers' length-grouped sampler measures them), or where their
+    lengths cannot be known (an iterable dataset, or samples without that input), the first; and which. torch's,
+    Python's and NumPy's random generators are left as they were, and the collator's own (transformers' masking
+    collators keep one): a collator may draw (masked language modelling). An iterable dataset is read from a new
+    iterator."""
     import numpy
 
     dataset, collate = trainer.train_dataset, trainer.data_collator
+    count = trainer.args.per_device_train_batch_size
+    picked = _longest(dataset, count, _main_input(trainer))
     if _is_datasets_dataset(dataset):  # as Trainer._get_dataloader
         dataset = trainer._remove_unused_columns(dataset, description="training")
     else:
         collate = trainer._get_collator_with_removed_columns(collate, description="training")
-    count = trainer.args.per_device_train_batch_size
     python_state, numpy_state = random.getstate(), numpy.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]), _collators_generator_kept(collate):
-            samples = list(itertools.islice(iter(dataset), count)) \
-                if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__") \
-                else [dataset[i] for i in range(min(count, len(dataset)))]
-            return collate(samples)
+            if picked is None:
+                samples = list(itertools.islice(iter(dataset), count)) if _iterable(dataset) else \
+                    [dataset[i] for i in range(min(count, len(dataset)))]
+                return collate(samples), "the first samples (their lengths are not known beforehand)"
+            return collate([dataset[i] for i in picked]), "the longest samples"
     finally:
         random.setstate(python_state)
         numpy.random.set_state(numpy_state)
+
+
+def _iterable(dataset: Any) -> bool:
+    return isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
+
+
+def _main_input(trainer: Any) -> str:
+    """The input samples are measured by: the processor's first model input, as transformers' LengthGroupedSampler
+    takes it, else the model's main input."""
+    names = getattr(trainer.processing_class, "model_input_names", None)
+    return names[0] if names else getattr(unwrap_peft_model(trainer.model), "main_input_name", "input_ids")
+
+
+def _longest(dataset: Any, count: int, name: str) -> list[int] | None:
+    """The indices of the `count` longest samples by their `name` (the first of equal ones), or None where the
+    lengths cannot be known."""
+    if _iterable(dataset) or not len(dataset):
+        return None
+    if _is_datasets_dataset(dataset):
+        if name not in dataset.column_names:
+            return None
+        import pyarrow.compute
+
+        # One pass over the column in Arrow, in the dataset's order (a shuffle's or a select's indices applied).
+        column = dataset.with_format("arrow").select_columns([name])[:][name]
+        lengths = pyarrow.compute.list_value_length(column).to_numpy(zero_copy_only=False)
+    else:
+        samples = (dataset[i] for i in range(len(dataset)))
+        lengths = [len(sample[name]) if isinstance(sample, dict) and hasattr(sample.get(name), "__len__") else None
+                   for sample in samples]
+        if None in lengths:
+            return None
+    order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))  # stable: the first of equal ones
+    return sorted(order[:count])
 
 
 @contextlib.contextmanager
@@ -236,8 +275,8 @@ def _shapes(sample: dict[str, dict[str, Any]]) -> str:
 def _said(plan: dict[str, Any], chosen: dict[str, Any]) -> str:
     rank = plan["per_rank"]
     lines = [f"planned: {', '.join(f'{trainer_flag(key)} {value}' for key, value in chosen.items())} "
-             f"({plan['params']:,} parameters; a sample of the first batch: {_shapes(plan['sample'])}); rank "
-             f"{rank['rank']} at the step's peak: device {rank['device']['peak'] / 1e9:.3g} GB of "
+             f"({plan['params']:,} parameters; a batch of {plan['batch_of']}, a sample: {_shapes(plan['sample'])}); "
+             f"rank {rank['rank']} at the step's peak: device {rank['device']['peak'] / 1e9:.3g} GB of "
              f"{plan['gpu_memory'] / 1e9:.3g} GB, host {rank['host']['peak'] / 1e9:.3g} GB. Candidates:"]
     lines += [f"  {c['setting']}: {c['outcome']}" for c in plan["candidates"]]
     return "\n".join(lines)

