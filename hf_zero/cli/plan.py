@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
     parser.add_argument("--frozen", metavar="FILE.json", help="a JSON list of the parameters that do not train (the "
                         "names of model.named_parameters(), the adapter's around it); every other one trains. "
                         "ZeroTrainer's --zero_stage auto writes it from its model")
+    parser.add_argument("--optimizer", default="torch.optim.AdamW", metavar="CLASS", help="the optimizer's class, "
+                        "torch's or transformers' (default torch.optim.AdamW; torch.optim.SGD, "
+                        "transformers.optimization.Adafactor, ...). ZeroTrainer's --zero_stage auto gives its own")
+    parser.add_argument("--optimizer_kwargs", default='{"lr": 0.0001}', metavar="JSON", help="its keyword arguments, "
+                        "as a JSON object (default {\"lr\": 0.0001})")
     parser.add_argument("--zero_stage", default="auto", help="auto (default), a stage 0-3, or the stages to choose "
                         "among, as 1,2,3")
     parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu", "nvme"), default="auto")
@@ -112,6 +117,18 @@ def check(args: argparse.Namespace) -> str | None:
             args.sample = read_sample(args.sample)
         except (OSError, ValueError) as error:
             return f"--sample {args.sample}: {error}"
+    try:
+        from hf_zero.plan.simulate import optimizer_class
+
+        optimizer_class(args.optimizer)
+    except ValueError as error:
+        return f"--optimizer: {error}"
+    try:
+        if not isinstance(json.loads(args.optimizer_kwargs), dict):
+            raise ValueError("not an object")
+    except ValueError as error:
+        return (f"--optimizer_kwargs must be a JSON object such as {{\"lr\": 0.0001}}; got {args.optimizer_kwargs} "
+                f"({error})")
     if args.adapter:
         try:
             from peft import PeftConfig
@@ -170,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if seq_len > longest:
         raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
     job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or (),
-              args.adapter, args.frozen)
+              args.adapter, args.frozen, args.optimizer, args.optimizer_kwargs)
     machine = Machine(args.gpu_memory, args.host_memory, nvme_memory=args.nvme,
                       **{f.name: getattr(args, f.name) for f in fields(Machine)
                          if f.name not in ("gpu_memory", "host_memory", "nvme_memory")})

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
+import inspect
 import itertools
 import json
 import os
@@ -124,12 +126,14 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
             adapter = ["--adapter", str(Path(folder, "adapter"))]
         Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
                                                            if not p.requires_grad]))
+        optimizer, optimizer_kwargs = _optimizer_of(trainer.optimizer, flag)
         batch, which = longest_batch(trainer)
         sample = _sample(batch, args)
         Path(folder, "sample.json").write_text(json.dumps(sample))
         command = [sys.executable, "-m", "hf_zero", "plan", "--json", "--model", folder,
                    "--sample", str(Path(folder, "sample.json")), *adapter,
                    "--frozen", str(Path(folder, "frozen.json")),
+                   "--optimizer", optimizer, "--optimizer_kwargs", optimizer_kwargs,
                    "--nodes", str(args.world_size // topology), "--gpus_per_node", str(topology),
                    "--gpu_memory", f"{device_bytes / 1e9:.9f}GB",
                    "--host_memory", f"{psutil.virtual_memory().available / 1e9:.9f}GB",
@@ -173,6 +177,27 @@ def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
         sample[name] = {"shape": list(tensor.shape[1:]), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "high": 1 if tensor.is_floating_point() else max(1, int(tensor.max()) + 1)}
     return sample
+
+
+def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str) -> tuple[str, str]:
+    """The Trainer's optimizer as `hf-zero plan --optimizer`, `--optimizer_kwargs` take it: its class by its public
+    name in torch.optim or transformers.optimization, and its settings as JSON."""
+    from hf_zero.plan.simulate import OPTIMIZER_MODULES
+
+    cls = type(optimizer)
+    name = next((f"{module}.{cls.__name__}" for module in OPTIMIZER_MODULES
+                 if getattr(importlib.import_module(module), cls.__name__, None) is cls), None)
+    if name is None:
+        raise ZeroConfigError(f"{flag} auto plans torch's and transformers' optimizers (torch.optim, "
+                              f"transformers.optimization); this run's is {cls.__module__}.{cls.__qualname__}: give "
+                              f"{flag} a value")
+    # Its settings as its constructor takes them (torch's defaults also hold what a class sets itself).
+    accepted = inspect.signature(cls).parameters
+    try:
+        return name, json.dumps({key: value for key, value in optimizer.defaults.items() if key in accepted})
+    except TypeError as error:
+        raise ZeroConfigError(f"{flag} auto: {name}'s settings cannot be planned ({error}): give {flag} a "
+                              f"value") from None
 
 
 def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:

@@ -15,6 +15,8 @@ optimizer step) run as one rank of a world of any size, on one CPU, holding no m
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import os
 import sys
 import tempfile
@@ -52,6 +54,8 @@ class Job:
     sample: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
     adapter: str | None = None  # a folder holding a peft adapter's adapter_config.json, put around the model
     frozen: tuple[str, ...] | None = None  # the parameters that do not train; None: as the class and adapter have it
+    optimizer: str = "torch.optim.AdamW"  # its class, torch's or transformers' (`optimizer_class`)
+    optimizer_kwargs: str = '{"lr": 0.0001}'  # its keyword arguments, as a JSON object
 
     @property
     def world_size(self) -> int:
@@ -205,6 +209,22 @@ def _gradient_counted(count: MemoryCount) -> Any:
     return hook
 
 
+OPTIMIZER_MODULES = ("torch.optim", "transformers.optimization")  # where a plan's optimizer may come from
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class `name` (such as torch.optim.SGD or transformers.optimization.Adafactor): only torch's and
+    transformers' own are imported by name. ValueError otherwise."""
+    module, _, attribute = name.rpartition(".")
+    if module not in OPTIMIZER_MODULES:
+        raise ValueError(f"the optimizer must be one of {' or '.join(m + '.*' for m in OPTIMIZER_MODULES)}; "
+                         f"got {name}")
+    found = getattr(importlib.import_module(module), attribute, None)
+    if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
+        raise ValueError(f"{name} is not an optimizer class")
+    return found
+
+
 def _batch(job: Job, vocab: int, micro_batch: int) -> dict[str, torch.Tensor]:
     """`micro_batch` samples of `job.sample`'s shapes, integers drawn below each one's bound."""
     if not job.sample:
@@ -271,7 +291,8 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False
         # As transformers' Trainer makes it: over the parameters that train.
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        optimizer = optimizer_class(job.optimizer)([p for p in model.parameters() if p.requires_grad],
+                                                   **json.loads(job.optimizer_kwargs))
         engine = initialize(model, optimizer, setting.engine_config(job))
         flops = FlopCounterMode(display=False) if known_flops is None else contextlib.nullcontext()
         for step in range(2):

@@ -6,7 +6,7 @@ import numpy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling, GPT2LMHeadModel, HfArgumentParser
+from transformers import DataCollatorForLanguageModeling, GPT2LMHeadModel, HfArgumentParser, Trainer
 
 from hf_zero import ZeroTrainer
 from hf_zero.hf import auto
@@ -127,12 +127,39 @@ def test_auto_plans_what_the_runs_model_trains(tmp_path, make, plan_in_this_proc
                 type(model).__name__ else [0] * 8)} for _ in range(4)]
     trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
                                                                   **ARGS), train_dataset=samples)
+    Trainer.create_optimizer(trainer)  # the Trainer's own, which ZeroTrainer plans with
     plan = auto._plan(trainer, 1, 10**12)
     assert plan["params"] == sum(p.numel() for p in model.parameters())
     if hasattr(model, "get_nb_trainable_parameters"):
         assert trained == model.get_nb_trainable_parameters()[0]
     assert 0 < plan["trained_params"] == trained < plan["params"]
     assert plan["per_rank"]["model_states_at_rest"]["optimizer_states"] == pytest.approx(8 * trained, rel=0.01)
+
+
+def test_auto_plans_with_the_optimizer_the_run_steps(tmp_path, plan_in_this_process):
+    """The plan steps the run's own optimizer: the one --optim makes (fp32: AdamW keeps two moments, 8 bytes a
+    parameter; Adafactor its second moment, 4: ZeRO's flat shards are not matrices it would factor), or one given to
+    the Trainer. An optimizer from elsewhere is refused before training, naming the flag."""
+    samples = [{"input_ids": torch.zeros(8, dtype=torch.long)}] * 4
+    held = {}
+    for optim in ("adamw_torch", "adafactor"):
+        trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+            output_dir=str(tmp_path), zero_stage="auto", optim=optim, **ARGS), train_dataset=samples)
+        Trainer.create_optimizer(trainer)
+        plan = auto._plan(trainer, 1, 10**12)
+        held[optim] = plan["per_rank"]["model_states_at_rest"]["optimizer_states"] / plan["trained_params"]
+    assert held["adamw_torch"] == pytest.approx(8, rel=0.01) and held["adafactor"] == pytest.approx(4, rel=0.01)
+
+    class Mine(torch.optim.SGD):
+        pass
+
+    model = tiny_model("gpt2")
+    trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
+                                                                  **ARGS), train_dataset=samples,
+                          optimizers=(Mine(model.parameters(), lr=0.1), None))
+    with pytest.raises(ZeroConfigError, match=r"plans torch's and transformers' optimizers .* this run's is "
+                                              r".*Mine: give --zero_stage a value"):
+        auto._plan(trainer, 1, 10**12)
 
 
 @pytest.mark.parametrize("nvme_given, planned, on_nvme", [
@@ -148,6 +175,7 @@ def test_auto_plans_with_nvme_offload_and_keeps_the_folder_only_where_the_plan_o
     trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
         output_dir=str(tmp_path), zero_nvme_path=str(tmp_path / "nvme"), **nvme_given, **planned, **ARGS),
         train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}] * 8)
+    Trainer.create_optimizer(trainer)
     with caplog.at_level("WARNING"):
         config, peak = auto.planned_config(trainer)
     assert peak > 0

@@ -4,6 +4,7 @@ one collective schedule."""
 import re
 import tempfile
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,30 +136,39 @@ def test_offloaded_states_are_the_hosts():
     assert rank.copied["to_device"] >= 2 * rank.params / 2  # the shard goes up for each gather
 
 
-@pytest.mark.parametrize("setting, lora", [(Setting(3, micro_batch=4), False),
-                                           (Setting(2, "cpu", micro_batch=4), False),
-                                           (Setting(3, "nvme", "nvme", micro_batch=4), False),
-                                           (Setting(2, micro_batch=4), True)],
+@pytest.mark.parametrize("setting, variant", [(Setting(3, micro_batch=4), None),
+                                              (Setting(2, "cpu", micro_batch=4), None),
+                                              (Setting(3, "nvme", "nvme", micro_batch=4), None),
+                                              (Setting(2, micro_batch=4), "lora"),
+                                              (Setting(1, micro_batch=4), "sgd"),
+                                              (Setting(2, micro_batch=4), "adafactor")],
                          ids=["stage 3", "stage 2, optimizer on cpu", "stage 3, optimizer and parameters on nvme",
-                              "stage 2, a LoRA adapter"])
-def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent(setting, lora, tmp_path,
+                              "stage 2, a LoRA adapter", "stage 1, SGD with momentum", "stage 2, Adafactor"])
+def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent(setting, variant, tmp_path,
                                                                                   monkeypatch):
-    """One rank, real: the model built (with peft's LoRA around it, built by peft itself) and two steps trained under
-    torch's profiler, whose allocation events give the most bytes its CPU allocator handed out at once. The plan's
-    figure for a CPU, device and host together at one moment (set-up included), is that within 5%; device and host
-    peaks added would count offload's host memory at a moment the device is not at its peak."""
+    """One rank, real: the model built (with peft's LoRA around it, built by peft itself; or stepped by SGD) and two
+    steps trained under torch's profiler, whose allocation events give the most bytes its CPU allocator handed out
+    at once. The plan's figure for a CPU, device and host together at one moment (set-up included), is that within
+    5%; device and host peaks added would count offload's host memory at a moment the device is not at its peak."""
+    import json
+
     import torch
     from peft import LoraConfig, PeftConfig, get_peft_model
     from torch.profiler import ProfilerActivity, profile
 
     import hf_zero
     from hf_zero.plan.models import build_model
+    from hf_zero.plan.simulate import optimizer_class
     from hf_zero.runtime.memory import allocator_peak
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the real run's NVMe files go there
+    lora = variant == "lora"
     if lora:
         LoraConfig(r=8, target_modules=["c_attn", "c_fc"], task_type="CAUSAL_LM").save_pretrained(tmp_path / "lora")
-    job = Job("gpt2-demo", 1, 1, "bf16", seq_len=128, adapter=str(tmp_path / "lora") if lora else None)
+    optimizer = {"sgd": {"optimizer": "torch.optim.SGD", "optimizer_kwargs": '{"lr": 0.01, "momentum": 0.9}'},
+                 "adafactor": {"optimizer": "transformers.optimization.Adafactor",
+                               "optimizer_kwargs": '{"lr": 0.001, "relative_step": false}'}}.get(variant, {})
+    job = Job("gpt2-demo", 1, 1, "bf16", seq_len=128, adapter=str(tmp_path / "lora") if lora else None, **optimizer)
     planned = simulate_rank(job, setting, 0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         model = build_model(job.model)
@@ -166,7 +176,8 @@ def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent
             model = get_peft_model(model, PeftConfig.from_pretrained(job.adapter))
         trained = [p for p in model.parameters() if p.requires_grad]
         trained_count = sum(p.numel() for p in trained)  # stage 3 empties the parameters it partitions
-        engine = hf_zero.initialize(model, torch.optim.AdamW(trained, lr=1e-4), setting.engine_config(job))
+        optimizer = optimizer_class(job.optimizer)(trained, **json.loads(job.optimizer_kwargs))
+        engine = hf_zero.initialize(model, optimizer, setting.engine_config(job))
         for _ in range(2):
             ids = torch.randint(0, 256, (setting.micro_batch, job.seq_len))
             engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -213,3 +224,18 @@ def test_a_ranks_nvme_files_and_io_are_the_engines_on_disk(setting, tmp_path, mo
         engine.step()
     assert planned.nvme == on_disk
     assert planned.nvme_moved == sum(moved)
+
+
+def test_the_optimizers_states_are_the_ones_it_keeps():
+    """Stage 1 over 2 ranks, bf16: fp32 masters and what the optimizer keeps, partitioned. AdamW keeps two moments
+    (12 bytes a parameter with the master), SGD with momentum one (8), Adafactor its second moment whole (8): ZeRO's
+    shards are flat, and Adafactor factors only matrices (as under DeepSpeed)."""
+    job = Job("gpt2-tiny", nodes=1, gpus_per_node=2, seq_len=32)
+    states = {}
+    for name, kwargs in [("torch.optim.AdamW", '{"lr": 0.001}'), ("torch.optim.SGD", '{"lr": 0.01, "momentum": 0.9}'),
+                         ("transformers.optimization.Adafactor", '{"lr": 0.001, "relative_step": false}')]:
+        rank = simulate_rank(replace(job, optimizer=name, optimizer_kwargs=kwargs), Setting(1), 0)
+        states[name.rsplit(".", 1)[1]] = rank.at_rest["device"]["optimizer_states"] / (rank.params / 2)
+    assert states["AdamW"] == pytest.approx(12, rel=0.02)
+    assert states["SGD"] == pytest.approx(8, rel=0.02)
+    assert states["Adafactor"] == pytest.approx(8, rel=0.02)
