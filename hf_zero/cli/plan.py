@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "transformers.optimization.Adafactor, ...). ZeroTrainer's --zero_stage auto gives its own")
     parser.add_argument("--optimizer_kwargs", default='{"lr": 0.0001}', metavar="JSON", help="its keyword arguments, "
                         "as a JSON object (default {\"lr\": 0.0001})")
+    parser.add_argument("--engine_settings", default="{}", metavar="JSON", help="the engine's other settings, as a "
+                        "JSON object of its names (reduce_bucket_size, prefetch_bucket_size, quantized_weights, ...: "
+                        "hf_zero.settings.config.ZeroConfig); the stage, offloads, hpZ and dtype are flags of their "
+                        "own, and a plan runs the model eager")
     parser.add_argument("--zero_stage", default="auto", help="auto (default), a stage 0-3, or the stages to choose "
                         "among, as 1,2,3")
     parser.add_argument("--offload_optimizer", choices=("auto", "none", "cpu", "nvme"), default="auto")
@@ -129,6 +133,9 @@ def check(args: argparse.Namespace) -> str | None:
     except ValueError as error:
         return (f"--optimizer_kwargs must be a JSON object such as {{\"lr\": 0.0001}}; got {args.optimizer_kwargs} "
                 f"({error})")
+    problem = engine_settings_problem(args.engine_settings)
+    if problem:
+        return f"--engine_settings {problem}"
     if args.adapter:
         try:
             from peft import PeftConfig
@@ -141,6 +148,36 @@ def check(args: argparse.Namespace) -> str | None:
             args.frozen = read_frozen(args.frozen)
         except (OSError, ValueError) as error:
             return f"--frozen {args.frozen}: {error}"
+    return None
+
+
+PLAN_FLAGS = ("zero_stage", "dtype", "offload_optimizer", "offload_param", "hpz_partition_size")
+
+
+def engine_settings_problem(text: str) -> str | None:
+    """What is wrong with --engine_settings, or None: each a setting of the engine's that the plan does not set, and
+    together valid at some stage (the plan then chooses among the settings the engine takes with them)."""
+    from hf_zero.settings.config import SET_BY_THE_PLAN, ZeroConfig, ZeroConfigError, did_you_mean, stages_allowed
+
+    try:
+        settings = json.loads(text)
+    except ValueError as error:
+        return f"must be a JSON object; got {text} ({error})"
+    if not isinstance(settings, dict):
+        return f"must be a JSON object; got {text}"
+    known = {f.name for f in fields(ZeroConfig)} - set(SET_BY_THE_PLAN)
+    for key in settings:
+        if key in SET_BY_THE_PLAN:
+            return f"sets {key}, which " + ("a plan does not (it runs the model eager)" if key.startswith("compile")
+                                            else f"is a flag of its own (--{key})" if key in PLAN_FLAGS else
+                                            "the plan sets from the job")
+        if key not in known:
+            return f"names no engine setting: {key}{did_you_mean(key, known)}"
+    if not stages_allowed(settings):
+        try:
+            ZeroConfig(**settings).validate()
+        except (ZeroConfigError, TypeError) as error:
+            return str(error)
     return None
 
 
@@ -187,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     if seq_len > longest:
         raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
     job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or (),
-              args.adapter, args.frozen, args.optimizer, args.optimizer_kwargs)
+              args.adapter, args.frozen, args.optimizer, args.optimizer_kwargs, args.engine_settings)
     machine = Machine(args.gpu_memory, args.host_memory, nvme_memory=args.nvme,
                       **{f.name: getattr(args, f.name) for f in fields(Machine)
                          if f.name not in ("gpu_memory", "host_memory", "nvme_memory")})

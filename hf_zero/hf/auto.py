@@ -39,7 +39,7 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.ledger import Ledger
 from hf_zero.runtime.memory import memory_left
-from hf_zero.settings.config import ZeroConfig, ZeroConfigError, trainer_flag
+from hf_zero.settings.config import SET_BY_THE_PLAN, ZeroConfig, ZeroConfigError, trainer_flag
 from hf_zero.settings.environment import processes_per_node
 
 logger = logging.get_logger(__name__)
@@ -92,6 +92,9 @@ def planned_config(trainer: Any) -> tuple[ZeroConfig, int]:
     config.validate(name=trainer_flag)
     if comm.rank == 0:
         logger.warning(_said(plan, chosen))
+        if config.compile:
+            logger.warning("the plan ran the model eager: the compiled step may take other memory, which the check "
+                           "after the second step measures")
         if args.zero_nvme_to_plan and not on_nvme:
             logger.warning(f"the plan offloads nothing to NVMe: {trainer_flag('nvme_path')} "
                            f"{args.zero_nvme_to_plan} is not used")
@@ -127,6 +130,9 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
         Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
                                                            if not p.requires_grad]))
         optimizer, optimizer_kwargs = _optimizer_of(trainer.optimizer, flag)
+        # The engine's other settings as the run has them (bucket sizes, qwZ, ...), where they are not the defaults.
+        engine_settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(ZeroConfig)
+                           if f.name not in SET_BY_THE_PLAN and getattr(config, f.name) != f.default}
         batch, which = longest_batch(trainer)
         sample = _sample(batch, args)
         Path(folder, "sample.json").write_text(json.dumps(sample))
@@ -134,6 +140,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
                    "--sample", str(Path(folder, "sample.json")), *adapter,
                    "--frozen", str(Path(folder, "frozen.json")),
                    "--optimizer", optimizer, "--optimizer_kwargs", optimizer_kwargs,
+                   "--engine_settings", json.dumps(engine_settings),
                    "--nodes", str(args.world_size // topology), "--gpus_per_node", str(topology),
                    "--gpu_memory", f"{device_bytes / 1e9:.9f}GB",
                    "--host_memory", f"{psutil.virtual_memory().available / 1e9:.9f}GB",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_zero.ops.build import load_extension
+from hf_zero.runtime.device import timeline
 
 logger = logging.getLogger("hf_zero")
 QMAX = {8: 127, 4: 7}
@@ -72,6 +73,12 @@ def quantize_kernel():
             logger.warning("%s; quantization falls back to its torch implementation (same results, slower)", error)
             _warned_fallback = True
         return None
+
+
+def _kernel_for(tensor: torch.Tensor):
+    """The C++ kernel where it can read `tensor`: a host tensor with memory (a plan's fake tensors have none, and
+    torch's implementation stands in); else None."""
+    return quantize_kernel() if tensor.device.type == "cpu" and timeline().host_kernels else None
 
 
 def quantize_reference(x: torch.Tensor, bits: int, block: int) -> Quantized:
@@ -152,7 +159,7 @@ def _dequantize_rows(q: torch.Tensor, scales: torch.Tensor, bits: int, block: in
 def quantize(x: torch.Tensor, bits: int, block: int) -> Quantized:
     """`x` (any float dtype and shape) quantized block by block; the C++ kernel for CPU tensors."""
     check_settings(bits, block)
-    kernel = quantize_kernel() if x.device.type == "cpu" else None
+    kernel = _kernel_for(x)
     if kernel is None:
         return quantize_reference(x, bits, block)
     flat = x.detach().reshape(-1).float().contiguous()
@@ -165,7 +172,7 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> Quantized:
 
 def dequantize(packed: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values (into `out`, of any float dtype with `numel` elements, when given)."""
-    kernel = quantize_kernel() if packed.values.device.type == "cpu" else None
+    kernel = _kernel_for(packed.values)
     if kernel is None:
         return dequantize_reference(packed, out)
     values = torch.empty(packed.numel, dtype=torch.float32)
@@ -184,7 +191,7 @@ def dequantize_senders(values: torch.Tensor, scales: torch.Tensor, senders: int,
     on the number of ranks (one dequantization per sender would be some 4 launches each, 1,500 per buffer at
     384 ranks)."""
     values, scales = values.reshape(senders, -1), scales.reshape(senders, -1)  # views: one row per sender
-    kernel = quantize_kernel() if values.device.type == "cpu" else None
+    kernel = _kernel_for(values)
     if kernel is not None:
         for r in range(senders):
             dequantize(Quantized(values[r], scales[r], bits, block, numel),

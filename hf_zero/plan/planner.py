@@ -19,6 +19,7 @@ The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import multiprocessing
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from hf_zero.plan.machine import GB, KEYS, Machine
 from hf_zero.plan.simulate import Job, RankStep, Setting, simulate_rank
-from hf_zero.settings.config import offload_conflict
+from hf_zero.settings.config import ZeroConfig, ZeroConfigError
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Plan:
         return {
             "setting": asdict(self.setting),
             "model": self.job.model, "params": rank.params, "trained_params": rank.trained, "nodes": self.job.nodes,
+            "optimizer": self.job.optimizer, "engine_settings": json.loads(self.job.engine_settings),
             "gpus_per_node": self.job.gpus_per_node, "seq_len": self.job.seq_len, "dtype": self.job.dtype,
             "per_rank": {
                 "rank": rank.rank,
@@ -195,11 +197,21 @@ def _bases(job: Job, fixed: dict, nvme: bool) -> list[Setting]:
             for hpz in hpz_sizes if stage == 3 else [1]:
                 base = Setting(stage, opt, param, hpz_partition_size=hpz)
                 # a fixed value, or (zero_stage) the values to choose among
-                if offload_conflict(stage, opt, param) is None and all(
+                if _valid(base, job) and all(
                         getattr(base, k) in (v if isinstance(v, tuple) else (v,)) for k, v in fixed.items()
                         if k in ("zero_stage", "offload_optimizer", "offload_param", "hpz_partition_size")):
                     bases.append(base)
     return bases
+
+
+def _valid(setting: Setting, job: Job) -> bool:
+    """Whether the engine takes `setting` with the job's other engine settings (qwZ needs stage 3, a delayed update an
+    offloaded optimizer, ...)."""
+    try:
+        ZeroConfig(**setting.engine_config(job)).validate()
+    except ZeroConfigError:
+        return False
+    return True
 
 
 def _largest_micro_batch(probe: Plan, machine: Machine, limit: int) -> int:

@@ -56,6 +56,7 @@ class Job:
     frozen: tuple[str, ...] | None = None  # the parameters that do not train; None: as the class and adapter have it
     optimizer: str = "torch.optim.AdamW"  # its class, torch's or transformers' (`optimizer_class`)
     optimizer_kwargs: str = '{"lr": 0.0001}'  # its keyword arguments, as a JSON object
+    engine_settings: str = "{}"  # the engine's other settings (ZeroConfig's names: bucket sizes, qwZ, ...), as JSON
 
     @property
     def world_size(self) -> int:
@@ -76,9 +77,9 @@ class Setting:
         # NVMe files go through the plan's files, which count their bytes and never touch the folder (it must only
         # exist, as the engine checks).
         nvme = {"nvme_path": tempfile.gettempdir()} if "nvme" in (self.offload_optimizer, self.offload_param) else {}
-        return {"zero_stage": self.zero_stage, "dtype": job.dtype, "offload_optimizer": self.offload_optimizer,
-                "offload_param": self.offload_param, "hpz_partition_size": self.hpz_partition_size,
-                "ranks_per_node": job.gpus_per_node, **nvme}
+        return {**json.loads(job.engine_settings), "zero_stage": self.zero_stage, "dtype": job.dtype,
+                "offload_optimizer": self.offload_optimizer, "offload_param": self.offload_param,
+                "hpz_partition_size": self.hpz_partition_size, "ranks_per_node": job.gpus_per_node, **nvme}
 
     def __str__(self) -> str:
         parts = [f"stage {self.zero_stage}"]

@@ -536,6 +536,11 @@ AUTO = "auto"
 # The settings `auto` leaves to a plan of the job on its machine (hf_zero.plan): `hf-zero train` plans them before
 # its processes start, ZeroTrainer once it has the model and its data.
 PLANNED = ("zero_stage", "offload_optimizer", "offload_param")
+# The engine's settings a plan's simulated rank sets itself (from its job and the setting it tries), and so not among
+# the other settings a plan is given (`hf-zero plan --engine_settings`); the compile settings neither: a plan runs
+# the model eager.
+SET_BY_THE_PLAN = ("zero_stage", "dtype", "offload_optimizer", "offload_param", "hpz_partition_size", "ranks_per_node",
+                   "nvme_path", "compile", "compile_backend", "compile_mode")
 
 
 def _or_auto(kind: Callable[[str], Any]) -> Callable[[str], Any]:

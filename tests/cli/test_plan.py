@@ -64,6 +64,11 @@ def test_nothing_fitting_says_what_would(capsys):
     (["--model", "gpt2-tiny", "--nvme", "3.8XB"], "--nvme"),
     (["--model", "gpt2-tiny", "--adapter", "/no/such/adapter"], "--adapter"),
     (["--model", "gpt2-tiny", "--frozen", "/no/such/frozen.json"], "--frozen"),
+    (["--model", "gpt2-tiny", "--optimizer", "os.system"], "--optimizer"),
+    (["--model", "gpt2-tiny", "--optimizer_kwargs", "[1]"], "--optimizer_kwargs"),
+    (["--model", "gpt2-tiny", "--engine_settings", '{"reduce_bucket_sise": 5}'], "--engine_settings"),
+    (["--model", "gpt2-tiny", "--engine_settings", '{"zero_stage": 3}'], "--engine_settings"),
+    (["--model", "gpt2-tiny", "--engine_settings", '{"reduce_bucket_size": -5}'], "--engine_settings"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -80,6 +85,15 @@ def test_frozen_parameters_the_model_does_not_have_are_one_line_naming_the_flag(
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--frozen names 1 parameter(s)" in err and "no.such.parameter" in err, err
+
+
+def test_the_engines_other_settings_narrow_the_candidates_to_those_the_engine_takes(capsys):
+    """qwZ's quantized weights are stage 3's: given them, the plan considers stage 3 alone, and plans with them."""
+    assert main(["plan", *TINY, "--micro_batch", "1", "--gradient_checkpointing", "false", "--json",
+                 "--engine_settings", '{"quantized_weights": true}']) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setting"]["zero_stage"] == 3 and out["engine_settings"] == {"quantized_weights": True}
+    assert out["candidates"] and all(c["setting"].startswith("stage 3") for c in out["candidates"])
 
 
 def test_plot_draws_the_candidates_as_a_png(tmp_path, capsys):

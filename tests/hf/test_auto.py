@@ -125,10 +125,11 @@ def test_auto_plans_what_the_runs_model_trains(tmp_path, make, plan_in_this_proc
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     samples = [{"input_ids": torch.zeros(8, dtype=torch.long), "labels": torch.tensor(1 if "Seq" in
                 type(model).__name__ else [0] * 8)} for _ in range(4)]
-    trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
-                                                                  **ARGS), train_dataset=samples)
+    trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_stage="auto", zero_reduce_bucket_size=123_456, **ARGS), train_dataset=samples)
     Trainer.create_optimizer(trainer)  # the Trainer's own, which ZeroTrainer plans with
     plan = auto._plan(trainer, 1, 10**12)
+    assert plan["engine_settings"]["reduce_bucket_size"] == 123_456  # the engine's other settings as given
     assert plan["params"] == sum(p.numel() for p in model.parameters())
     if hasattr(model, "get_nb_trainable_parameters"):
         assert trained == model.get_nb_trainable_parameters()[0]
@@ -149,6 +150,7 @@ def test_auto_plans_with_the_optimizer_the_run_steps(tmp_path, plan_in_this_proc
         plan = auto._plan(trainer, 1, 10**12)
         held[optim] = plan["per_rank"]["model_states_at_rest"]["optimizer_states"] / plan["trained_params"]
     assert held["adamw_torch"] == pytest.approx(8, rel=0.01) and held["adafactor"] == pytest.approx(4, rel=0.01)
+    assert plan["optimizer"] == "transformers.optimization.Adafactor"
 
     class Mine(torch.optim.SGD):
         pass
