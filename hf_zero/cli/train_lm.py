@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ from hf_zero.runtime.tensor_parallel import (
 from hf_zero.settings.config import (
     AUTO,
     PLANNED,
+    SET_BY_THE_PLAN,
     ZeroConfig,
     ZeroConfigError,
     check_compile_backend,
@@ -127,7 +129,11 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     device_bytes, where = memory_left(compute_device(), per_node)
     host_bytes = psutil.virtual_memory().available
     nvme_bytes = shutil.disk_usage(args.nvme_path).free if args.nvme_path else 0  # the node's ranks share it
-    job = Job(args.model, processes // per_node, per_node, args.dtype, args.seq_len, device_bytes)
+    # The engine's other settings (gradient clipping, buckets, qwZ, ...) as the processes will have them.
+    engine_settings = {key: value for key, value in engine_config(args).items()
+                       if key not in SET_BY_THE_PLAN and value != ZeroConfig.__dataclass_fields__[key].default}
+    job = Job(args.model, processes // per_node, per_node, args.dtype, args.seq_len, device_bytes,
+              engine_settings=json.dumps(engine_settings))
     fixed = {key: getattr(args, key) for key in PLANNED if key not in asked}
     if stages:
         fixed["zero_stage"] = stages[0] if len(stages) == 1 else stages
