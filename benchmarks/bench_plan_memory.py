@@ -88,7 +88,7 @@ def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: 
         config.save_pretrained(folder)
         job = Job(folder, 1, ranks, "bf16", seq, 10**15)
         setting = Setting(stage, offload, nvme_of(offload).get("offload_param", "none"), micro_batch=batch)
-        rank = plan(job, setting, Machine(10**15, 10**15, nvme_memory=10**15), ranks=[0]).busiest
+        rank = plan(job, setting, Machine(10**15, 10**15, nvme_capacity=10**15), ranks=[0]).busiest
     return rank.measured_peak(one_memory=True)
 
 

@@ -268,9 +268,6 @@ def _estimate(argv: list[str]) -> int:
         parser.error("--batch_size and --seq_len go together (activation memory needs both)")
     if args.batch_size and not args.model:
         parser.error("--batch_size needs --model: activation memory depends on the layers and hidden size")
-    if "nvme" == args.offload_param != args.offload_optimizer:
-        parser.error(f"--offload_param nvme needs --offload_optimizer nvme (the parameters are written in the "
-                     f"optimizer's NVMe stream); got --offload_optimizer {args.offload_optimizer}")
     try:
         psi = args.params if args.params else estimate.parameter_count(args.model)
         if args.batch_size:

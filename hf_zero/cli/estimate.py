@@ -152,7 +152,7 @@ def valid_settings(num_gpus: Iterator[int], reduce_dtype: str | None = None) -> 
         for stage in STAGES:
             for opt in OFFLOADS:
                 for param in OFFLOADS:
-                    if offload_conflict(stage, opt, param) is None and (param != "nvme" or opt == "nvme"):
+                    if offload_conflict(stage, opt, param) is None:
                         yield Setting(stage, nd, opt, param, reduce_dtype)
 
 

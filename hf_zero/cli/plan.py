@@ -11,7 +11,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from hf_zero.plan.machine import GB, KEYS, Machine
-from hf_zero.settings.config import offload_conflict
+from hf_zero.settings.config import offload_conflict, offloads_to_check
 
 if TYPE_CHECKING:
     from hf_zero.plan.planner import Candidate, Plan
@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "batch. Default: a language model's input_ids and labels of --seq_len tokens")
     parser.add_argument("--adapter", metavar="FOLDER", help="a peft adapter around the model: the folder peft saved "
                         "it in (its adapter_config.json); only what it trains is trained")
+    parser.add_argument("--adapter_name", default="default", help="the name peft gives the adapter (its "
+                        "parameters' names hold it; default: peft's, default)")
     parser.add_argument("--frozen", metavar="FILE.json", help="a JSON list of the parameters that do not train (the "
                         "names of model.named_parameters(), the adapter's around it); every other one trains. "
                         "ZeroTrainer's --zero_stage auto writes it from its model")
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "against the device's capacity, and its speed (needs matplotlib: pip install hf_zero[plot])")
     machine = parser.add_argument_group("the machine's speed (the step-time model; defaults: A100 nodes)")
     for f in fields(Machine):
-        if f.name not in ("gpu_memory", "host_memory", "nvme_memory"):
+        if f.name not in ("gpu_memory", "host_memory", "nvme_capacity"):
             machine.add_argument(f"--{f.name}", type=float, default=f.default, help=f"(default {f.default})")
 
 
@@ -103,16 +105,17 @@ def check(args: argparse.Namespace) -> str | None:
         if args.gpus_per_node % args.hpz_partition_size:
             return (f"--hpz_partition_size must divide --gpus_per_node ({args.gpus_per_node}); got "
                     f"{args.hpz_partition_size}")
-    if args.zero_stage in ("0", "1", "2", "3"):  # the engine's own rule; an `auto` offload is chosen within it
-        conflict = offload_conflict(int(args.zero_stage), args.offload_optimizer.replace("auto", "none"),
-                                    args.offload_param.replace("auto", "none"), lambda key: f"--{key}")
-        if conflict:
-            return conflict
+    # The engine's own rule, with an `auto` offload at the value it is chosen from (where the other is given, the
+    # same place), at the stage given or at stage 3, where every offload is allowed.
+    given = {key: getattr(args, key) for key in ("offload_optimizer", "offload_param") if getattr(args, key) != "auto"}
+    offloads = given | offloads_to_check(given, [key for key in ("offload_optimizer", "offload_param")
+                                                 if key not in given])
+    stage = int(args.zero_stage) if args.zero_stage in ("0", "1", "2", "3") else 3
+    conflict = offload_conflict(stage, offloads["offload_optimizer"], offloads["offload_param"], lambda key: f"--{key}")
+    if conflict:
+        return conflict
     if args.offload_param == "cpu" and args.offload_optimizer == "none":
         return "--offload_param cpu is planned with --offload_optimizer cpu; got --offload_optimizer none"
-    if args.offload_param == "nvme" and args.offload_optimizer not in ("auto", "nvme"):
-        return (f"--offload_param nvme needs --offload_optimizer nvme (the parameters are written in the optimizer's "
-                f"NVMe stream); got --offload_optimizer {args.offload_optimizer}")
     to_nvme = [f"--{key} nvme" for key in ("offload_optimizer", "offload_param") if getattr(args, key) == "nvme"]
     if to_nvme and not args.nvme:
         return f"{to_nvme[0]} needs --nvme, the NVMe of each machine (such as --nvme 3.8TB)"
@@ -121,18 +124,9 @@ def check(args: argparse.Namespace) -> str | None:
             args.sample = read_sample(args.sample)
         except (OSError, ValueError) as error:
             return f"--sample {args.sample}: {error}"
-    try:
-        from hf_zero.plan.simulate import optimizer_class
-
-        optimizer_class(args.optimizer)
-    except ValueError as error:
-        return f"--optimizer: {error}"
-    try:
-        if not isinstance(json.loads(args.optimizer_kwargs), dict):
-            raise ValueError("not an object")
-    except ValueError as error:
-        return (f"--optimizer_kwargs must be a JSON object such as {{\"lr\": 0.0001}}; got {args.optimizer_kwargs} "
-                f"({error})")
+    problem = optimizer_problem(args.optimizer, args.optimizer_kwargs)
+    if problem:
+        return problem
     problem = engine_settings_problem(args.engine_settings)
     if problem:
         return f"--engine_settings {problem}"
@@ -148,6 +142,30 @@ def check(args: argparse.Namespace) -> str | None:
             args.frozen = read_frozen(args.frozen)
         except (OSError, ValueError) as error:
             return f"--frozen {args.frozen}: {error}"
+    return None
+
+
+def optimizer_problem(name: str, kwargs: str) -> str | None:
+    """What is wrong with --optimizer and --optimizer_kwargs, or None: the class must be torch's or transformers', and
+    take the arguments (tried on one parameter of one element)."""
+    import torch
+
+    from hf_zero.plan.simulate import optimizer_class
+
+    try:
+        cls = optimizer_class(name)
+    except ValueError as error:
+        return f"--optimizer: {error}"
+    try:
+        settings = json.loads(kwargs)
+        if not isinstance(settings, dict):
+            raise ValueError("not an object")
+    except ValueError as error:
+        return f"--optimizer_kwargs must be a JSON object such as {{\"lr\": 0.0001}}; got {kwargs} ({error})"
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **settings)
+    except (TypeError, ValueError) as error:
+        return f"--optimizer_kwargs {kwargs}: {name} does not take them ({error})"
     return None
 
 
@@ -224,10 +242,11 @@ def run(args: argparse.Namespace) -> int:
     if seq_len > longest:
         raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
     job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or (),
-              args.adapter, args.frozen, args.optimizer, args.optimizer_kwargs, args.engine_settings)
-    machine = Machine(args.gpu_memory, args.host_memory, nvme_memory=args.nvme,
+              adapter=args.adapter, adapter_name=args.adapter_name, frozen=args.frozen, optimizer=args.optimizer,
+              optimizer_kwargs=args.optimizer_kwargs, engine_settings=args.engine_settings)
+    machine = Machine(args.gpu_memory, args.host_memory, nvme_capacity=args.nvme,
                       **{f.name: getattr(args, f.name) for f in fields(Machine)
-                         if f.name not in ("gpu_memory", "host_memory", "nvme_memory")})
+                         if f.name not in ("gpu_memory", "host_memory", "nvme_capacity")})
     fixed = fixed_settings(args)
     say = (lambda line: None) if args.json else (lambda line: print(f"  {line}", flush=True))
     if {"zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "micro_batch"} <= fixed.keys() \
@@ -283,7 +302,7 @@ def report(job: Job, machine: Machine, chosen: Plan | None, candidates: list[Can
         lines.append(f"| {where} | " + " | ".join(f"{held[k] / GB:.3g}" for k in KEYS) +
                      f" | {sum(held.values()) / GB:.3g} |")
     if chosen.nvme_per_node:
-        lines.append(f"NVMe: {max(r.nvme for r in chosen.ranks) / GB:.3g} GB of files a rank, "
+        lines.append(f"NVMe: {max(r.nvme_file_bytes for r in chosen.ranks) / GB:.3g} GB of files a rank, "
                      f"{chosen.nvme_per_node / GB:.3g} GB a node")
     traffic = chosen.traffic()
     seconds = chosen.step_seconds
@@ -313,7 +332,8 @@ def _what_would(job: Job, machine: Machine, plans: list[Plan]) -> str:
             needs.append(f"a shorter sequence or checkpointing: activations and temporaries take "
                          f"{rank.transient / GB:.1f} GB of the {rank.device_peak / GB:.1f} GB peak")
     if not least.fits_host:
-        nvme = "" if machine.nvme_memory else " (or NVMe, given as --nvme: the offloaded states can go there)"
+        nvme = "" if machine.nvme_capacity else (" (or NVMe for the offloaded states: hf-zero plan's --nvme; in a run, "
+                                               "an NVMe folder with the offloads left to auto)")
         needs.append(f"more host memory: {least.host_per_node / GB:.1f} GB a node{nvme}")
     if not least.fits_nvme:
         needs.append(f"more NVMe: {least.nvme_per_node / GB:.1f} GB a node")

@@ -43,6 +43,7 @@ from hf_zero.settings.config import (
     ZeroConfigError,
     check_compile_backend,
     nvme_left_to_plan,
+    offloads_to_check,
     plan_conflict,
     stage_to_check,
     stages_allowed,
@@ -113,8 +114,8 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
         raise ZeroConfigError(conflict)
     # Every other flag is checked first: the planned ones at their defaults, the stage at one the other settings
     # allow (hpZ needs stage 3: the plan chooses among those), without the NVMe folder an offload may choose.
-    defaults = {key: ZeroConfig.__dataclass_fields__[key].default for key in asked}
     settings = {key: value for key, value in engine_config(args).items() if key not in asked}
+    defaults = {key: ZeroConfig.__dataclass_fields__[key].default for key in asked} | offloads_to_check(settings, asked)
     nvme_folder = nvme_left_to_plan(settings, asked, option_of)
     defaults["nvme_path"] = settings.get("nvme_path")
     stages = stages_allowed({**settings, **defaults}, option_of) if "zero_stage" in asked else ()
@@ -135,13 +136,15 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     job = Job(args.model, processes // per_node, per_node, args.dtype, args.seq_len, device_bytes,
               engine_settings=json.dumps(engine_settings))
     fixed = {key: getattr(args, key) for key in PLANNED if key not in asked}
+    if compute_device().type == "cpu":  # the device's memory is the host's: offloading to it frees nothing
+        fixed |= offloads_to_check(settings, asked)
     if stages:
         fixed["zero_stage"] = stages[0] if len(stages) == 1 else stages
     fixed |= {"micro_batch": args.batch_size, "gradient_checkpointing": False,
               "hpz_partition_size": args.hpz_partition_size}
     logger.info(f"planning {', '.join('--' + key for key in asked)} for {processes} process(es), "
                 f"{device_bytes / 1e9:.3g} GB each ({where}) ...")
-    machine = Machine(device_bytes, host_bytes, nvme_memory=nvme_bytes)
+    machine = Machine(device_bytes, host_bytes, nvme_capacity=nvme_bytes)
     chosen, candidates = choose(job, machine, fixed, say=logger.info)
     print(report(job, machine, chosen, candidates), flush=True)
     if chosen is None:

@@ -43,6 +43,7 @@ from hf_zero.settings.config import (
     flag_rows,
     help_of,
     nvme_left_to_plan,
+    offloads_to_check,
     plan_conflict,
     read_settings_file,
     stage_to_check,
@@ -288,6 +289,7 @@ def check_plannable(args: Any, settings: dict[str, Any]) -> None:
     conflict = plan_conflict(tp if isinstance(tp, int) else 1, trainer_flag(args.zero_planned[0]))
     if conflict:
         raise ZeroConfigError(conflict)
+    settings |= offloads_to_check(settings, args.zero_planned)
     args.zero_nvme_to_plan = nvme_left_to_plan(settings, args.zero_planned, trainer_flag)
     # The plan chooses among the stages the other settings allow; the settings are checked now at one of them.
     args.zero_stages = (0, 1, 2, 3)

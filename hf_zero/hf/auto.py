@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -39,7 +41,7 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.ledger import Ledger
 from hf_zero.runtime.memory import memory_left
-from hf_zero.settings.config import SET_BY_THE_PLAN, ZeroConfig, ZeroConfigError, trainer_flag
+from hf_zero.settings.config import SET_BY_THE_PLAN, ZeroConfig, ZeroConfigError, offloads_to_check, trainer_flag
 from hf_zero.settings.environment import processes_per_node
 
 logger = logging.get_logger(__name__)
@@ -106,13 +108,15 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
     args, model = trainer.args, trainer.model
     config: ZeroConfig = args.zero_engine_config
     flag = trainer_flag(args.zero_planned[0])
+    # The other ranks wait for the answer in one collective: reading the batch and the plan must end before it times
+    # out.
+    deadline = time.monotonic() + 0.9 * args.ddp_timeout
     fixed = {key: str(getattr(config, key)) for key in ("zero_stage", "offload_optimizer", "offload_param")
              if key not in args.zero_planned}
     if "zero_stage" in args.zero_planned and args.zero_stages != (0, 1, 2, 3):
         fixed["zero_stage"] = ",".join(map(str, args.zero_stages))
-    if compute_device().type == "cpu":
-        # The device's memory is the host's: offloading to it frees nothing and adds copies.
-        fixed |= {key: "none" for key in ("offload_optimizer", "offload_param") if key in args.zero_planned}
+    if compute_device().type == "cpu":  # the device's memory is the host's: offloading to it frees nothing
+        fixed |= offloads_to_check(dataclasses.asdict(config), args.zero_planned)
     # The NVMe an offload may use: the folder's disk, which the node's ranks share.
     nvme_folder = config.nvme_path or args.zero_nvme_to_plan
     nvme = ["--nvme", f"{shutil.disk_usage(nvme_folder).free / 1e9:.9f}GB"] if nvme_folder else []
@@ -125,8 +129,9 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
         # What trains: the adapter around the model, and exactly the parameters the run's model trains.
         adapter = []
         if _is_peft_model(model):
-            model.peft_config[model.active_adapter].save_pretrained(Path(folder, "adapter"))
-            adapter = ["--adapter", str(Path(folder, "adapter"))]
+            (name, peft_config), = model.peft_config.items()  # one adapter (check_model)
+            peft_config.save_pretrained(Path(folder, "adapter"))
+            adapter = ["--adapter", str(Path(folder, "adapter")), "--adapter_name", name]
         Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
                                                            if not p.requires_grad]))
         optimizer, optimizer_kwargs = _optimizer_of(trainer.optimizer, flag)
@@ -149,12 +154,12 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
                    "--hpz_partition_size", str(config.hpz_partition_size), *nvme,
                    *(arg for key, value in fixed.items() for arg in (f"--{key}", value))]
         env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARIABLES} | {"CUDA_VISIBLE_DEVICES": ""}
-        # The other ranks wait for the answer in one collective: the plan must end before it times out.
-        seconds = 0.9 * args.ddp_timeout
         try:
-            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=seconds)
+            done = subprocess.run(command, capture_output=True, text=True, env=env,
+                                  timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise ZeroConfigError(f"{flag} auto: the plan took longer than {seconds:.0f} s, 90% of --ddp_timeout, "
+            raise ZeroConfigError(f"{flag} auto: planning took longer than {0.9 * args.ddp_timeout:.0f} s, 90% of "
+                                  f"--ddp_timeout, "
                                   f"which the other ranks wait: give {flag} a value (`hf-zero plan` answers "
                                   f"beforehand), or a longer --ddp_timeout") from None
     try:
@@ -201,7 +206,8 @@ def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str) -> tuple[str, str
     # Its settings as its constructor takes them (torch's defaults also hold what a class sets itself).
     accepted = inspect.signature(cls).parameters
     try:
-        return name, json.dumps({key: value for key, value in optimizer.defaults.items() if key in accepted})
+        return name, json.dumps({key: value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+                                 for key, value in optimizer.defaults.items() if key in accepted})
     except TypeError as error:
         raise ZeroConfigError(f"{flag} auto: {name}'s settings cannot be planned ({error}): give {flag} a "
                               f"value") from None
@@ -218,6 +224,9 @@ def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:
 
     dataset, collate = trainer.train_dataset, trainer.data_collator
     count = trainer.args.per_device_train_batch_size
+    if not _iterable(dataset) and not len(dataset):
+        raise ZeroConfigError(f"{trainer_flag(trainer.args.zero_planned[0])} auto plans for the training data's "
+                              f"batches; the training dataset is empty")
     picked = _longest(dataset, count, _main_input(trainer))
     if _is_datasets_dataset(dataset):  # as Trainer._get_dataloader
         dataset = trainer._remove_unused_columns(dataset, description="training")
@@ -249,25 +258,35 @@ def _main_input(trainer: Any) -> str:
 
 def _longest(dataset: Any, count: int, name: str) -> list[int] | None:
     """The indices of the `count` longest samples by their `name` (the first of equal ones), or None where the
-    lengths cannot be known."""
-    if _iterable(dataset) or not len(dataset):
+    lengths cannot be known: an iterable dataset, or a sample without `name` as a sequence."""
+    if _iterable(dataset):
         return None
     if _is_datasets_dataset(dataset):
-        if name not in dataset.column_names:
-            return None
+        import pyarrow
         import pyarrow.compute
 
+        if name not in dataset.column_names:
+            return None
         # One pass over the column in Arrow, in the dataset's order (a shuffle's or a select's indices applied).
         column = dataset.with_format("arrow").select_columns([name])[:][name]
-        lengths = pyarrow.compute.list_value_length(column).to_numpy(zero_copy_only=False)
+        if not pyarrow.types.is_list(column.type) and not pyarrow.types.is_large_list(column.type):
+            return None
+        lengths = pyarrow.compute.fill_null(pyarrow.compute.list_value_length(column), 0).to_pylist()
     else:
-        samples = (dataset[i] for i in range(len(dataset)))
-        lengths = [len(sample[name]) if isinstance(sample, dict) and hasattr(sample.get(name), "__len__") else None
-                   for sample in samples]
+        lengths = [_length(dataset[i], name) for i in range(len(dataset))]
         if None in lengths:
             return None
-    order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))  # stable: the first of equal ones
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: the first of equal ones
     return sorted(order[:count])
+
+
+def _length(sample: Any, name: str) -> int | None:
+    """The length of `sample[name]`, a sequence (a list, or a tensor or array of one dimension or more), or None."""
+    value = sample.get(name) if isinstance(sample, Mapping) else None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    shape = getattr(value, "shape", None)
+    return shape[0] if shape else None
 
 
 @contextlib.contextmanager
@@ -307,7 +326,8 @@ def _shapes(sample: dict[str, dict[str, Any]]) -> str:
 def _said(plan: dict[str, Any], chosen: dict[str, Any]) -> str:
     rank = plan["per_rank"]
     lines = [f"planned: {', '.join(f'{trainer_flag(key)} {value}' for key, value in chosen.items())} "
-             f"({plan['params']:,} parameters; a batch of {plan['batch_of']}, a sample: {_shapes(plan['sample'])}); "
+             f"({plan['params']:,} parameters, {plan['trained_params']:,} trained; a batch of {plan['batch_of']}, "
+             f"a sample: {_shapes(plan['sample'])}); "
              f"rank {rank['rank']} at the step's peak: device {rank['device']['peak'] / 1e9:.3g} GB of "
              f"{plan['gpu_memory'] / 1e9:.3g} GB, host {rank['host']['peak'] / 1e9:.3g} GB. Candidates:"]
     lines += [f"  {c['setting']}: {c['outcome']}" for c in plan["candidates"]]

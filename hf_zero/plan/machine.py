@@ -22,5 +22,5 @@ class Machine:
     inter_node_gbps: float = 25.0  # GB/s each GPU sends to other nodes
     pcie_gbps: float = 16.0  # GB/s between a GPU and its host
     cpu_adam_ns: float = 1.0  # host ns per parameter of a rank's offloaded step
-    nvme_memory: int = 0  # bytes of NVMe per node for ZeRO-Infinity's files; 0: none
+    nvme_capacity: int = 0  # bytes of NVMe per node for ZeRO-Infinity's files; 0: none
     nvme_gbps: float = 25.0  # GB/s a node's NVMe reads and writes, shared by its ranks

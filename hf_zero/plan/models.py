@@ -30,16 +30,17 @@ def model_config(model: str) -> Any:
                          f"or cached Hub model with a config.json: {str(error).splitlines()[0]}") from None
 
 
-def build_model(model: str, adapter: str | None = None, frozen: tuple[str, ...] | None = None) -> torch.nn.Module:
+def build_model(model: str, adapter: str | None = None, frozen: tuple[str, ...] | None = None,
+                adapter_name: str = "default") -> torch.nn.Module:
     """The model to train, built from its config (random weights: a plan needs sizes only), with the peft adapter
-    saved in folder `adapter` (its adapter_config.json) around it, and, where `frozen` names the parameters that do
-    not train, every other one trained (else what the class and the adapter train). Attention dropout is 0: a GPU's
-    fused attention (flash) keeps no sequence x sequence matrices with or without dropout, and the CPU's fused
-    kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form."""
+    saved in folder `adapter` (its adapter_config.json) around it under `adapter_name`, and, where `frozen` names
+    the parameters that do not train, every other one trained (else what the class and the adapter train). Attention
+    dropout is 0: a GPU's fused attention (flash) keeps no sequence x sequence matrices with or without dropout, and
+    the CPU's fused kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form."""
     if adapter is None:
         built = _base_model(model)
     else:
-        built = _with_adapter(model, adapter)
+        built = _with_adapter(model, adapter, adapter_name)
     if frozen is not None:
         names = {name for name, _ in built.named_parameters()}
         unknown = sorted(set(frozen) - names)
@@ -51,7 +52,7 @@ def build_model(model: str, adapter: str | None = None, frozen: tuple[str, ...] 
     return built
 
 
-def _with_adapter(model: str, adapter: str) -> torch.nn.Module:
+def _with_adapter(model: str, adapter: str, adapter_name: str) -> torch.nn.Module:
     """The model with the peft adapter around it, built on the meta device and then given fake memory (in a plan's
     fake mode) on the host, tied weights kept tied. Built in fake mode directly, peft's move of each adapter layer to
     its base layer's device would fail: torch swaps a fake parameter for its moved copy, which the fake mode's own
@@ -59,7 +60,7 @@ def _with_adapter(model: str, adapter: str) -> torch.nn.Module:
     from peft import PeftConfig, get_peft_model
 
     with torch.device("meta"):
-        built = get_peft_model(_base_model(model), PeftConfig.from_pretrained(adapter))
+        built = get_peft_model(_base_model(model), PeftConfig.from_pretrained(adapter), adapter_name=adapter_name)
     given: dict[int, torch.nn.Parameter] = {}
     for module in built.modules():
         for name, param in module._parameters.items():

@@ -27,8 +27,11 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
+import torch
+
+from hf_zero.optim.optimizer import check_optimizer
 from hf_zero.plan.machine import GB, KEYS, Machine
-from hf_zero.plan.simulate import Job, RankStep, Setting, simulate_rank
+from hf_zero.plan.simulate import Job, RankStep, Setting, optimizer_class, simulate_rank
 from hf_zero.settings.config import ZeroConfig, ZeroConfigError
 
 
@@ -61,11 +64,11 @@ class Plan:
     @property
     def nvme_per_node(self) -> int:
         """The NVMe a node's ranks take together, each at the most any simulated rank took."""
-        return max(r.nvme for r in self.ranks) * self.job.gpus_per_node
+        return max(r.nvme_file_bytes for r in self.ranks) * self.job.gpus_per_node
 
     @property
     def fits_nvme(self) -> bool:
-        return self.nvme_per_node <= self.machine.nvme_memory
+        return self.nvme_per_node <= self.machine.nvme_capacity
 
     @property
     def fits(self) -> bool:
@@ -84,8 +87,9 @@ class Plan:
         rank, traffic = self.busiest, self.traffic()
         return {
             "setting": asdict(self.setting),
-            "model": self.job.model, "params": rank.params, "trained_params": rank.trained, "nodes": self.job.nodes,
-            "optimizer": self.job.optimizer, "engine_settings": json.loads(self.job.engine_settings),
+            "model": self.job.model, "params": rank.params, "trained_params": rank.trained_params,
+            "nodes": self.job.nodes, "optimizer": self.job.optimizer,
+            "engine_settings": json.loads(self.job.engine_settings),
             "gpus_per_node": self.job.gpus_per_node, "seq_len": self.job.seq_len, "dtype": self.job.dtype,
             "per_rank": {
                 "rank": rank.rank,
@@ -102,7 +106,7 @@ class Plan:
             "nvme_per_node": self.nvme_per_node,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host,
             "fits_nvme": self.fits_nvme, "gpu_memory": self.machine.gpu_memory,
-            "host_memory": self.machine.host_memory, "nvme_memory": self.machine.nvme_memory,
+            "host_memory": self.machine.host_memory, "nvme_capacity": self.machine.nvme_capacity,
         }
 
 
@@ -141,7 +145,7 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
     network = (rank.sent.get("intra-node", 0) / (machine.intra_node_gbps * GB)
                + rank.sent.get("inter-node", 0) / (machine.inter_node_gbps * GB))
     copies = sum(rank.copied.values()) / (machine.pcie_gbps * GB)
-    host = (rank.trained / job.world_size * machine.cpu_adam_ns * 1e-9
+    host = (rank.trained_params / job.world_size * machine.cpu_adam_ns * 1e-9
             if setting.offload_optimizer != "none" else 0.0)
     nvme = rank.nvme_moved / (machine.nvme_gbps * GB / job.gpus_per_node)
     return {"compute": compute, "network": network, "copies": copies, "host": host, "nvme": nvme,
@@ -206,12 +210,20 @@ def _bases(job: Job, fixed: dict, nvme: bool) -> list[Setting]:
 
 def _valid(setting: Setting, job: Job) -> bool:
     """Whether the engine takes `setting` with the job's other engine settings (qwZ needs stage 3, a delayed update an
-    offloaded optimizer, ...)."""
+    offloaded optimizer, ...) and its optimizer (NVMe streams Adam's states only), as it checks them itself."""
+    config = ZeroConfig(**setting.engine_config(job))
     try:
-        ZeroConfig(**setting.engine_config(job)).validate()
+        config.validate()
+        check_optimizer(_probe_optimizer(job), config)
     except ZeroConfigError:
         return False
     return True
+
+
+def _probe_optimizer(job: Job) -> torch.optim.Optimizer:
+    """The job's optimizer over one parameter of one element: what the engine's checks look at is its class and
+    settings."""
+    return optimizer_class(job.optimizer)([torch.nn.Parameter(torch.zeros(1))], **json.loads(job.optimizer_kwargs))
 
 
 def _largest_micro_batch(probe: Plan, machine: Machine, limit: int) -> int:
@@ -240,7 +252,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     fixed_micro = fixed.get("micro_batch")
     checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
     fits_with_less_offload: set[tuple] = set()
-    for base in _bases(job, fixed, machine.nvme_memory > 0):
+    for base in _bases(job, fixed, machine.nvme_capacity > 0):
         for ckpt in checkpointing:
             setting = replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
             candidate = Candidate(setting)
@@ -279,7 +291,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
                                  f"more than {machine.host_memory / GB:.0f} GB")
         elif not probe.fits_nvme:
             candidate.outcome = (f"NVMe: {probe.nvme_per_node / GB:.1f} GB a node, "
-                                 f"more than {machine.nvme_memory / GB:.0f} GB")
+                                 f"more than {machine.nvme_capacity / GB:.0f} GB")
         elif fixed_micro is None:
             m = _largest_micro_batch(probe, machine, max_micro_batch)
             if m == 0:

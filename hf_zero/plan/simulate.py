@@ -53,6 +53,7 @@ class Job:
     # first batch holds. Empty: a language model's input_ids and labels of seq_len tokens.
     sample: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
     adapter: str | None = None  # a folder holding a peft adapter's adapter_config.json, put around the model
+    adapter_name: str = "default"  # the name peft gives it (its parameters' names hold it)
     frozen: tuple[str, ...] | None = None  # the parameters that do not train; None: as the class and adapter have it
     optimizer: str = "torch.optim.AdamW"  # its class, torch's or transformers' (`optimizer_class`)
     optimizer_kwargs: str = '{"lr": 0.0001}'  # its keyword arguments, as a JSON object
@@ -116,9 +117,9 @@ class RankStep:
     # is the host's (a CPU run); less than the two places' peaks added, which come at different moments.
     together_peak: int = 0
     setup_together_peak: int = 0
-    nvme: int = 0  # bytes of the rank's NVMe files (ZeRO-Infinity)
+    nvme_file_bytes: int = 0  # what the rank's NVMe files take (ZeRO-Infinity)
     nvme_moved: int = 0  # bytes the step read from and wrote to them
-    trained: int = 0  # the parameters that train (the optimizer steps)
+    trained_params: int = 0  # the parameters that train (the optimizer steps)
     seconds: float = 0.0  # what simulating it took
 
     @property
@@ -269,7 +270,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
 
     with simulated_world(job.world_size, rank), _FakeReads(allow_non_fake_inputs=True), count, \
             timeline_in_force(line), watching_spans(count.span), _forwards_counted(count):
-        model = build_model(job.model, job.adapter, job.frozen)
+        model = build_model(job.model, job.adapter, job.frozen, job.adapter_name)
         params = sum(p.numel() for p in model.parameters())
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         whole = params * BYTES_PER_ELEMENT[job.dtype]
@@ -278,7 +279,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
             # cut to the little memory left, would number in the millions. Said without running the engine.
             held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
             return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
-                            {}, {}, 0, {}, 0, params, together_peak=whole, trained=trained)
+                            {}, {}, 0, {}, 0, params, together_peak=whole, trained_params=trained)
         for p in model.parameters():
             count.track(p, "parameters")
             if p.requires_grad:

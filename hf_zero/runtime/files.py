@@ -5,6 +5,7 @@ files that count the bytes allocated, read and written: its tensors have sizes a
 touches the folder it names."""
 from __future__ import annotations
 
+import abc
 import ctypes
 import errno
 import os
@@ -15,18 +16,42 @@ from pathlib import Path
 import torch
 
 
-class Files:
+class Files(abc.ABC):
+    """What the NVMe tier does with its files: each kind of files does all of it, so that none falls through to a
+    disk it must not touch."""
+
+    @abc.abstractmethod
+    def fresh_folder(self, folder: Path) -> None:
+        """An empty `folder`: what an earlier run left there is never resumed from."""
+
+    @abc.abstractmethod
+    def allocate(self, path: Path, nbytes: int) -> int:
+        """A file of `nbytes` at `path`, its room taken now (too little fails here: OSError), open for reading and
+        writing; its descriptor."""
+
+    @abc.abstractmethod
+    def transfer(self, fd: int, tensor: torch.Tensor, offset: int, read: bool) -> None:
+        """Fills host tensor `tensor` from byte `offset` of the file (`read`), or writes it there; OSError when
+        fewer bytes moved."""
+
+    @abc.abstractmethod
+    def close(self, fd: int) -> None:
+        """The file is done with."""
+
+    @abc.abstractmethod
+    def executor(self, workers: int, name: str) -> Executor:
+        """Where the transfers run beside the host's update."""
+
+
+class DiskFiles(Files):
     """The disk: `os.posix_fallocate` to size a file before training starts, `os.preadv`/`os.pwritev` straight
     into and out of host tensors' memory (they release the GIL, so I/O threads overlap the host's update)."""
 
     def fresh_folder(self, folder: Path) -> None:
-        """An empty `folder`: what an earlier run left there is never resumed from."""
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
 
     def allocate(self, path: Path, nbytes: int) -> int:
-        """A file of `nbytes` at `path`, its blocks allocated now (a disk too small fails here: OSError), open for
-        reading and writing; its descriptor."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if nbytes:
@@ -37,9 +62,7 @@ class Files:
         return fd
 
     def transfer(self, fd: int, tensor: torch.Tensor, offset: int, read: bool) -> None:
-        """Fills host tensor `tensor` from byte `offset` of the file (`read`), or writes it there, once the caller
-        made sure the host may (hf_zero.runtime.device.check_host_access); OSError when the operating system moved
-        fewer bytes."""
+        # The caller made sure the host may touch `tensor` now (hf_zero.runtime.device.check_host_access).
         view = host_bytes(tensor)
         done = os.preadv(fd, [view], offset) if read else os.pwritev(fd, [view], offset)
         if done != len(view):
@@ -49,11 +72,10 @@ class Files:
         os.close(fd)
 
     def executor(self, workers: int, name: str) -> Executor:
-        """The threads the transfers run on beside the host's update."""
         return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
 
 
-DISK = Files()
+DISK = DiskFiles()
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:

@@ -343,13 +343,6 @@ class ZeroConfig:
         if self.nvme_path and not uses_nvme:
             fail("nvme_path", f"is set but nothing is offloaded to nvme; set {name('offload_optimizer')} "
                               f"or {name('offload_param')} to nvme, or drop {name('nvme_path')}")
-        if self.offload_param == "nvme" and self.offload_optimizer != "nvme":
-            # The parameters are written in the optimizer's NVMe tile stream, so that a step lands whole or
-            # not at all; with the optimizer states in host memory (12 bytes per element) the parameters'
-            # 2-4 bytes on disk would save little.
-            fail("offload_param", f"nvme needs {name('offload_optimizer')} nvme (the parameters are written in "
-                                  f"the optimizer's NVMe stream); got {name('offload_optimizer')} "
-                                  f"{self.offload_optimizer}. Set both to nvme, or {name('offload_param')} cpu")
         if self.nvme_path and uses_nvme:
             problem = nvme_path_problem(self.nvme_path)
             if problem:
@@ -437,6 +430,13 @@ def offload_conflict(zero_stage: int, offload_optimizer: str, offload_param: str
     if offload_optimizer != "none" and zero_stage == 0:
         return (f"{name('offload_optimizer')} needs {name('zero_stage')} 1, 2 or 3 (each rank offloads its own "
                 f"partition); got {name('zero_stage')} 0")
+    if offload_param == "nvme" and offload_optimizer != "nvme":
+        # The parameters are written in the optimizer's NVMe tile stream, so that a step lands whole or not at all;
+        # with the optimizer states in host memory (12 bytes per element) the parameters' 2-4 bytes on disk would save
+        # little.
+        return (f"{name('offload_param')} nvme needs {name('offload_optimizer')} nvme (the parameters are written in "
+                f"the optimizer's NVMe stream); got {name('offload_optimizer')} {offload_optimizer}. Set both to "
+                f"nvme, or {name('offload_param')} cpu")
     return None
 
 
@@ -447,6 +447,19 @@ def plan_conflict(tensor_parallel_size: int, flag: str) -> str | None:
         return (f"{flag} auto plans data parallelism; got --tensor_parallel_size {tensor_parallel_size}: give {flag} "
                 f"a value, or drop --tensor_parallel_size")
     return None
+
+
+def offloads_to_check(settings: dict[str, Any], planned: Iterable[str]) -> dict[str, str]:
+    """For the offloads left to a plan, the value the other settings are checked at, and the one a plan on a CPU takes
+    (there the device's memory is the host's: offloading frees nothing): none, or for the optimizer's where the
+    parameters' is given, the same place (parameters on NVMe are written in the optimizer's NVMe stream; a plan
+    offloads parameters to CPU memory with the optimizer)."""
+    checked = {}
+    if "offload_optimizer" in planned:
+        checked["offload_optimizer"] = {"nvme": "nvme", "cpu": "cpu"}.get(settings.get("offload_param"), "none")
+    if "offload_param" in planned:
+        checked["offload_param"] = "none"
+    return checked
 
 
 def nvme_left_to_plan(settings: dict[str, Any], planned: Iterable[str], name: Callable[[str], str] = str

@@ -96,6 +96,15 @@ def test_the_engines_other_settings_narrow_the_candidates_to_those_the_engine_ta
     assert out["candidates"] and all(c["setting"].startswith("stage 3") for c in out["candidates"])
 
 
+def test_nvme_is_not_a_candidate_for_an_optimizer_whose_states_it_cannot_stream(capsys):
+    """The engine streams Adam's states through NVMe only: with SGD the plan goes on without NVMe's candidates."""
+    assert main(["plan", *TINY, "--micro_batch", "1", "--gradient_checkpointing", "false", "--json", "--nvme", "1TB",
+                 "--optimizer", "torch.optim.SGD", "--optimizer_kwargs", '{"lr": 0.1, "momentum": 0.9}']) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["optimizer"] == "torch.optim.SGD"
+    assert out["candidates"] and not any("nvme" in c["setting"] for c in out["candidates"])
+
+
 def test_plot_draws_the_candidates_as_a_png(tmp_path, capsys):
     drawn = tmp_path / "plan.png"
     assert main(["plan", *TINY, "--gpu_memory", "0.0025GB", "--max_micro_batch", "2", "--plot", str(drawn)]) == 0

@@ -206,7 +206,9 @@ def test_zero_stage_auto_plans_among_the_stages_the_other_flags_allow():
 @pytest.mark.parametrize("given, on_nvme", [
     (["--zero_stage", "auto", "--offload_optimizer", "nvme", "--offload_param", "nvme"], True),
     (["--zero_stage", "3", "--offload_optimizer", "auto"], False),
-], ids=["offloaded to NVMe, the stage planned", "the offload planned"])
+    (["--zero_stage", "3", "--offload_optimizer", "auto", "--offload_param", "nvme"], True),
+], ids=["offloaded to NVMe, the stage planned", "the offload planned",
+        "the optimizer's offload planned beside parameters on NVMe (which need it there)"])
 def test_zero_stage_auto_plans_with_nvme_and_keeps_the_folder_only_where_the_plan_offloads_there(tmp_path, given,
                                                                                                    on_nvme):
     """The processes start with what the plan chose: the NVMe folder where it offloads there, else none, said to

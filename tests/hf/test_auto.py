@@ -6,7 +6,7 @@ import numpy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import DataCollatorForLanguageModeling, GPT2LMHeadModel, HfArgumentParser, Trainer
+from transformers import BatchEncoding, DataCollatorForLanguageModeling, GPT2LMHeadModel, HfArgumentParser, Trainer
 
 from hf_zero import ZeroTrainer
 from hf_zero.hf import auto
@@ -107,6 +107,29 @@ def test_what_a_plan_cannot_cover_is_refused_before_training_naming_the_flag(tmp
                     train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
 
 
+@pytest.mark.parametrize("samples, which", [
+    ([BatchEncoding({"input_ids": [1] * n}) for n in (3, 9, 1, 12, 5, 2)], "the longest samples"),
+    ([{"input_ids": torch.ones(n, dtype=torch.long)} for n in (3, 9, 1, 12, 5, 2)], "the longest samples"),
+    ([{"input_ids": torch.tensor(n)} for n in (3, 9, 1, 12, 5, 2)], "the first samples"),
+], ids=["a tokenizer's encodings", "tensors", "no sequence to measure"])
+def test_samples_are_measured_where_they_hold_a_sequence_and_else_the_first_are_planned_for(tmp_path, samples,
+                                                                                            which):
+    trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=samples,
+        data_collator=lambda rows: {"input_ids": torch.stack([torch.atleast_1d(torch.as_tensor(r["input_ids"]))[:1]
+                                                              for r in rows])})
+    batch, said = auto.longest_batch(trainer)
+    assert said.startswith(which)
+
+
+def test_an_empty_training_set_is_refused_naming_the_flag(tmp_path):
+    trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=[])
+    with pytest.raises(ZeroConfigError, match="--zero_stage auto plans for the training data's batches; the "
+                                              "training dataset is empty"):
+        auto.longest_batch(trainer)
+
+
 def frozen_layers():
     model = tiny_model("gpt2")
     model.transformer.h[0].requires_grad_(False)
@@ -188,6 +211,28 @@ def test_auto_plans_with_nvme_offload_and_keeps_the_folder_only_where_the_plan_o
         assert config.offload_optimizer == "none" and config.nvme_path is None
         assert f"--zero_nvme_path {tmp_path / 'nvme'} is not used" in caplog.text
     assert not any((tmp_path / "nvme").iterdir())  # planning wrote nothing there
+
+
+def test_where_the_plan_offloads_to_nvme_the_folder_given_goes_back_into_the_engines_settings(tmp_path,
+                                                                                              monkeypatch):
+    """The other branch of the test above, which a CPU never takes (offloading frees nothing there): the plan's
+    answer (stage 3, the optimizer and parameters on NVMe, as a GPU machine with little host memory would choose) is
+    put in, and the engine's settings hold it with the folder given."""
+    (tmp_path / "nvme").mkdir()
+    trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_nvme_path=str(tmp_path / "nvme"), zero_stage="auto",
+        zero_offload_optimizer="auto", zero_offload_param="auto", **ARGS),
+        train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}] * 8)
+    assert trainer.args.zero_engine_config.nvme_path is None  # held back for the plan
+    on_nvme = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}
+    monkeypatch.setattr(auto, "_plan", lambda trainer, per_node, device_bytes: {
+        "setting": on_nvme, "per_rank": {"rank": 0, "device": {"peak": 1}, "host": {"peak": 1},
+                                         "measured_peak": {"device": 1, "device_and_host": 1}},
+        "params": 1, "trained_params": 1, "batch_of": "the longest samples", "sample": {}, "gpu_memory": 1,
+        "candidates": []})
+    config, _ = auto.planned_config(trainer)
+    assert (config.zero_stage, config.offload_optimizer, config.offload_param) == (3, "nvme", "nvme")
+    assert config.nvme_path == str(tmp_path / "nvme")
 
 
 @pytest.mark.parametrize("given, stages", [

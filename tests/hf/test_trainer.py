@@ -218,6 +218,8 @@ def test_zero_stage_auto_plans_a_lora_adapter_and_fine_tunes_it_as_under_stock_d
                 torch.testing.assert_close(auto["trainable"][name], adapter, atol=1e-5, rtol=0)
             planned = next(line for line in auto["said"] if line.startswith("planned: "))
             assert planned.startswith(f"planned: --zero_stage {auto['engine_stage']} ")
+            trained = sum(adapter.numel() for adapter in stock["trainable"].values())
+            assert f" parameters, {trained:,} trained; " in planned  # the adapter alone, as stock DDP trains it
 
 
 @pytest.mark.slow

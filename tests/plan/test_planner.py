@@ -55,7 +55,7 @@ def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only
                architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     job = Job(str(tmp_path), 1, 1, seq_len=32)
     fixed = {"zero_stage": 3, "micro_batch": 1, "gradient_checkpointing": False}
-    big = Machine(10**12, 10**12, nvme_memory=10**12)
+    big = Machine(10**12, 10**12, nvme_capacity=10**12)
     measured = {offload: plan(job, Setting(3, *offload), big).busiest
                 for offload in [("none", "none"), ("cpu", "none"), ("cpu", "cpu"), ("nvme", "none")]}
     device = measured["nvme", "none"].device_peak + 10**6
@@ -63,22 +63,22 @@ def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only
     assert measured["none", "none"].device_peak > device  # the premise: offload is needed, the host too small for it
     assert min(measured["cpu", "none"].host_peak, measured["cpu", "cpu"].host_peak) > host
 
-    chosen, candidates = choose(job, Machine(device, host, nvme_memory=10**12), fixed)
+    chosen, candidates = choose(job, Machine(device, host, nvme_capacity=10**12), fixed)
     outcomes = {str(c.setting): c.outcome for c in candidates}
     assert chosen is not None and chosen.fits, outcomes
     assert (chosen.setting.offload_optimizer, chosen.setting.offload_param) == ("nvme", "none")
-    assert chosen.busiest.nvme == measured["nvme", "none"].nvme > 0
+    assert chosen.busiest.nvme_file_bytes == measured["nvme", "none"].nvme_file_bytes > 0
     assert outcomes["stage 3, optimizer on cpu, micro-batch 1"].startswith("host memory:")
     assert outcomes["stage 3, optimizer on nvme, parameters on nvme, micro-batch 1"].startswith(
         "not simulated: fits with less offload")
 
     chosen, candidates = choose(job, Machine(device, host), fixed)
     assert chosen is None and not any("nvme" in str(c.setting) for c in candidates)
-    assert "or NVMe, given as --nvme" in _what_would(job, Machine(device, host), [c.plan for c in candidates
-                                                                                  if c.plan])
+    said = _what_would(job, Machine(device, host), [c.plan for c in candidates if c.plan])
+    assert "or NVMe for the offloaded states: hf-zero plan's --nvme" in said
 
-    too_little = measured["nvme", "none"].nvme // 2
-    chosen, candidates = choose(job, Machine(device, host, nvme_memory=too_little), fixed)
+    too_little = measured["nvme", "none"].nvme_file_bytes // 2
+    chosen, candidates = choose(job, Machine(device, host, nvme_capacity=too_little), fixed)
     assert chosen is None
     outcomes = {str(c.setting): c.outcome for c in candidates}
     for on_nvme in ("optimizer on nvme", "optimizer on nvme, parameters on nvme"):

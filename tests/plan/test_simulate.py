@@ -192,7 +192,7 @@ def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent
             engine.step()
     assert allocator_peak(profiler) == pytest.approx(planned.measured_peak(one_memory=True), rel=0.05)
     assert planned.together_peak <= planned.device_peak + planned.host_peak
-    assert planned.trained == trained_count and (planned.trained < planned.params) == lora
+    assert planned.trained_params == trained_count and (planned.trained_params < planned.params) == lora
 
 
 @pytest.mark.parametrize("setting", [Setting(3, "nvme", "nvme"), Setting(2, "nvme"), Setting(3, "nvme", "cpu")],
@@ -206,22 +206,22 @@ def test_a_ranks_nvme_files_and_io_are_the_engines_on_disk(setting, tmp_path, mo
 
     import hf_zero
     from hf_zero.plan.models import build_model
-    from hf_zero.runtime.files import DISK, Files
+    from hf_zero.runtime.files import DiskFiles
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     job = Job("gpt2-demo", 1, 1, "bf16", seq_len=64)
     planned = simulate_rank(job, setting, 0)
     assert not any(tmp_path.iterdir())
-    assert planned.nvme > 0 and planned.host_peak > 0
+    assert planned.nvme_file_bytes > 0 and planned.host_peak > 0
 
     moved = []
-    transfer = Files.transfer
+    transfer = DiskFiles.transfer
 
     def counted(self, fd, tensor, offset, read):
         moved.append(tensor.numel() * tensor.element_size())
         transfer(self, fd, tensor, offset, read)
 
-    monkeypatch.setattr(type(DISK), "transfer", counted)
+    monkeypatch.setattr(DiskFiles, "transfer", counted)
     model = build_model(job.model)
     engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), setting.engine_config(job))
     on_disk = sum(f.stat().st_size for f in Path(tmp_path).rglob("*") if f.is_file())
@@ -230,7 +230,7 @@ def test_a_ranks_nvme_files_and_io_are_the_engines_on_disk(setting, tmp_path, mo
         ids = torch.randint(0, 256, (setting.micro_batch, job.seq_len))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    assert planned.nvme == on_disk
+    assert planned.nvme_file_bytes == on_disk
     assert planned.nvme_moved == sum(moved)
 
 
