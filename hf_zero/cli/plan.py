@@ -119,11 +119,12 @@ def check(args: argparse.Namespace) -> str | None:
     to_nvme = [f"--{key} nvme" for key in ("offload_optimizer", "offload_param") if getattr(args, key) == "nvme"]
     if to_nvme and not args.nvme:
         return f"{to_nvme[0]} needs --nvme, the NVMe of each machine (such as --nvme 3.8TB)"
-    if args.sample:
-        try:
-            args.sample = read_sample(args.sample)
-        except (OSError, ValueError) as error:
-            return f"--sample {args.sample}: {error}"
+    for flag, read in (("sample", read_sample), ("frozen", read_frozen)):  # files, read into what the plan takes
+        if getattr(args, flag):
+            try:
+                setattr(args, flag, read(getattr(args, flag)))
+            except (OSError, ValueError) as error:
+                return f"--{flag} {getattr(args, flag)}: {error}"
     problem = optimizer_problem(args.optimizer, args.optimizer_kwargs)
     if problem:
         return problem
@@ -137,11 +138,6 @@ def check(args: argparse.Namespace) -> str | None:
             PeftConfig.from_pretrained(args.adapter)
         except (OSError, ValueError, TypeError) as error:
             return f"--adapter {args.adapter}: not a folder holding a peft adapter_config.json ({error})"
-    if args.frozen:
-        try:
-            args.frozen = read_frozen(args.frozen)
-        except (OSError, ValueError) as error:
-            return f"--frozen {args.frozen}: {error}"
     return None
 
 
