@@ -144,22 +144,19 @@ def check(args: argparse.Namespace) -> str | None:
 def optimizer_problem(name: str, kwargs: str) -> str | None:
     """What is wrong with --optimizer and --optimizer_kwargs, or None: the class must be torch's or transformers', and
     take the arguments (tried on one parameter of one element)."""
-    import torch
-
-    from hf_zero.plan.simulate import optimizer_class
+    from hf_zero.plan.simulate import optimizer_class, probe_optimizer
 
     try:
-        cls = optimizer_class(name)
+        optimizer_class(name)
     except ValueError as error:
         return f"--optimizer: {error}"
     try:
-        settings = json.loads(kwargs)
-        if not isinstance(settings, dict):
+        if not isinstance(json.loads(kwargs), dict):
             raise ValueError("not an object")
     except ValueError as error:
         return f"--optimizer_kwargs must be a JSON object such as {{\"lr\": 0.0001}}; got {kwargs} ({error})"
     try:
-        cls([torch.nn.Parameter(torch.zeros(1))], **settings)
+        probe_optimizer(name, kwargs)
     except (TypeError, ValueError) as error:
         return f"--optimizer_kwargs {kwargs}: {name} does not take them ({error})"
     return None

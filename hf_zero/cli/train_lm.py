@@ -38,15 +38,13 @@ from hf_zero.runtime.tensor_parallel import (
 from hf_zero.settings.config import (
     AUTO,
     PLANNED,
-    SET_BY_THE_PLAN,
     ZeroConfig,
     ZeroConfigError,
     check_compile_backend,
-    nvme_left_to_plan,
+    engine_settings_for_a_plan,
     offloads_to_check,
     plan_conflict,
-    stage_to_check,
-    stages_allowed,
+    to_check_before_a_plan,
 )
 from hf_zero.settings.config import add_arguments as add_engine_arguments
 from hf_zero.settings.environment import processes_per_node, restarts_so_far
@@ -112,16 +110,12 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     conflict = plan_conflict(args.tensor_parallel_size, f"--{asked[0]}")
     if conflict:
         raise ZeroConfigError(conflict)
-    # Every other flag is checked first: the planned ones at their defaults, the stage at one the other settings
-    # allow (hpZ needs stage 3: the plan chooses among those), without the NVMe folder an offload may choose.
-    settings = {key: value for key, value in engine_config(args).items() if key not in asked}
-    defaults = {key: ZeroConfig.__dataclass_fields__[key].default for key in asked} | offloads_to_check(settings, asked)
-    nvme_folder = nvme_left_to_plan(settings, asked, option_of)
-    defaults["nvme_path"] = settings.get("nvme_path")
-    stages = stages_allowed({**settings, **defaults}, option_of) if "zero_stage" in asked else ()
-    if stages:
-        defaults["zero_stage"] = stage_to_check(stages)
-    check_args(argparse.Namespace(**{**vars(args), **defaults}), processes, per_node)
+    # Every other flag is checked first, with the planned ones (and the NVMe folder) as a plan leaves them to be
+    # checked at.
+    settings = engine_config(args)
+    nvme_folder, stages = to_check_before_a_plan(settings, asked, option_of)
+    checked_at = {key: settings.get(key) for key in (*asked, "nvme_path")}
+    check_args(argparse.Namespace(**{**vars(args), **checked_at}), processes, per_node)
     from hf_zero.cli.plan import report
     from hf_zero.plan.machine import Machine
     from hf_zero.plan.planner import choose
@@ -131,14 +125,12 @@ def plan_settings(args: argparse.Namespace, processes: int, per_node: int) -> No
     host_bytes = psutil.virtual_memory().available
     nvme_bytes = shutil.disk_usage(args.nvme_path).free if args.nvme_path else 0  # the node's ranks share it
     # The engine's other settings (gradient clipping, buckets, qwZ, ...) as the processes will have them.
-    engine_settings = {key: value for key, value in engine_config(args).items()
-                       if key not in SET_BY_THE_PLAN and value != ZeroConfig.__dataclass_fields__[key].default}
     job = Job(args.model, processes // per_node, per_node, args.dtype, args.seq_len, device_bytes,
-              engine_settings=json.dumps(engine_settings))
+              engine_settings=json.dumps(engine_settings_for_a_plan(engine_config(args))))
     fixed = {key: getattr(args, key) for key in PLANNED if key not in asked}
     if compute_device().type == "cpu":  # the device's memory is the host's: offloading to it frees nothing
         fixed |= offloads_to_check(settings, asked)
-    if stages:
+    if "zero_stage" in asked and stages != (0, 1, 2, 3):
         fixed["zero_stage"] = stages[0] if len(stages) == 1 else stages
     fixed |= {"micro_batch": args.batch_size, "gradient_checkpointing": False,
               "hpz_partition_size": args.hpz_partition_size}

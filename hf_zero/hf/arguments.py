@@ -42,12 +42,9 @@ from hf_zero.settings.config import (
     described_settings,
     flag_rows,
     help_of,
-    nvme_left_to_plan,
-    offloads_to_check,
     plan_conflict,
     read_settings_file,
-    stage_to_check,
-    stages_allowed,
+    to_check_before_a_plan,
     trainer_flag,
 )
 from hf_zero.settings.environment import (
@@ -283,19 +280,11 @@ def zero_config_from_flags(args: Any, processes: int = 1) -> ZeroConfig:
 def check_plannable(args: Any, settings: dict[str, Any]) -> None:
     """What a plan of --zero_stage (or an offload) auto cannot cover, refused before any work starts; the planned
     settings are taken out of `settings` (a --zero_config file's value too: the flag asked for the plan's)."""
-    for key in args.zero_planned:
-        settings.pop(key, None)
     tp = args.tensor_parallel_size
     conflict = plan_conflict(tp if isinstance(tp, int) else 1, trainer_flag(args.zero_planned[0]))
     if conflict:
         raise ZeroConfigError(conflict)
-    settings |= offloads_to_check(settings, args.zero_planned)
-    args.zero_nvme_to_plan = nvme_left_to_plan(settings, args.zero_planned, trainer_flag)
-    # The plan chooses among the stages the other settings allow; the settings are checked now at one of them.
-    args.zero_stages = (0, 1, 2, 3)
-    if "zero_stage" in args.zero_planned:
-        args.zero_stages = stages_allowed(settings, trainer_flag)
-        settings["zero_stage"] = stage_to_check(args.zero_stages)
+    args.zero_nvme_to_plan, args.zero_stages = to_check_before_a_plan(settings, args.zero_planned, trainer_flag)
 
 
 def _engine_dtype(args: Any) -> str:

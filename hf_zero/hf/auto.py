@@ -1,14 +1,15 @@
 """ZeroTrainer's --zero_stage auto (and --zero_offload_optimizer / --zero_offload_param auto): the settings left to a
-plan of this job on this machine, made when the Trainer has the model and its first batch, just before the engine
-starts; then the second optimizer step's measured peak is checked against the plan's.
+plan of this job on this machine, made when the Trainer has the model, its optimizer and its data, just before the
+engine starts; then the second optimizer step's measured peak is checked against the plan's.
 
 Rank 0 plans: `hf-zero plan --json` in a process of its own, since the plan simulates its own world and this process
-is a rank of a real one. It plans the model's class from its config, for the first batch's tensors at
+is a rank of a real one. It plans the model's class from its config (a peft adapter around it as the run has it,
+training what the run trains, with the run's optimizer and engine settings), for the tensors of the longest batch at
 --per_device_train_batch_size, with --gradient_checkpointing and the other settings as given (a stage among those they
 allow), at this world's size and nodes, with the device memory the rank with the least has left (the model's own
-tensors counted back in: the plan builds it too) and the host's available memory. Every rank takes rank 0's answer,
-or raises rank 0's error. The first batch is read with every random generator kept as it was, so that the run trains
-as the same run with the chosen settings given.
+tensors counted back in: the plan builds it too), the host's available memory and the NVMe folder's free space. Every
+rank takes rank 0's answer, or raises rank 0's error. The batch is read with every random generator kept as it was,
+so that the run trains as the same run with the chosen settings given.
 """
 from __future__ import annotations
 
@@ -41,7 +42,13 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.ledger import Ledger
 from hf_zero.runtime.memory import memory_left
-from hf_zero.settings.config import SET_BY_THE_PLAN, ZeroConfig, ZeroConfigError, offloads_to_check, trainer_flag
+from hf_zero.settings.config import (
+    ZeroConfig,
+    ZeroConfigError,
+    engine_settings_for_a_plan,
+    offloads_to_check,
+    trainer_flag,
+)
 from hf_zero.settings.environment import processes_per_node
 
 logger = logging.get_logger(__name__)
@@ -135,9 +142,6 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
         Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
                                                            if not p.requires_grad]))
         optimizer, optimizer_kwargs = _optimizer_of(trainer.optimizer, flag)
-        # The engine's other settings as the run has them (bucket sizes, qwZ, ...), where they are not the defaults.
-        engine_settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(ZeroConfig)
-                           if f.name not in SET_BY_THE_PLAN and getattr(config, f.name) != f.default}
         batch, which = longest_batch(trainer)
         sample = _sample(batch, args)
         Path(folder, "sample.json").write_text(json.dumps(sample))
@@ -145,7 +149,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
                    "--sample", str(Path(folder, "sample.json")), *adapter,
                    "--frozen", str(Path(folder, "frozen.json")),
                    "--optimizer", optimizer, "--optimizer_kwargs", optimizer_kwargs,
-                   "--engine_settings", json.dumps(engine_settings),
+                   "--engine_settings", json.dumps(engine_settings_for_a_plan(dataclasses.asdict(config))),
                    "--nodes", str(args.world_size // topology), "--gpus_per_node", str(topology),
                    "--gpu_memory", f"{device_bytes / 1e9:.9f}GB",
                    "--host_memory", f"{psutil.virtual_memory().available / 1e9:.9f}GB",

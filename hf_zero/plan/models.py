@@ -37,10 +37,7 @@ def build_model(model: str, adapter: str | None = None, frozen: tuple[str, ...] 
     the parameters that do not train, every other one trained (else what the class and the adapter train). Attention
     dropout is 0: a GPU's fused attention (flash) keeps no sequence x sequence matrices with or without dropout, and
     the CPU's fused kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form."""
-    if adapter is None:
-        built = _base_model(model)
-    else:
-        built = _with_adapter(model, adapter, adapter_name)
+    built = _base_model(model) if adapter is None else _with_adapter(model, adapter, adapter_name)
     if frozen is not None:
         names = {name for name, _ in built.named_parameters()}
         unknown = sorted(set(frozen) - names)

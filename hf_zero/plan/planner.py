@@ -27,11 +27,9 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
-import torch
-
 from hf_zero.optim.optimizer import check_optimizer
 from hf_zero.plan.machine import GB, KEYS, Machine
-from hf_zero.plan.simulate import Job, RankStep, Setting, optimizer_class, simulate_rank
+from hf_zero.plan.simulate import Job, RankStep, Setting, probe_optimizer, simulate_rank
 from hf_zero.settings.config import ZeroConfig, ZeroConfigError
 
 
@@ -214,16 +212,10 @@ def _valid(setting: Setting, job: Job) -> bool:
     config = ZeroConfig(**setting.engine_config(job))
     try:
         config.validate()
-        check_optimizer(_probe_optimizer(job), config)
+        check_optimizer(probe_optimizer(job.optimizer, job.optimizer_kwargs), config)
     except ZeroConfigError:
         return False
     return True
-
-
-def _probe_optimizer(job: Job) -> torch.optim.Optimizer:
-    """The job's optimizer over one parameter of one element: what the engine's checks look at is its class and
-    settings."""
-    return optimizer_class(job.optimizer)([torch.nn.Parameter(torch.zeros(1))], **json.loads(job.optimizer_kwargs))
 
 
 def _largest_micro_batch(probe: Plan, machine: Machine, limit: int) -> int:

@@ -50,7 +50,7 @@ class Job:
     seq_len: int = 1024
     gpu_memory: int = 80 * 10**9  # bytes per device
     # One sample's tensors as (name, shape without the batch dimension, dtype, values below): what the Trainer's
-    # first batch holds. Empty: a language model's input_ids and labels of seq_len tokens.
+    # batches hold. Empty: a language model's input_ids and labels of seq_len tokens.
     sample: tuple[tuple[str, tuple[int, ...], str, int], ...] = ()
     adapter: str | None = None  # a folder holding a peft adapter's adapter_config.json, put around the model
     adapter_name: str = "default"  # the name peft gives it (its parameters' names hold it)
@@ -225,6 +225,12 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
         raise ValueError(f"{name} is not an optimizer class")
     return found
+
+
+def probe_optimizer(name: str, kwargs: str) -> torch.optim.Optimizer:
+    """Optimizer `name` made with `kwargs` (a JSON object) over one parameter of one element: what the engine's
+    checks look at is its class and settings. ValueError or TypeError where it cannot be made so."""
+    return optimizer_class(name)([torch.nn.Parameter(torch.zeros(1))], **json.loads(kwargs))
 
 
 def _batch(job: Job, vocab: int, micro_batch: int) -> dict[str, torch.Tensor]:

@@ -497,6 +497,30 @@ def stage_to_check(allowed: tuple[int, ...]) -> int:
     return default if default in allowed or not allowed else allowed[-1]
 
 
+def to_check_before_a_plan(settings: dict[str, Any], planned: Iterable[str], name: Callable[[str], str] = str
+                           ) -> tuple[str | None, tuple[int, ...]]:
+    """Puts the settings left to a plan (`planned`) in `settings` at the values the other settings are checked at
+    before it runs (the rule `hf-zero train` and the Trainer both apply): an offload at `offloads_to_check`'s, the
+    stage at one the others allow, and the NVMe folder an offload may choose taken out (`nvme_left_to_plan`).
+    Returns that folder, and the stages the plan may choose among."""
+    for key in planned:
+        settings.pop(key, None)
+    settings |= offloads_to_check(settings, planned)
+    nvme_folder = nvme_left_to_plan(settings, planned, name)
+    stages = (0, 1, 2, 3)
+    if "zero_stage" in planned:
+        stages = stages_allowed(settings, name)
+        settings["zero_stage"] = stage_to_check(stages)
+    return nvme_folder, stages
+
+
+def engine_settings_for_a_plan(settings: dict[str, Any]) -> dict[str, Any]:
+    """The engine's settings a plan is given beside its own (`hf-zero plan --engine_settings`): those not
+    SET_BY_THE_PLAN, where they are not the defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+    return {key: value for key, value in settings.items() if key not in SET_BY_THE_PLAN and value != defaults[key]}
+
+
 # What `auto` means for a PLANNED setting, in the flags' help and the README's table.
 PLANNED_HELP = "the fastest setting that fits this machine, planned from the model and its longest batch"
 
