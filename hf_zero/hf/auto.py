@@ -188,7 +188,7 @@ def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
             continue
         if tensor.shape[0] != samples:
             raise ZeroConfigError(f"{flag} auto plans batches of --per_device_train_batch_size {samples} samples; the "
-                                  f"first batch's {name!r} has shape {tuple(tensor.shape)} (a collator that packs "
+                                  f"planned batch's {name!r} has shape {tuple(tensor.shape)} (a collator that packs "
                                   f"samples): give {flag} a value")
         sample[name] = {"shape": list(tensor.shape[1:]), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "high": 1 if tensor.is_floating_point() else max(1, int(tensor.max()) + 1)}

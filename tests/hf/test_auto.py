@@ -263,7 +263,7 @@ def test_a_batch_not_of_samples_is_refused_naming_the_tensor(tmp_path):
 
     args = SimpleNamespace(per_device_train_batch_size=4, zero_planned=("zero_stage",))
     packed = {"input_ids": torch.zeros(1, 40, dtype=torch.long), "position_ids": torch.zeros(1, 40, dtype=torch.long)}
-    with pytest.raises(ZeroConfigError, match=r"the first batch's 'input_ids' has shape \(1, 40\)"):
+    with pytest.raises(ZeroConfigError, match=r"the planned batch's 'input_ids' has shape \(1, 40\)"):
         auto._sample(packed, args)
     batch = {"input_ids": torch.full((4, 16), 7), "labels": torch.tensor([0, 2, 1, 1])}
     assert auto._sample(batch, args) == {"input_ids": {"shape": [16], "dtype": "int64", "high": 8},
