@@ -2,11 +2,13 @@
 optimizer offloaded to the CPU, and at stage 3 with the optimizer and parameters on NVMe (in a temporary folder), a
 GPT-2 of `--layers` x `--width` (vocabulary 8192), micro-batch `--batch` x `--seq` tokens, bf16, AdamW, two steps.
 
-Measured, each rank a fresh interpreter (a forked one inherits its parent's pages), glibc's allocator set as `hf-zero
-run` and `hf-zero train` set it for their ranks (hf_zero.runtime.host_memory: allocations above 8 MiB mmapped, so
-freed ones leave the resident memory), over building the model and two steps:
+Measured, each rank a fresh interpreter (a forked one inherits its parent's pages), over building the model and two
+steps:
 - resident: the peak resident memory less the resident memory before the model is built (its code imported, as a
-  script imports it first: transformers' GPT-2 modules take 0.14 GB of a process's memory, which is not the model's);
+  script imports it first: transformers' GPT-2 modules take 0.14 GB of a process's memory, which is not the model's),
+  at each of glibc's mmap thresholds given: first as `hf-zero run` and `hf-zero train` set it for their ranks
+  (hf_zero.runtime.host_memory: allocations above 8 MiB mmapped, so freed ones leave the resident memory), then at 1
+  MiB, where glibc's heap keeps no freed block larger than that; beside each, the second step's seconds;
 - the allocator's peak: the most bytes torch's CPU allocator had handed out at once, from torch's profiler's
   allocation events (in a run of its own).
 
@@ -31,10 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SETTINGS = [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu"), (3, "nvme")]
 
 
-def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload: str, allocated: bool) -> int:
+def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload: str,
+             allocated: bool) -> tuple[int, float]:
     """One rank's peak over building the model and two steps: its resident bytes above its resident bytes before
     the model is built, or (`allocated`) the most bytes torch's CPU allocator had handed out at once, from torch's
-    profiler's allocation events (a run of its own: the profiler's records add to the resident memory)."""
+    profiler's allocation events (a run of its own: the profiler's records add to the resident memory); and the
+    second step's seconds."""
+    import time
+
     import torch
     import torch.distributed as dist
     import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (a script imports its model's code before building it)
@@ -55,11 +61,13 @@ def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload:
         engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage, "dtype": "bf16",
                                                        "offload_optimizer": offload, **nvme_of(offload)})
         for step in range(2):
+            started = time.perf_counter()
             ids = torch.randint(0, 8192, (batch, seq),
                                 generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
-    return allocator_peak(profiler) if allocated else peak_rss() - baseline
+            seconds = time.perf_counter() - started
+    return allocator_peak(profiler) if allocated else peak_rss() - baseline, seconds
 
 
 NVME_FOLDER = Path(tempfile.gettempdir()) / "hf_zero_bench_plan_memory"
@@ -93,10 +101,10 @@ def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: 
 
 
 def main() -> None:
-    from hf_zero.runtime.host_memory import use_mmap_for_large_allocations
-    from hf_zero.runtime.launch import spawn_gloo
+    import os
 
-    use_mmap_for_large_allocations()  # the ranks' allocator as `hf-zero run` and `hf-zero train` set it
+    from hf_zero.runtime.host_memory import MMAP_THRESHOLD
+    from hf_zero.runtime.launch import spawn_gloo
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
@@ -104,20 +112,31 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--mmap_thresholds", type=int, nargs="+", default=[MMAP_THRESHOLD, 1 << 20], metavar="BYTES",
+                        help="glibc's mmap threshold in the ranks (MALLOC_MMAP_THRESHOLD_), a resident measurement at "
+                             "each; the first is the allocator run's (default: hf-zero run's and train's, then 1 MiB)")
     args = parser.parse_args()
-    print("| ranks | setting | planned GB | resident GB (each rank) | resident / planned | allocator's peak GB (each "
-          "rank) | allocator's / planned |")
-    print("|---|---|---|---|---|---|---|")
+    mib = [f"{threshold / 2**20:g} MiB" for threshold in args.mmap_thresholds]
+    print("| ranks | setting | planned GB | "
+          + " | ".join(f"resident GB (each rank), mmap above {m} | resident / planned | 2nd step s" for m in mib)
+          + " | allocator's peak GB (each rank) | allocator's / planned |")
+    print("|---|---|---|" + "---|---|---|" * len(mib) + "---|---|")
     for ranks in args.ranks:
         for stage, offload in SETTINGS:
             shape = (args.layers, args.width, args.batch, args.seq, stage, offload)
-            resident = spawn_gloo(measured, ranks, *shape, False, start_method="spawn")
-            allocated = spawn_gloo(measured, ranks, *shape, True, start_method="spawn")
             want = planned(*shape, ranks)
+            columns = []
+            for threshold in args.mmap_thresholds:
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)  # read by each fresh rank as it starts
+                runs = spawn_gloo(measured, ranks, *shape, False, start_method="spawn")
+                resident = [peak for peak, _ in runs]
+                columns.append(f"{', '.join(f'{g / 1e9:.3f}' for g in resident)} | {max(resident) / want:.2f} "
+                               f"| {max(seconds for _, seconds in runs):.2f}")
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_thresholds[0])
+            allocated = [peak for peak, _ in spawn_gloo(measured, ranks, *shape, True, start_method="spawn")]
             where = {"none": "", "cpu": ", optimizer on cpu", "nvme": ", optimizer and parameters on nvme"}[offload]
-            print(f"| {ranks} | stage {stage}{where} | {want / 1e9:.3f} "
-                  f"| {', '.join(f'{g / 1e9:.3f}' for g in resident)} | {max(resident) / want:.2f} "
-                  f"| {', '.join(f'{g / 1e9:.3f}' for g in allocated)} | {max(allocated) / want:.2f} |", flush=True)
+            print(f"| {ranks} | stage {stage}{where} | {want / 1e9:.3f} | " + " | ".join(columns)
+                  + f" | {', '.join(f'{g / 1e9:.3f}' for g in allocated)} | {max(allocated) / want:.2f} |", flush=True)
     shutil.rmtree(NVME_FOLDER, ignore_errors=True)
 
 
