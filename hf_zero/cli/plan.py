@@ -317,13 +317,7 @@ def _what_would(job: Job, machine: Machine, plans: list[Plan]) -> str:
     rank = least.busiest
     needs = []
     if rank.device_peak > machine.gpu_memory:
-        if rank.model_states > machine.gpu_memory:
-            needs.append(f"more GPUs: its model states alone take {rank.model_states / GB:.1f} GB of each GPU's "
-                         f"{machine.gpu_memory / GB:g} GB at {job.world_size} GPUs, and stage 3 divides them by the "
-                         f"GPU count")
-        else:
-            needs.append(f"a shorter sequence or checkpointing: activations and temporaries take "
-                         f"{rank.transient / GB:.1f} GB of the {rank.device_peak / GB:.1f} GB peak")
+        needs.append(_device_needs(job, machine, least))
     if not least.fits_host:
         nvme = "" if machine.nvme_capacity else (" (or NVMe for the offloaded states: hf-zero plan's --nvme; in a run, "
                                                "an NVMe folder with the offloads left to auto)")
@@ -331,6 +325,43 @@ def _what_would(job: Job, machine: Machine, plans: list[Plan]) -> str:
     if not least.fits_nvme:
         needs.append(f"more NVMe: {least.nvme_per_node / GB:.1f} GB a node")
     return f"the least-memory candidate ({least.setting}) needs " + "; or ".join(needs)
+
+
+def _device_needs(job: Job, machine: Machine, least: Plan) -> str:
+    """What would bring this plan's device peak under the GPU's memory: each change that alone would remove more
+    than the overflow, or else the largest."""
+    rank, stage = least.busiest, least.setting.zero_stage
+    at_rest, overflow = rank.at_rest["device"], rank.device_peak - machine.gpu_memory
+    # What the stage keeps whole on every GPU, whatever their number: stage 1 partitions the optimizer's states,
+    # stage 2 the gradients too, stage 3 the parameters too.
+    whole = [kind for kind, partitioned_from in (("optimizer_states", 1), ("gradients", 2), ("parameters", 3))
+             if stage < partitioned_from]
+    kept_whole = sum(at_rest[kind] for kind in whole)
+    # What the step holds beyond the model states at rest: its temporaries (the gradients' fp32 copy for the update,
+    # buckets, gathered parameters), apart from the activations.
+    during_step = {kind: held - at_rest.get(kind, 0) if kind in ("parameters", "gradients", "optimizer_states")
+                   else held for kind, held in rank.device.items() if kind != "activations"}
+    partitioned = rank.model_states - kept_whole
+    steps_own = ", ".join(f"{kind.replace('_', ' ')} {held / GB:.3g} GB" for kind, held in
+                          sorted(during_step.items(), key=lambda item: -item[1]) if held >= 0.01 * rank.device_peak)
+    changes = [  # (bytes the change could remove at most, what to say)
+        (rank.device["activations"], f"a shorter sequence or checkpointing: activations take "
+                                     f"{rank.device['activations'] / GB:.3g} GB"),
+        (sum(during_step.values()), f"a setting that holds less during the step (offload, a higher --zero_stage, "
+                                    f"smaller buckets): beside the model states at rest it holds "
+                                    f"{steps_own or 'little'}")]
+    if stage < 3:
+        kinds = ", ".join(kind.replace("_", " ") for kind in whole)
+        changes.append((kept_whole, f"a higher --zero_stage: at stage {stage} every GPU keeps its {kinds} whole "
+                                    f"({kept_whole / GB:.3g} GB at any number of GPUs)"))
+    if partitioned:
+        changes.append((partitioned, f"more GPUs: its model states alone take {rank.model_states / GB:.3g} GB of each "
+                                     f"GPU's {machine.gpu_memory / GB:g} GB at {job.world_size} GPUs, and stage "
+                                     f"{stage} divides {partitioned / GB:.3g} GB of them by the GPU count"))
+    enough = [said for removes, said in changes if removes > overflow]
+    largest = max(changes, key=lambda change: change[0])[1]
+    return (f"{'; or '.join(enough or [largest])} (the peak is {rank.device_peak / GB:.3g} GB of "
+            f"{machine.gpu_memory / GB:g} GB)")
 
 
 def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates: list) -> None:

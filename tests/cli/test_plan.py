@@ -51,6 +51,24 @@ def test_nothing_fitting_says_what_would(capsys):
     assert "(does not fit)" in out and "more GPUs: its model states alone take" in out
 
 
+def test_a_stage_that_keeps_the_states_whole_is_told_to_partition_them_not_to_add_gpus(capsys):
+    """At stage 0 every GPU holds all 16Ψ bytes whatever their number: more GPUs cannot help, a higher stage can. 5%
+    too little memory for stage 0's peak; the same at stage 3 names no higher stage."""
+    def plan(stage: int, memory: str) -> dict:
+        assert main(["plan", *TINY, *FIXED[2:], "--zero_stage", str(stage), "--gpu_memory", memory, "--json"]) in (0, 1)
+        return json.loads(capsys.readouterr().out)
+
+    psi = model_zoo.parameter_count("gpt2-tiny")
+    peak = plan(0, "80GB")["per_rank"]["device"]["peak"]
+    said = plan(0, f"{0.95 * peak / 1e9:.9f}GB")["what_would"]
+    assert f"a higher --zero_stage: at stage 0 every GPU keeps its optimizer states, gradients, parameters whole " \
+           f"({16 * psi / 1e9:.3g} GB at any number of GPUs)" in said, said
+    assert "more GPUs" not in said
+    peak = plan(3, "80GB")["per_rank"]["device"]["peak"]
+    said = plan(3, f"{0.95 * peak / 1e9:.9f}GB")["what_would"]
+    assert "higher --zero_stage:" not in said and "more GPUs: " in said, said
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--model", "no-such-model"], "--model"),
     (["--model", "gpt2-tiny", "--gpu_memory", "80XB"], "--gpu_memory"),
