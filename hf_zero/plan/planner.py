@@ -218,16 +218,59 @@ def _valid(setting: Setting, job: Job) -> bool:
     return True
 
 
-def _largest_micro_batch(probe: Plan, machine: Machine, limit: int) -> int:
+def _largest_micro_batch(probe: Plan, machine: Machine, limit: int, freed: int = 0) -> int:
     """The largest power-of-two micro-batch, up to `limit`, whose device peak fits, taking activations (and the
-    backward's other temporaries) to grow with the micro-batch from the probe's at micro-batch 1."""
+    backward's other temporaries) to grow with the micro-batch from the probe's at micro-batch 1, with `freed` bytes
+    less of the rest."""
     rank = probe.busiest
     growing = rank.transient
-    fixed = rank.device_peak - growing
+    fixed = rank.device_peak - growing - freed
     best, m = 0, 1
     while m <= limit and fixed + m * growing <= machine.gpu_memory:
         best, m = m, m * 2
     return best
+
+
+def _more_offload_skipped(less: Plan, base: Setting, machine: Machine, limit: int, fixed_micro: int | None,
+                         fastest: float) -> str | None:
+    """Why offloading as `base` does is not worth simulating where `less` (the same stage with less offload) fits, or
+    None. Offloading more adds host time and copies; what it can buy is a larger micro-batch, and at most it frees
+    what `less` holds on the device at its peak of the optimizer's states and the gradients (and of the parameters'
+    shards, where `base` offloads them too). With that freed, the larger micro-batch is weighed at `less`'s compute
+    per sample and traffic per step plus the host's step, nothing for the copies: where even that is no faster than
+    `fastest` (the fastest projection of a setting simulated so far), it is skipped."""
+    if fixed_micro is not None:
+        return "fits with less offload; offloading more adds host time and copies"
+    micro = _largest_micro_batch(less, machine, limit)
+    held, shards = less.busiest.device, less.busiest.at_rest["device"]
+    # The parameters at the peak are also the units gathered there, which stay: only their shards move.
+    params = min(held["parameters"], shards["parameters"]) if base.offload_param != "none" else 0
+    larger = _largest_micro_batch(less, machine, limit, held["optimizer_states"] + held["gradients"] + params)
+    if larger <= micro:
+        return (f"fits with less offload, at the largest micro-batch allowed ({micro})" if micro >= limit else
+                f"fits with less offload, and could not fit a larger micro-batch than its {micro}") + \
+            "; offloading more adds host time and copies"
+    seconds = less.step_seconds
+    host = step_seconds(less.job, base, machine, less.busiest)["host"]
+    at_most = larger * less.job.seq_len / (seconds["compute"] * larger / less.setting.micro_batch
+                                           + seconds["network"] + host)
+    if at_most <= fastest:
+        return (f"fits with less offload; at micro-batch {larger} at most, with the host's step, it would run at most "
+                f"{at_most:,.0f} tokens/s per GPU, no faster than {fastest:,.0f}")
+    return None
+
+
+def _fastest_projection(candidates: list[Candidate], machine: Machine, limit: int, fixed_micro: int | None) -> float:
+    """The most tokens per second per GPU projected for a simulated candidate that fits, at its micro-batch."""
+    speeds = [0.0]
+    for candidate in candidates:
+        probe = candidate.plan
+        if probe is not None and probe.fits:
+            micro = fixed_micro or _largest_micro_batch(probe, machine, limit)
+            if micro:
+                speeds.append(projected_tokens_per_second(Candidate(replace(candidate.setting, micro_batch=micro),
+                                                                    probe)))
+    return max(speeds)
 
 
 def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
@@ -237,13 +280,14 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     `probe_rank` and micro-batch 1 (or the fixed one), the largest fitting micro-batch taken from how its activations
     grow; the winner is simulated again at its micro-batch, at every distinct rank (`_verify`), and kept if it is
     still the fastest. Skipped without simulation, saying why: an offloaded variant where a setting with less offload
-    already fits, or where what offload leaves on the device already overflows it (`_staying_on_device`);
-    checkpointing where the setting's model states alone (measured) exceed the device; hpZ where the setting without
-    it does not fit (`_without_hpz_over`)."""
+    already fits, unless the memory offloading frees could make room for a larger micro-batch that may be faster
+    (`_more_offload_skipped`), or where what offload leaves on the device already overflows it
+    (`_staying_on_device`); checkpointing where the setting's model states alone (measured) exceed the device; hpZ
+    where the setting without it does not fit (`_without_hpz_over`)."""
     candidates: list[Candidate] = []
     fixed_micro = fixed.get("micro_batch")
     checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
-    fits_with_less_offload: set[tuple] = set()
+    fits_with_less_offload: dict[tuple, Plan] = {}  # the least offloaded setting that fits
     for base in _bases(job, fixed, machine.nvme_capacity > 0):
         for ckpt in checkpointing:
             setting = replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
@@ -251,9 +295,12 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
             candidates.append(candidate)
             key = (base.zero_stage, base.hpz_partition_size, ckpt)
             if base.offload_optimizer != "none" and key in fits_with_less_offload:
-                candidate.outcome = ("not simulated: fits with less offload; offloading more adds host time and "
-                                     "copies (the larger micro-batch it may allow is not weighed)")
-                continue
+                skipped = _more_offload_skipped(
+                    fits_with_less_offload[key], base, machine, max_micro_batch, fixed_micro,
+                    _fastest_projection(candidates, machine, max_micro_batch, fixed_micro))
+                if skipped:
+                    candidate.outcome = f"not simulated: {skipped}"
+                    continue
             twin = _twin_decided_by_model_states(candidates, setting, ckpt and len(checkpointing) > 1)
             if twin is not None:
                 candidate.outcome, candidate.model_states_decide = twin.outcome, True
@@ -273,7 +320,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
             say(f"simulating {setting}")
             candidate.plan = plan(job, setting, machine, ranks=[probe_rank(job)])
             if candidate.plan.fits:
-                fits_with_less_offload.add(key)
+                fits_with_less_offload.setdefault(key, candidate.plan)
     for candidate in candidates:
         if candidate.plan is None:
             continue

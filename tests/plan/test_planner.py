@@ -28,6 +28,46 @@ def test_an_offloaded_checkpointed_setting_is_simulated_where_only_activations_r
         "not simulated: its activations and temporaries alone")
 
 
+def test_offload_is_weighed_where_the_memory_it_frees_makes_room_for_a_larger_micro_batch():
+    """A device on which stage 3 fits micro-batch 1 but not 2 on each of 2 ranks, its activations the limit:
+    offloading the optimizer frees its states and gradients, room for a larger micro-batch. That offloaded setting is
+    simulated, not skipped for fitting with less offload, and its larger micro-batch, over which a slow link's
+    per-step traffic is spread, wins where the host's step and copies are cheap and loses where they are dear. At the
+    largest micro-batch allowed there is nothing to gain, and it is skipped."""
+    job = Job("gpt2-tiny", 1, 2, seq_len=64)
+    kept = plan(job, Setting(3), Machine(10**12)).busiest
+    device = kept.device_peak + kept.transient // 4
+    # The premise: the peak is the backward's, and the optimizer's states and gradients there would make room for a
+    # second sample's activations.
+    assert kept.device["activations"] > 0
+    assert kept.device["optimizer_states"] + kept.device["gradients"] > 0.75 * kept.transient
+    fixed = {"zero_stage": 3, "gradient_checkpointing": False, "offload_param": "none"}
+
+    def choice(machine: Machine, max_micro_batch: int = 8) -> tuple:
+        chosen, candidates = choose(job, machine, fixed, max_micro_batch=max_micro_batch)
+        return chosen.setting, {c.setting.offload_optimizer: c for c in candidates}
+
+    slow_link = {"intra_node_gbps": 1e-3, "pcie_gbps": 1e6}
+    cheap_host = Machine(device, cpu_adam_ns=1e-3, **slow_link)
+    chosen, candidates = choice(cheap_host)
+    assert candidates["none"].setting.micro_batch == 1 and candidates["cpu"].plan is not None
+    assert (chosen.offload_optimizer, chosen.micro_batch) == ("cpu", candidates["cpu"].setting.micro_batch)
+    assert chosen.micro_batch > 1
+    # Where the host's step alone outweighs the larger micro-batch, it is not even simulated.
+    chosen, candidates = choice(Machine(device, cpu_adam_ns=1e9, **slow_link))
+    assert (chosen.offload_optimizer, chosen.micro_batch) == ("none", 1)
+    assert candidates["cpu"].plan is None and candidates["cpu"].outcome.startswith(
+        "not simulated: fits with less offload; at micro-batch 2 at most, with the host's step, it would run at most ")
+    # Where it does not, simulated, it may still lose on what the bound left out (its copies).
+    chosen, candidates = choice(Machine(device, cpu_adam_ns=1e-3, intra_node_gbps=1e-3, pcie_gbps=1e-9))
+    assert (chosen.offload_optimizer, chosen.micro_batch) == ("none", 1)
+    assert candidates["cpu"].plan is not None and candidates["cpu"].outcome.startswith("slower: ")
+    chosen, candidates = choice(cheap_host, max_micro_batch=1)
+    assert (chosen.offload_optimizer, chosen.micro_batch) == ("none", 1)
+    assert candidates["cpu"].outcome == ("not simulated: fits with less offload, at the largest micro-batch allowed "
+                                         "(1); offloading more adds host time and copies")
+
+
 def test_ranks_simulated_side_by_side_in_other_processes_are_the_ranks_simulated_here():
     """A large model's remaining ranks run in spawned interpreters at once (planner._side_by_side): each holds and
     sends exactly what the same rank simulated in this process does."""
