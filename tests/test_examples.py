@@ -58,7 +58,7 @@ def test_run_clm_at_zero_stage_auto_trains_the_plans_choice_and_lowers_perplexit
     script's own model and first batch, its candidates, the engine at the chosen setting, the second step's measured
     peak beside the planned one; and a GPT-2 from the zoo learning the Python reference at that setting."""
     done = subprocess.run([*run_clm("--zero_stage", "auto", "--zero_offload_optimizer", "auto"),
-                           "--train_file", str(python_reference(tmp_path)), "--block_size", "64", "--output_dir",
+                           "--train_file", str(python_reference(tmp_path)), "--block_size", "32", "--output_dir",
                            str(tmp_path / "out"), "--do_train", "--do_eval", "--eval_on_start", "--max_steps", "40",
                            "--per_device_train_batch_size", "8", "--learning_rate", "2e-3", "--warmup_steps", "4",
                            "--log_level", "info", *QUIET], capture_output=True, text=True, timeout=900)
@@ -66,7 +66,7 @@ def test_run_clm_at_zero_stage_auto_trains_the_plans_choice_and_lowers_perplexit
     planned = next(line for line in done.stderr.splitlines() if line.startswith("planned: --zero_stage "))
     stage, offload = planned.removeprefix("planned: --zero_stage ").split(" (")[0].split(", --zero_offload_optimizer ")
     assert f"stage {stage}{', optimizer on cpu' if offload == 'cpu' else ''}, micro-batch 8: chosen" in done.stderr
-    assert "a batch of the longest samples, a sample: input_ids 64, " in planned and "labels 64)" in planned
+    assert "a batch of the longest samples, a sample: input_ids 32, " in planned and "labels 32)" in planned
     trained = torch.load(tmp_path / "out" / "training_args.bin", weights_only=False).zero_engine_config
     assert (trained.zero_stage, trained.offload_optimizer) == (int(stage), offload)
     assert "rank 0: the step took " in done.stderr and "the plan " in done.stderr
