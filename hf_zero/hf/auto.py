@@ -219,8 +219,9 @@ def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str) -> tuple[str, str
 
 def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:
     """--per_device_train_batch_size samples collated as the Trainer's data loader collates them: the longest of the
-    training data (by the model's main input, as transformers' length-grouped sampler measures them), or where their
-    lengths cannot be known (an iterable dataset, or samples without that input), the first; and which. torch's,
+    training data (by the model's main input, as transformers' length-grouped sampler measures them; of an iterable
+    dataset, the longest of its first ITERABLE_SAMPLES_READ), or where their lengths cannot be known (samples without
+    that input as a sequence), the first; and which. torch's,
     Python's and NumPy's random generators are left as they were, and the collator's own (transformers' masking
     collators keep one): a collator may draw (masked language modelling). An iterable dataset is read from a new
     iterator."""
@@ -228,10 +229,12 @@ def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:
 
     dataset, collate = trainer.train_dataset, trainer.data_collator
     count = trainer.args.per_device_train_batch_size
+    empty = (f"{trainer_flag(trainer.args.zero_planned[0])} auto plans for the training data's batches; the "
+             f"training dataset is empty")
     if not _iterable(dataset) and not len(dataset):
-        raise ZeroConfigError(f"{trainer_flag(trainer.args.zero_planned[0])} auto plans for the training data's "
-                              f"batches; the training dataset is empty")
-    picked = _longest(dataset, count, _main_input(trainer))
+        raise ZeroConfigError(empty)
+    name = _main_input(trainer)
+    picked = None if _iterable(dataset) else _longest(dataset, count, name)
     if _is_datasets_dataset(dataset):  # as Trainer._get_dataloader
         dataset = trainer._remove_unused_columns(dataset, description="training")
     else:
@@ -239,10 +242,13 @@ def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:
     python_state, numpy_state = random.getstate(), numpy.random.get_state()
     try:
         with torch.random.fork_rng(devices=[]), _collators_generator_kept(collate):
+            if _iterable(dataset):
+                samples, which = _longest_read(dataset, count, name)
+                if not samples:
+                    raise ZeroConfigError(empty)
+                return collate(samples), which
             if picked is None:
-                samples = list(itertools.islice(iter(dataset), count)) if _iterable(dataset) else \
-                    [dataset[i] for i in range(min(count, len(dataset)))]
-                return collate(samples), "the first samples (their lengths are not known beforehand)"
+                return collate([dataset[i] for i in range(min(count, len(dataset)))]), FIRST_SAMPLES
             return collate([dataset[i] for i in picked]), "the longest samples"
     finally:
         random.setstate(python_state)
@@ -260,11 +266,32 @@ def _main_input(trainer: Any) -> str:
     return names[0] if names else getattr(unwrap_peft_model(trainer.model), "main_input_name", "input_ids")
 
 
+FIRST_SAMPLES = "the first samples (their lengths are not known beforehand)"
+# An iterable dataset's length is not known, and it may not end: the longest batch is looked for among this many
+# samples from its start (a few seconds of reading for a dataset tokenized as it streams).
+ITERABLE_SAMPLES_READ = 1024
+
+
+def _longest_read(dataset: Any, count: int, name: str) -> tuple[list[Any], str]:
+    """The `count` longest samples by their `name` among an iterable dataset's first ITERABLE_SAMPLES_READ, read from a
+    new iterator (the first of equal ones, in the dataset's order), and which; where a sample has no `name` as a
+    sequence, the first `count`."""
+    samples = list(itertools.islice(iter(dataset), ITERABLE_SAMPLES_READ))
+    lengths = [_length(sample, name) for sample in samples]
+    if None in lengths:
+        return samples[:count], FIRST_SAMPLES
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: the first of equal ones
+    if len(samples) < ITERABLE_SAMPLES_READ:
+        which = f"the longest samples (all {len(samples)} of the iterable dataset read)"
+    else:
+        which = (f"the longest of the iterable dataset's first {ITERABLE_SAMPLES_READ} samples (its length is not "
+                 f"known: a longer sample after them is not planned for)")
+    return [samples[i] for i in sorted(order[:count])], which
+
+
 def _longest(dataset: Any, count: int, name: str) -> list[int] | None:
-    """The indices of the `count` longest samples by their `name` (the first of equal ones), or None where the
-    lengths cannot be known: an iterable dataset, or a sample without `name` as a sequence."""
-    if _iterable(dataset):
-        return None
+    """The indices of a map-style dataset's `count` longest samples by their `name` (the first of equal ones), or
+    None where a sample has no `name` as a sequence."""
     if _is_datasets_dataset(dataset):
         import pyarrow
         import pyarrow.compute

@@ -122,12 +122,47 @@ def test_samples_are_measured_where_they_hold_a_sequence_and_else_the_first_are_
     assert said.startswith(which)
 
 
-def test_an_empty_training_set_is_refused_naming_the_flag(tmp_path):
+class Stream(torch.utils.data.IterableDataset):
+    """An iterable dataset of these samples, without a length."""
+
+    def __init__(self, samples: list) -> None:
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
+@pytest.mark.parametrize("dataset", [[], Stream([])], ids=["map-style", "iterable"])
+def test_an_empty_training_set_is_refused_naming_the_flag(tmp_path, dataset):
     trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
-        output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=[])
+        output_dir=str(tmp_path), zero_stage="auto", **{**ARGS, "max_steps": 1}), train_dataset=dataset)
     with pytest.raises(ZeroConfigError, match="--zero_stage auto plans for the training data's batches; the "
                                               "training dataset is empty"):
         auto.longest_batch(trainer)
+
+
+def test_an_iterable_datasets_longest_samples_are_planned_among_those_read_from_its_start(tmp_path, monkeypatch):
+    """Its length is not known, and it may not end: the longest of its first ITERABLE_SAMPLES_READ samples (here 6),
+    the first of equal ones in its order, collated as the Trainer collates; the log says which. A stream of 5 is read
+    whole. The 20-token sample after the sixth is not planned for, and the log says so."""
+    monkeypatch.setattr(auto, "ITERABLE_SAMPLES_READ", 6)
+    lengths = [3, 9, 1, 12, 9, 2, 20]
+    samples = [{"input_ids": list(range(1, n + 1))} for n in lengths]
+
+    def planned(stream: list) -> tuple[torch.Tensor, str]:
+        trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+            output_dir=str(tmp_path), zero_stage="auto", **{**ARGS, "per_device_train_batch_size": 2, "max_steps": 1}),
+            train_dataset=Stream(stream), data_collator=lambda rows: {"input_ids": torch.nn.utils.rnn.pad_sequence(
+                [torch.tensor(r["input_ids"]) for r in rows], batch_first=True)})
+        batch, which = auto.longest_batch(trainer)
+        return batch["input_ids"], which
+
+    batch, which = planned(samples)
+    assert which == ("the longest of the iterable dataset's first 6 samples (its length is not known: a longer "
+                     "sample after them is not planned for)")
+    assert batch.tolist() == [list(range(1, 10)) + [0] * 3, list(range(1, 13))]  # 9 (the first of two) and 12
+    batch, which = planned(samples[:5])
+    assert which == "the longest samples (all 5 of the iterable dataset read)" and batch.shape == (2, 12)
 
 
 def frozen_layers():
@@ -288,7 +323,7 @@ def test_first_batch_keeps_a_seeded_collators_own_generator_and_reads_an_iterabl
         trainer = ZeroTrainer(model=tiny_model("bert"), args=ZeroTrainingArguments(
             output_dir=str(tmp_path), zero_stage="auto", **ARGS), train_dataset=Stream(), data_collator=collate)
         batch, which = auto.longest_batch(trainer)
-        assert which.startswith("the first samples")  # an iterable dataset's lengths are not known beforehand
+        assert which == "the longest samples (all 6 of the iterable dataset read)"  # equal lengths: the first 4
         assert torch.equal(batch["input_ids"][:, 0], torch.full((4,), tokenizer.cls_token_id))
         return collate(samples[:4])  # the collator's next draw, after the plan's read
 
