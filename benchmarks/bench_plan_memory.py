@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--offload", nargs="+", choices=("none", "cpu", "nvme"), default=["none", "cpu", "nvme"],
+                        help="the rows whose optimizer offload is one of these (default: every row)")
     parser.add_argument("--mmap_thresholds", type=int, nargs="+", default=[MMAP_THRESHOLD, 1 << 20], metavar="BYTES",
                         help="glibc's mmap threshold in the ranks (MALLOC_MMAP_THRESHOLD_), a resident measurement at "
                              "each; the first is the allocator run's (default: hf-zero run's and train's, then 1 MiB)")
@@ -122,7 +124,7 @@ def main() -> None:
           + " | allocator's peak GB (each rank) | allocator's / planned |")
     print("|---|---|---|" + "---|---|---|" * len(mib) + "---|---|")
     for ranks in args.ranks:
-        for stage, offload in SETTINGS:
+        for stage, offload in [(stage, offload) for stage, offload in SETTINGS if offload in args.offload]:
             shape = (args.layers, args.width, args.batch, args.seq, stage, offload)
             want = planned(*shape, ranks)
             columns = []

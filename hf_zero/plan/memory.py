@@ -175,8 +175,8 @@ class MemoryCount(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _NOTHING_MADE:
             return out
-        made = [out] if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0]
-                                                            if isinstance(t, torch.Tensor)]
+        made = [t for t in ([out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0])
+                if isinstance(t, torch.Tensor) and _holds_memory(t)]
         if not made:
             return out
         on_host = self.live["host"] and self._on_host_only(tree_flatten((args, kwargs))[0])
@@ -184,6 +184,13 @@ class MemoryCount(TorchDispatchMode):
             for t in made:
                 self.track(t)
         return out
+
+
+def _holds_memory(tensor: torch.Tensor) -> bool:
+    """Not a meta tensor: those hold shapes the engine keeps without values (NVMe's gradient shard). A fake tensor's
+    device is read from it, not asked through the dispatcher (see _DEVICE)."""
+    device = tensor.fake_device if isinstance(tensor, FakeTensor) else tensor.device
+    return device.type != "meta"
 
 
 _DEVICE = torch.ops.prim.device.default  # asked on every `tensor.device` of a fake tensor

@@ -31,7 +31,6 @@ from hf_zero.runtime.device import (
     LatestCopy,
     copy_to_host,
     host_buffers_for_good,
-    host_memory_empty,
     to_device,
     to_host,
 )
@@ -215,7 +214,6 @@ class NvmeFiles(GradLanding):
                  measure: Callable[[BucketKey, torch.Tensor], None], recycle: Callable[[torch.Tensor], None],
                  double_buffered: bool = False) -> None:
         super().__init__(flat_params, dtype, measure, recycle, double_buffered)
-        _without_memory(self.grad_shards)
         # Where landed chunks go (write_to), the (param group, chunk) of each bucket there, the last reduced chunk on
         # its way to the host with its copy and bucket, and the write in flight with the bucket it reads.
         self.files: GradientFiles | None = None
@@ -224,7 +222,11 @@ class NvmeFiles(GradLanding):
         self.writing: tuple[Future, torch.Tensor | None] | None = None
 
     def _new_shards(self, numels: list[int]) -> list[torch.Tensor]:
-        return [host_memory_empty(numel, self.dtype) for numel in numels]
+        # Shapes only: the chunks' views say which elements each bucket's gradient is, and no value is ever in them.
+        return [torch.empty(numel, dtype=self.dtype, device="meta") for numel in numels]
+
+    def held_bytes(self) -> int:
+        return 0
 
     def write_to(self, files: GradientFiles, chunk_keys: list[list[BucketKey]]) -> None:
         """From now on the reduced chunks go to `files`; `chunk_keys[g][k]`: the bucket of its chunk k of param group

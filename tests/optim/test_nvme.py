@@ -164,7 +164,9 @@ def gradients_after_two_micro_batches(config: dict) -> dict:
     else:
         grads = [grad.clone() for grads in engine.params.grad_chunks() for grad in grads]
     return {"grads": grads, "norm": norm,
-            "shard_bytes": sum(g.untyped_storage().nbytes() for g in engine.params.grads.grad_shards),
+            # A meta shard holds shapes only: no memory.
+            "shard_bytes": sum(0 if g.is_meta else g.untyped_storage().nbytes()
+                               for g in engine.params.grads.grad_shards),
             "ledger_gradients": engine.ledger.state_bytes["gradients"]}
 
 
