@@ -280,13 +280,12 @@ def _longest_read(dataset: Any, count: int, name: str) -> tuple[list[Any], str]:
     lengths = [_length(sample, name) for sample in samples]
     if None in lengths:
         return samples[:count], FIRST_SAMPLES
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: the first of equal ones
     if len(samples) < ITERABLE_SAMPLES_READ:
         which = f"the longest samples (all {len(samples)} of the iterable dataset read)"
     else:
         which = (f"the longest of the iterable dataset's first {ITERABLE_SAMPLES_READ} samples (its length is not "
                  f"known: a longer sample after them is not planned for)")
-    return [samples[i] for i in sorted(order[:count])], which
+    return [samples[i] for i in _longest_of(lengths, count)], which
 
 
 def _longest(dataset: Any, count: int, name: str) -> list[int] | None:
@@ -307,6 +306,11 @@ def _longest(dataset: Any, count: int, name: str) -> list[int] | None:
         lengths = [_length(dataset[i], name) for i in range(len(dataset))]
         if None in lengths:
             return None
+    return _longest_of(lengths, count)
+
+
+def _longest_of(lengths: list[int], count: int) -> list[int]:
+    """The indices of the `count` largest `lengths`, the first of equal ones, in order."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: the first of equal ones
     return sorted(order[:count])
 

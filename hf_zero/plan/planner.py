@@ -232,13 +232,13 @@ def _largest_micro_batch(probe: Plan, machine: Machine, limit: int, freed: int =
 
 
 def _more_offload_skipped(less: Plan, base: Setting, machine: Machine, limit: int, fixed_micro: int | None,
-                         fastest: float) -> str | None:
+                         candidates: list[Candidate]) -> str | None:
     """Why offloading as `base` does is not worth simulating where `less` (the same stage with less offload) fits, or
     None. Offloading more adds host time and copies; what it can buy is a larger micro-batch, and at most it frees
     what `less` holds on the device at its peak of the optimizer's states and the gradients (and of the parameters'
     shards, where `base` offloads them too). With that freed, the larger micro-batch is weighed at `less`'s compute
     per sample and traffic per step plus the host's step, nothing for the copies: where even that is no faster than
-    `fastest` (the fastest projection of a setting simulated so far), it is skipped."""
+    the fastest projection among `candidates` simulated so far, it is skipped."""
     if fixed_micro is not None:
         return "fits with less offload; offloading more adds host time and copies"
     micro = _largest_micro_batch(less, machine, limit)
@@ -252,24 +252,24 @@ def _more_offload_skipped(less: Plan, base: Setting, machine: Machine, limit: in
             "; offloading more adds host time and copies"
     seconds = less.step_seconds
     host = step_seconds(less.job, base, machine, less.busiest)["host"]
-    at_most = larger * less.job.seq_len / (seconds["compute"] * larger / less.setting.micro_batch
-                                           + seconds["network"] + host)
+    at_most = _tokens_per_second_at(less, larger, {"compute": seconds["compute"],
+                                                   "total": seconds["compute"] + seconds["network"] + host})
+    fastest = _fastest_projection(candidates, machine, limit)
     if at_most <= fastest:
         return (f"fits with less offload; at micro-batch {larger} at most, with the host's step, it would run at most "
                 f"{at_most:,.0f} tokens/s per GPU, no faster than {fastest:,.0f}")
     return None
 
 
-def _fastest_projection(candidates: list[Candidate], machine: Machine, limit: int, fixed_micro: int | None) -> float:
-    """The most tokens per second per GPU projected for a simulated candidate that fits, at its micro-batch."""
+def _fastest_projection(candidates: list[Candidate], machine: Machine, limit: int) -> float:
+    """The most tokens per second per GPU projected for a simulated candidate that fits, at its largest micro-batch."""
     speeds = [0.0]
     for candidate in candidates:
         probe = candidate.plan
         if probe is not None and probe.fits:
-            micro = fixed_micro or _largest_micro_batch(probe, machine, limit)
+            micro = _largest_micro_batch(probe, machine, limit)
             if micro:
-                speeds.append(projected_tokens_per_second(Candidate(replace(candidate.setting, micro_batch=micro),
-                                                                    probe)))
+                speeds.append(_tokens_per_second_at(probe, micro))
     return max(speeds)
 
 
@@ -295,9 +295,8 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
             candidates.append(candidate)
             key = (base.zero_stage, base.hpz_partition_size, ckpt)
             if base.offload_optimizer != "none" and key in fits_with_less_offload:
-                skipped = _more_offload_skipped(
-                    fits_with_less_offload[key], base, machine, max_micro_batch, fixed_micro,
-                    _fastest_projection(candidates, machine, max_micro_batch, fixed_micro))
+                skipped = _more_offload_skipped(fits_with_less_offload[key], base, machine, max_micro_batch,
+                                                fixed_micro, candidates)
                 if skipped:
                     candidate.outcome = f"not simulated: {skipped}"
                     continue
@@ -462,13 +461,16 @@ def _over(probe: Plan) -> str:
 
 
 def projected_tokens_per_second(candidate: Candidate) -> float:
-    """The probe's step at the candidate's micro-batch: compute grows with it; traffic, the host's step and NVMe's
-    do not."""
-    probe = candidate.plan
-    seconds = probe.step_seconds
-    scale = candidate.setting.micro_batch / probe.setting.micro_batch
-    total = seconds["total"] + seconds["compute"] * (scale - 1)
-    return candidate.setting.micro_batch * probe.job.seq_len / total if total else 0.0
+    """The probe's step at the candidate's micro-batch."""
+    return _tokens_per_second_at(candidate.plan, candidate.setting.micro_batch)
+
+
+def _tokens_per_second_at(probe: Plan, micro_batch: int, seconds: dict[str, float] | None = None) -> float:
+    """The probe's step (or `seconds`, its compute and total) at `micro_batch`: compute grows with it; traffic, the
+    host's step and NVMe's do not."""
+    seconds = seconds or probe.step_seconds
+    total = seconds["total"] + seconds["compute"] * (micro_batch / probe.setting.micro_batch - 1)
+    return micro_batch * probe.job.seq_len / total if total else 0.0
 
 
 PLAN_MISS = 0.10  # a measured peak this much above the plan's is reported
