@@ -120,11 +120,11 @@ class NvmeAdamStates:
         self.slots = [{kind: host_memory_empty(tile, dtype) for kind, dtype in self.dtypes.items()}
                       for _ in range(SLOTS)]
         self.io = self.files.executor(2, "hf_zero-nvme")
+        # Adam's moments start at zero, which the new files read as: only the masters are written (a zeroed
+        # buffer of a shard's size for the moments was that much more host memory and 2x the disk writes).
         for g, chunks in enumerate(fp32_init):
             for k, values in enumerate(chunks):
-                zeros = host_memory_empty(values.numel(), zeroed=True)
-                self.write_chunk(g, k, {"master": values.reshape(-1), "exp_avg": zeros, "exp_avg_sq": zeros},
-                                 side=self.side)
+                self.write_chunk(g, k, {"master": values.reshape(-1)}, side=self.side)
 
     def _path(self, g: int, kind: str, side: int) -> Path:
         return self.folder / f"group{g}.{kind}.{'AB'[side]}"

@@ -60,8 +60,10 @@ class UpdateBackend(ABC):
                      consume: bool) -> list[list[torch.Tensor]]:
         """One contiguous fp32 master shard per param group (M_D) where `empty` allocates, filled chunk by chunk from
         `values` (no whole-shard temporary, on the device or anywhere); returns its chunks, cut as the
-        parameter chunks are. `consume`: `values` is ours, and each chunk is let go once copied, so that the
-        start values and the masters are never both whole in memory."""
+        parameter chunks are. `consume`: `values` is ours, and each chunk is let go once copied. The shard is
+        allocated whole before the first copy, so an allocator counts both whole for the copy's duration (4 bytes
+        a parameter / Nd more); a CPU's resident memory does not, as the shard's pages are written while the
+        chunks' are given back."""
         self.master_shards = [empty(sum(c.numel() for c in chunks)) for chunks in self.param_chunks]
         masters = [list(torch.split(shard, [c.numel() for c in chunks]))
                    for shard, chunks in zip(self.master_shards, self.param_chunks)]

@@ -26,8 +26,8 @@ class Files(abc.ABC):
 
     @abc.abstractmethod
     def allocate(self, path: Path, nbytes: int) -> int:
-        """A file of `nbytes` at `path`, its room taken now (too little fails here: OSError), open for reading and
-        writing; its descriptor."""
+        """A new file of `nbytes` at `path`, reading as zeros until written, its room taken now (too little fails
+        here: OSError), open for reading and writing; its descriptor."""
 
     @abc.abstractmethod
     def transfer(self, fd: int, tensor: torch.Tensor, offset: int, read: bool) -> None:
@@ -52,7 +52,7 @@ class DiskFiles(Files):
         folder.mkdir()
 
     def allocate(self, path: Path, nbytes: int) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             if nbytes:
                 os.posix_fallocate(fd, 0, nbytes)

@@ -283,6 +283,32 @@ def test_parameters_on_nvme_hold_only_the_read_pool_in_host_memory(tmp_path, cop
     assert m["grown"] < 0.5 * m["shard_bytes"]  # nothing shard-sized came back into memory
 
 
+def bytes_written_by_this_process() -> int:
+    """The kernel's count of bytes this process passed to write calls, every thread's (/proc/self/io)."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
+
+
+@pytest.mark.parametrize("offload_param, dtype", [("none", "fp32"), ("nvme", "bf16")])
+def test_zero_infinity_starts_by_writing_the_masters_and_parameters_not_the_moments(tmp_path, copies,
+                                                                                     offload_param, dtype):
+    """Adam's moments start at zero, which new files read as: building the engine writes each fp32 master once,
+    and the parameters in their dtype when they live in the files too, never 8 bytes a parameter of zeros."""
+    if copies != "immediate":
+        pytest.skip("counts this process's own writes: the simulation changes nothing written")
+    model = Blocks(4, 512)
+    numel = sum(p.numel() for p in model.parameters())
+    before = bytes_written_by_this_process()
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                nvme_config(tmp_path, 3, dtype, offload_param=offload_param))
+    written = bytes_written_by_this_process() - before
+    expected = 4 * numel + (2 * numel if offload_param == "nvme" else 0)
+    print(f"building the engine wrote {written / 2**20:.2f} MiB; masters and parameters {expected / 2**20:.2f} MiB")
+    assert expected <= written < expected + 2**20, (written, expected)
+    # That the first step reads the moments as zeros: the values tests above, against torch's AdamW.
+    del engine
+
+
 @pytest.mark.parametrize("stage, offload_param", [(2, "none"), (3, "nvme")])
 def test_resume_from_a_checkpoint_taken_while_states_live_on_nvme(tmp_path, stage, offload_param):
     (tmp_path / "nvme").mkdir()

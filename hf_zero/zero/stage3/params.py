@@ -43,7 +43,8 @@ from hf_zero.zero.zeropp import QuantizedReduceScatter, consecutive_ranks
 
 logger = logging.getLogger("hf_zero")
 PERSISTENT = "<persistent>"  # the unit of parameters below param_persistence_threshold, gathered for good
-Chunk = tuple[torch.Tensor, "torch.Tensor | None"]  # this rank's chunk of a flat buffer, and its fp32 start
+# This rank's chunk of a flat buffer, and where its fp32 start values go in `fp32_init` (param group, chunk).
+Chunk = tuple[torch.Tensor, "tuple[int, int] | None"]
 
 
 class Stage3Params(Schedule, SharedWeights, ParamHolder):
@@ -83,12 +84,11 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         for s in (s for unit in self.units for flat in unit.flats for s in flat.slices
                   if not isinstance(s.param, DTensor)):
             s.param.hf_zero_numel = s.numel  # its size when gathered, for counts (a DTensor knows its own)
-        chunk_of, fp32_chunks = self._allocate_shards(len(groups), dtype, config)
+        chunk_of = self._allocate_shards(len(groups), dtype, config)
         if init_from is not None:
             self._fill_shards(model, init_from, chunk_of)
         else:
             self._shard_built_units(chunk_of)
-        self.fp32_init = None if dtype == torch.float32 else fp32_chunks
         # After the parameters are bound to the units' buffers, which may give a DTensor a new wrapper of the
         # compute dtype (partition.set_data): the gradient hooks attach to the wrapper the model keeps.
         self.position = model_order(model)
@@ -151,14 +151,13 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
                 units.append(Unit(uname, modules[uname], flats, gs, self.comm, persistent=uname == PERSISTENT))
         return units
 
-    def _allocate_shards(self, num_groups: int, dtype: torch.dtype, config: ZeroConfig
-                         ) -> tuple[dict[int, Chunk], list[list[torch.Tensor]]]:
-        """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D), and in
-        lower precision a buffer per chunk for its fp32 start values (the masters' start); the frozen weights'
-        chunks in one more shard, in the compute dtype. Returns where each flat buffer's chunk goes, and the fp32
-        buffers by param group."""
+    def _allocate_shards(self, num_groups: int, dtype: torch.dtype, config: ZeroConfig) -> dict[int, Chunk]:
+        """This rank's chunk of every unit, laid into one contiguous shard per param group (M_D); the frozen
+        weights' chunks in one more shard, in the compute dtype. In lower precision `fp32_init` gets a place per
+        chunk for its fp32 start values (the masters' start), given memory as its unit is cut (`_cut`). Returns
+        where each flat buffer's chunk goes."""
         rank, device = self.comm.rank, self.units[0].flats[0].data.device
-        fp32_empty = fp32_start_empty(config, device)
+        self._fp32_start_empty = fp32_start_empty(config, device)
         trained = [(flat, unit) for unit in self.units for flat in unit.trained_flats]  # in self.flats' order
         sizes = [0] * num_groups
         for flat, unit in trained:
@@ -176,34 +175,37 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             at += hi - lo
         self.param_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         self.chunk_flats: list[list[int]] = [[] for _ in range(num_groups)]  # flat index of each chunk
-        fp32_chunks: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         offsets = [0] * num_groups
         for fi, (flat, unit) in enumerate(trained):
             g = unit.group_of(flat)
             lo, hi = flat.buckets[0].owned_range(rank)
             chunk = self.param_shards[g][offsets[g]:offsets[g] + hi - lo]
             offsets[g] += hi - lo
-            fp32 = None if dtype == torch.float32 else fp32_empty(hi - lo)
-            if fp32 is not None:
-                fp32_chunks[g].append(fp32)
             chunk_id[id(flat)] = (g, len(self.param_chunks[g]))
             self.param_chunks[g].append(chunk)
             self.chunk_flats[g].append(fi)
-            chunk_of[id(flat)] = (chunk, fp32)
+            chunk_of[id(flat)] = (chunk, None if dtype == torch.float32 else chunk_id[id(flat)])
+        self.fp32_init = None if dtype == torch.float32 else [[None] * len(chunks) for chunks in self.param_chunks]
         for unit in self.units:
             for flat in unit.flats:
                 unit.shards.append(chunk_of[id(flat)][0])
                 unit.shard_ids.append(chunk_id.get(id(flat)))
-        return chunk_of, fp32_chunks
+        return chunk_of
 
     def _cut(self, unit: Unit, chunk_of: dict[int, Chunk]) -> None:
         """Copies this rank's chunk of each of the unit's flat buffers into its shard (and fp32 start)."""
         for flat in unit.flats:
-            chunk, fp32 = chunk_of[id(flat)]
+            chunk, start = chunk_of[id(flat)]
             lo, hi = flat.buckets[0].owned_range(self.comm.rank)
-            flat.read_params(lo, hi, chunk if fp32 is None else fp32)
-            if fp32 is not None:
-                chunk.copy_(fp32)
+            if start is None:
+                flat.read_params(lo, hi, chunk)
+                continue
+            # Memory for the fp32 start values as each unit is cut, not for all at once: beside a model built
+            # whole, the units not yet cut still hold theirs (4 bytes a parameter / Nd more at the peak).
+            g, k = start
+            fp32 = self.fp32_init[g][k] = self._fp32_start_empty(hi - lo)
+            flat.read_params(lo, hi, fp32)
+            chunk.copy_(fp32)
 
     def _shard_built_units(self, chunk_of: dict[int, Chunk]) -> None:
         """A model that has its values: each unit gives this rank its chunk, then frees its buffer."""
