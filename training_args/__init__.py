@@ -6,7 +6,7 @@ from hf_zero.hf.arguments import (
     ZeroArgumentsMixin,
     ZeroSeq2SeqTrainingArguments,
     ZeroTrainingArguments,
-    zero_config_from_flags,
 )
+from hf_zero.hf.flags import zero_config_from_flags
 
 __all__ = ["ZeroArgumentsMixin", "ZeroSeq2SeqTrainingArguments", "ZeroTrainingArguments", "zero_config_from_flags"]

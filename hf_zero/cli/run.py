@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     # Imported here, not with this module: `hf-zero run` reads this module's help and checks the flags' names before
     # it imports torch and transformers.
-    from hf_zero.hf.arguments import check_script_flags
+    from hf_zero.hf.flags import check_script_flags
     from hf_zero.runtime.launch import say_once
 
     script = Path(argv[0])

@@ -30,17 +30,14 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.launch import init_distributed
 from hf_zero.runtime.memory import measured_peak, memory_left, model_state_bytes, start_measuring
-from hf_zero.runtime.tensor_parallel import (
-    apply_tensor_parallel,
-    check_tp_within_a_node,
-    init_mesh,
-)
+from hf_zero.runtime.tensor_parallel import apply_tensor_parallel, init_mesh
 from hf_zero.settings.config import (
     AUTO,
     PLANNED,
     ZeroConfig,
     ZeroConfigError,
     check_compile_backend,
+    check_tp_within_a_node,
     engine_settings_for_a_plan,
     offloads_to_check,
     plan_conflict,

@@ -46,18 +46,8 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_zero.runtime import groups
 from hf_zero.runtime.device import compute_device
-from hf_zero.settings.config import ZeroConfigError
+from hf_zero.settings.config import check_tp_within_a_node
 from hf_zero.settings.environment import processes_per_node
-
-
-def check_tp_within_a_node(tensor_parallel_size: int, processes_per_node: int, across_nodes: bool) -> None:
-    """Refuses a tp group larger than a node's processes unless `across_nodes`: consecutive ranks form a group,
-    so a larger one spans nodes, and its all-reduces in every layer cross the network."""
-    if tensor_parallel_size > processes_per_node and not across_nodes:
-        raise ZeroConfigError(
-            f"--tensor_parallel_size {tensor_parallel_size} is larger than the {processes_per_node} processes per "
-            f"node: a tensor-parallel group would span nodes and its all-reduces in every layer would cross the "
-            f"network. Use at most {processes_per_node}, or pass --tensor_parallel_across_nodes if that is meant")
 
 
 def init_mesh(tensor_parallel_size: int, across_nodes: bool = False) -> DeviceMesh:

@@ -68,7 +68,7 @@ def setting(default: Any, help: str, deepspeed: str | None = None, choices: tupl
 @dataclass
 class ZeroConfig:
     """Settings of the ZeRO engine. Sizes are in elements, as in DeepSpeed's configuration. Each field is
-    declared once, here: the Trainer's --zero_* flags (hf_zero/hf/arguments.py), `hf-zero train`'s options and
+    declared once, here: the Trainer's --zero_* flags (hf_zero/hf/flags.py), `hf-zero train`'s options and
     the README's flag table are made from these declarations."""
 
     zero_stage: int = setting(2, "0 plain data parallel, 1 partition optimizer states, 2 also gradients, "
@@ -616,3 +616,13 @@ def flag_rows() -> list[str]:
         said = s.metadata["help"] + (f"; `auto`: {PLANNED_HELP} ([docs/plan.md](docs/plan.md))" if planned else "")
         rows.append(f"| `{owned or trainer_flag(s.name) + value}` | {default} | {key} | {said} |")
     return rows
+
+
+def check_tp_within_a_node(tensor_parallel_size: int, processes_per_node: int, across_nodes: bool) -> None:
+    """Refuses a tp group larger than a node's processes unless `across_nodes`: consecutive ranks form a group,
+    so a larger one spans nodes, and its all-reduces in every layer cross the network."""
+    if tensor_parallel_size > processes_per_node and not across_nodes:
+        raise ZeroConfigError(
+            f"--tensor_parallel_size {tensor_parallel_size} is larger than the {processes_per_node} processes per "
+            f"node: a tensor-parallel group would span nodes and its all-reduces in every layer would cross the "
+            f"network. Use at most {processes_per_node}, or pass --tensor_parallel_across_nodes if that is meant")

@@ -1,6 +1,6 @@
 """The names of the flags hf_zero adds to a script's TrainingArguments, and the check that a --zero_* flag among a
 script's arguments is one of them. Nothing here imports torch or transformers: `hf-zero run` reports a misspelt flag
-before it imports them (3-4 s on a 2-core machine), and hf_zero.hf.arguments makes the flags from these names."""
+before it imports them (3-4 s on a 2-core machine), and hf_zero.hf.flags makes the flags from these names."""
 from __future__ import annotations
 
 from typing import Any
@@ -35,7 +35,7 @@ EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
                                      "then cross the network); refused otherwise", "[BOOL]",
                                      "Megatron's model parallel size larger than a node"),
 }
-# The Trainer's own flag that hf_zero gives another default (hf_zero.hf.arguments.DDP_TIMEOUT).
+# The Trainer's own flag that hf_zero gives another default (hf_zero.hf.flags.zero_flag_fields).
 DDP_TIMEOUT_FLAG = "ddp_timeout"
 
 

@@ -162,7 +162,7 @@ def test_under_torchrun_every_rank_stops_and_the_error_is_said_once(tmp_path):
 
 
 def test_a_zero_flag_far_from_every_engine_flag_is_left_to_the_script():
-    from hf_zero.hf.arguments import check_script_flags
+    from hf_zero.hf.flags import check_script_flags
     from hf_zero.settings.config import ZeroConfigError
 
     check_script_flags(["--zero_shot", "--zero_stage", "3", "--use_cpu"], 2)  # the script's own flag, say
@@ -174,11 +174,11 @@ def test_a_zero_flag_far_from_every_engine_flag_is_left_to_the_script():
 
 def test_more_processes_per_node_than_gpus_are_refused_naming_the_count(monkeypatch):
     """A second rank on a one-GPU machine would look for cuda:1; refused before any process starts."""
-    import hf_zero.hf.arguments
-    from hf_zero.hf.arguments import check_script_flags
+    import hf_zero.runtime.device
+    from hf_zero.hf.flags import check_script_flags
     from hf_zero.settings.config import ZeroConfigError
 
-    monkeypatch.setattr(hf_zero.hf.arguments, "has_accelerator", lambda: True)
+    monkeypatch.setattr(hf_zero.runtime.device, "has_accelerator", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     check_script_flags(["--zero_stage", "2"], 1)
     check_script_flags(["--zero_stage", "2", "--use_cpu"], 2)
@@ -197,7 +197,7 @@ def test_several_processes_without_a_gpu_and_without_use_cpu_are_refused_naming_
 
 
 def test_a_tensor_parallel_group_larger_than_a_node_is_refused_unless_asked(refused_before_launch):
-    from hf_zero.hf.arguments import check_script_flags
+    from hf_zero.hf.flags import check_script_flags
     from hf_zero.settings.config import ZeroConfigError
 
     flags = ["--tensor_parallel_size", "4", "--use_cpu"]
@@ -345,7 +345,7 @@ def test_hf_zero_run_help_lists_every_flag_hf_zero_adds_to_the_scripts_arguments
     """`hf-zero run` parses only the launch flags and hands the rest to the script, whose parser takes the
     --zero_* flags: its --help lists them all the same, from the same declarations."""
     from hf_zero.cli import commands as cli
-    from hf_zero.hf.arguments import ENGINE_FLAGS, EXTRA_FLAGS
+    from hf_zero.settings.flag_names import ENGINE_FLAGS, EXTRA_FLAGS
 
     with pytest.raises(SystemExit) as done:
         cli.main(["run", "--help"])

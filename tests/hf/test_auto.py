@@ -284,7 +284,7 @@ def test_auto_chooses_among_the_stages_the_other_flags_allow(tmp_path, given, st
 
 
 def test_auto_refuses_processes_that_are_not_whole_nodes(tmp_path):
-    from hf_zero.hf.arguments import check_script_flags
+    from hf_zero.hf.flags import check_script_flags
 
     with pytest.raises(ZeroConfigError, match="--zero_stage auto plans whole nodes: 4 processes are not a whole "
                                               "number of nodes of 3"):
