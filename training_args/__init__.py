@@ -1,6 +1,6 @@
 """ZeroTrainingArguments: transformers' TrainingArguments plus the ZeRO engine's settings as --zero_* flags.
 
-The flags are made from hf_zero.ZeroConfig's declarations (hf_zero/hf/arguments.py); this package is the
+The flags are made from hf_zero.ZeroConfig's declarations (hf_zero/hf/flags.py); this package is the
 import path scripts use, and depends on hf_zero, never the other way round."""
 from hf_zero.hf.arguments import (
     ZeroArgumentsMixin,

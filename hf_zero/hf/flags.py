@@ -278,14 +278,18 @@ _ANNOTATION_NAMES = {"bool": bool, "int": int, "float": float, "str": str, "dict
 def trainer_flag_fields() -> list[tuple[str, Any, Any]]:
     """The Trainer's flags hf_zero reads (_TRAINER_FLAGS_READ) as dataclass fields, typed and defaulted as
     transformers' TrainingArguments declares them. Read from its source, as `ast` parses it, unless the class is
-    imported already: importing it is what the launcher's check must not pay. A declaration the reading does not
-    understand (a default that is not a literal) makes it import the class, for the same fields."""
+    imported already: importing it is what the launcher's check must not pay. A source the reading does not follow
+    (a default that is not a literal, a flag declared elsewhere than in the class's own body, no readable file)
+    makes it import the class, for the same fields."""
     module = sys.modules.get("transformers.training_args")
     if module is None:
         try:
-            return _declared_in_source(Path(importlib.util.find_spec("transformers.training_args").origin))
-        except (StopIteration, ValueError, NameError, SyntaxError, TypeError):
-            module = importlib.import_module("transformers.training_args")
+            declared = _declared_in_source(Path(importlib.util.find_spec("transformers.training_args").origin))
+            if {name for name, _, _ in declared} == set(_TRAINER_FLAGS_READ):
+                return declared
+        except (StopIteration, ValueError, NameError, SyntaxError, TypeError, AttributeError, OSError):
+            pass
+        module = importlib.import_module("transformers.training_args")
     hints = typing.get_type_hints(module.TrainingArguments)
     return [(f.name, hints[f.name], field(default=f.default)) for f in fields(module.TrainingArguments)
             if f.name in _TRAINER_FLAGS_READ]

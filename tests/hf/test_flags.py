@@ -8,6 +8,7 @@ import sys
 import typing
 from pathlib import Path
 
+import pytest
 from transformers import TrainingArguments
 
 from hf_zero.hf import flags
@@ -27,18 +28,23 @@ def test_the_trainer_flags_read_from_transformers_source_are_its_classes_own():
     assert set(expected) == set(flags._TRAINER_FLAGS_READ)
 
 
-def test_a_declaration_the_source_reading_cannot_follow_gives_the_classes_fields(monkeypatch, tmp_path):
-    """A default that is not a literal: the class is imported for its fields, the same ones."""
+@pytest.mark.parametrize("declared", [
+    "    learning_rate: float = field(default=5 * 1e-5)\n",  # a default that is not a literal
+    "    learning_rate: float = field(default=5e-5)\n",  # the other flags declared elsewhere (a parent class)
+], ids=["an expression", "flags missing"])
+def test_a_source_the_reading_cannot_follow_gives_the_classes_fields(monkeypatch, tmp_path, declared):
+    """The class is imported for its fields, the same ones."""
     changed = tmp_path / "training_args.py"
     changed.write_text("from dataclasses import dataclass, field\n\n\n@dataclass\nclass TrainingArguments:\n"
-                       "    learning_rate: float = field(default=5 * 1e-5)\n")
+                       + declared)
+    imported = sys.modules["transformers.training_args"]
     with monkeypatch.context() as patched:
         patched.delitem(sys.modules, "transformers.training_args")
         patched.setattr(flags.importlib.util, "find_spec", lambda name: type("Spec", (), {"origin": str(changed)}))
-        patched.setattr(flags.importlib, "import_module", lambda name: sys.modules["transformers"].training_args)
+        patched.setattr(flags.importlib, "import_module", lambda name: imported)
         with_fallback = as_declared(flags.trainer_flag_fields())
     assert with_fallback == as_declared(flags.trainer_flag_fields())
-    assert with_fallback["learning_rate"] == (float, 5e-5)
+    assert set(with_fallback) == set(flags._TRAINER_FLAGS_READ) and with_fallback["learning_rate"] == (float, 5e-5)
 
 
 def test_a_launchers_check_of_a_scripts_flags_imports_neither_the_trainers_arguments_nor_peft():

@@ -217,7 +217,6 @@ def test_by_default_stage2_accumulates_in_the_compute_dtype():
     assert 1e-6 * fp32_accumulated < abs(norm - fp32_accumulated) < 1e-3 * fp32_accumulated
 
 
-
 def initialize_peak(offload_optimizer: str, nvme_path: str) -> float:
     """Torch's allocator peak over building 8 Linear units whole and `initialize` at stage 3 in bf16, as a
     multiple of the fp32 model."""
@@ -234,6 +233,7 @@ def initialize_peak(offload_optimizer: str, nvme_path: str) -> float:
     return allocator_peak(profiler) / model_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload_optimizer", ["none", "cpu", "nvme"])
 def test_stage3_gives_a_model_built_whole_its_fp32_start_values_a_unit_at_a_time(offload_optimizer, tmp_path):
     """On 2 ranks the masters' fp32 start values (half the fp32 model) get memory as each unit is cut from the
