@@ -336,11 +336,14 @@ class NvmeUpdate(UpdateBackend):
         return master, ({"step": self.states.steps[g], **values} if self.states.steps[g] > 0 else {})
 
     def load_chunk(self, g: int, k: int, master: torch.Tensor, state: dict[str, Any]) -> None:
+        """A state without moments (saved before the first step) starts Adam again, as torch's load_state_dict
+        leaves an optimizer: zero moments and step 0, whatever this engine had stepped."""
         params = {"param": master} if self.outputs is None else {}
+        zeros = None if "step" in state else host_memory_empty(master.numel(), zeroed=True)
+        moments = {kind: state.get(kind, zeros) for kind in ("exp_avg", "exp_avg_sq")}
         self.states.write_chunk(g, k, {"master": master, **params,
-                                       **{kind: state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state}})
-        if "step" in state:
-            self.states.steps[g] = torch.tensor(float(state["step"]))
+                                       **{kind: values for kind, values in moments.items() if values is not None}})
+        self.states.steps[g] = torch.tensor(float(state.get("step", 0)))
         if self.outputs is not None:
             self._writable_chunks()[g][k].copy_(master)
 

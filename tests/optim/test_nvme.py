@@ -331,6 +331,30 @@ def test_resume_from_a_checkpoint_taken_while_states_live_on_nvme(tmp_path, stag
         assert any(k.startswith("exp_avg_sq/") and f.get_tensor(k).abs().sum() > 0 for k in f.keys())
 
 
+@pytest.mark.parametrize("offload_optimizer", ["cpu", "nvme"])
+def test_loading_a_checkpoint_saved_before_the_first_step_into_an_engine_that_stepped_starts_adam_again(
+        tmp_path, offload_optimizer):
+    """A checkpoint saved before any step holds no moments and no step count: loaded into an engine that has
+    stepped, Adam starts again from zero moments, as torch's load_state_dict leaves an optimizer, so the run
+    ends as a fresh engine's would (CPU offload, whose state torch's optimizer loads, is the reference)."""
+    (tmp_path / "nvme").mkdir()
+    config = nvme_config(tmp_path / "nvme", 3) if offload_optimizer == "nvme" else \
+        {"zero_stage": 3, "dtype": "fp32", "offload_optimizer": "cpu", **SMALL_BUCKETS}
+    fresh = train(config, 3)
+    model = tiny_model("gpt2")
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    for step in range(3):  # moments and a step count that the load must not keep
+        engine.backward(engine(**batch("gpt2", 10 + step, 8)).loss)
+        engine.step()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    for step in range(3):
+        engine.backward(engine(**batch("gpt2", step, 8)).loss)
+        engine.step()
+    with engine.gathered_parameters():
+        assert max_diff(named_copy(model), fresh) == 0.0
+
+
 @pytest.mark.parametrize("problem, message", [
     ("missing", r"nvme_path '.*/absent' does not exist or is not a folder"),
     ("readonly", r"nvme_path '.*' is not writable by this process"),
