@@ -339,10 +339,11 @@ class NvmeUpdate(UpdateBackend):
         """A state without moments (saved before the first step) starts Adam again, as torch's load_state_dict
         leaves an optimizer: zero moments and step 0, whatever this engine had stepped."""
         params = {"param": master} if self.outputs is None else {}
-        zeros = None if "step" in state else host_memory_empty(master.numel(), zeroed=True)
-        moments = {kind: state.get(kind, zeros) for kind in ("exp_avg", "exp_avg_sq")}
-        self.states.write_chunk(g, k, {"master": master, **params,
-                                       **{kind: values for kind, values in moments.items() if values is not None}})
+        moments = {kind: state[kind] for kind in ("exp_avg", "exp_avg_sq") if kind in state}
+        if "step" not in state:
+            zeros = host_memory_empty(master.numel(), zeroed=True)
+            moments = {"exp_avg": zeros, "exp_avg_sq": zeros}
+        self.states.write_chunk(g, k, {"master": master, **params, **moments})
         self.states.steps[g] = torch.tensor(float(state.get("step", 0)))
         if self.outputs is not None:
             self._writable_chunks()[g][k].copy_(master)
