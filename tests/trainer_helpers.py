@@ -116,7 +116,7 @@ def _trainer_class(run: TrainerRun) -> type[Trainer]:
 
 
 @contextlib.contextmanager
-def _said_by(loggers: list[str]) -> Iterator[list[str]]:
+def said_by(loggers: list[str]) -> Iterator[list[str]]:
     """The messages these loggers pass on while inside (at their levels: the Trainer's --log_level sets
     transformers')."""
     said: list[str] = []
@@ -148,7 +148,7 @@ def run_trainers(runs: list[TrainerRun]) -> dict[str, dict[str, Any]]:
             trainer = _trainer_class(run)(model=model, args=_arguments(run, output_dir),
                                           train_dataset=lm_examples(TRAIN_EXAMPLES, seed=1),
                                           eval_dataset=lm_examples(EVAL_EXAMPLES, seed=2))
-            with _said_by(["hf_zero.hf.auto", "transformers.trainer"]) as said:
+            with said_by(["hf_zero.hf.auto", "transformers.trainer"]) as said:
                 trainer.train()
             logs = [h for h in trainer.state.log_history if "loss" in h]
             record: dict[str, Any] = {

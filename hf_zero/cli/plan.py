@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "names of model.named_parameters(), the adapter's around it); every other one trains. "
                         "ZeroTrainer's --zero_stage auto writes it from its model")
     parser.add_argument("--optimizer", default="torch.optim.AdamW", metavar="CLASS", help="the optimizer's class, "
-                        "torch's or transformers' (default torch.optim.AdamW; torch.optim.SGD, "
-                        "transformers.optimization.Adafactor, ...). ZeroTrainer's --zero_stage auto gives its own")
+                        "by its module's name and its own (default torch.optim.AdamW; torch.optim.SGD, "
+                        "transformers.optimization.Adafactor, lion_pytorch.Lion, ...), imported here. ZeroTrainer's "
+                        "--zero_stage auto gives its own")
     parser.add_argument("--optimizer_kwargs", default='{"lr": 0.0001}', metavar="JSON", help="its keyword arguments, "
                         "as a JSON object (default {\"lr\": 0.0001})")
     parser.add_argument("--engine_settings", default="{}", metavar="JSON", help="the engine's other settings, as a "
@@ -142,8 +143,8 @@ def check(args: argparse.Namespace) -> str | None:
 
 
 def optimizer_problem(name: str, kwargs: str) -> str | None:
-    """What is wrong with --optimizer and --optimizer_kwargs, or None: the class must be torch's or transformers', and
-    take the arguments (tried on one parameter of one element)."""
+    """What is wrong with --optimizer and --optimizer_kwargs, or None: the class must be importable by its name from
+    where only this user or root can write, and take the arguments (tried on one parameter of one element)."""
     from hf_zero.plan.simulate import optimizer_class, probe_optimizer
 
     try:
@@ -157,8 +158,8 @@ def optimizer_problem(name: str, kwargs: str) -> str | None:
         return f"--optimizer_kwargs must be a JSON object such as {{\"lr\": 0.0001}}; got {kwargs} ({error})"
     try:
         probe_optimizer(name, kwargs)
-    except (TypeError, ValueError) as error:
-        return f"--optimizer_kwargs {kwargs}: {name} does not take them ({error})"
+    except (TypeError, ValueError, AssertionError) as error:  # a class of another library may assert its settings
+        return f"--optimizer_kwargs {kwargs}: {name} does not take them ({str(error) or type(error).__name__})"
     return None
 
 

@@ -78,9 +78,19 @@ def model_bytes(model: nn.Module, device: torch.device) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == device.type)
 
 
-def planned_config(trainer: Any) -> tuple[ZeroConfig, int]:
-    """The engine's configuration with the `auto` settings planned, and the peak the plan expects a run measured
-    from now to see (bytes; on a CPU device and host memory together)."""
+@dataclasses.dataclass(frozen=True)
+class PlannedFor:
+    """What a plan was made for, which the run is checked against: its peak (bytes; on a CPU device and host memory
+    together, measured from when the engine starts), and the length of the planned batch's `input_name` (None where
+    it is not a sequence), the longest of `batch_of`."""
+    peak: int
+    input_name: str
+    length: int | None
+    batch_of: str
+
+
+def planned_config(trainer: Any) -> tuple[ZeroConfig, PlannedFor]:
+    """The engine's configuration with the `auto` settings planned, and what the plan was made for."""
     args = trainer.args
     config: ZeroConfig = args.zero_engine_config
     flag = trainer_flag(args.zero_planned[0])
@@ -107,7 +117,10 @@ def planned_config(trainer: Any) -> tuple[ZeroConfig, int]:
         if args.zero_nvme_to_plan and not on_nvme:
             logger.warning(f"the plan offloads nothing to NVMe: {trainer_flag('nvme_path')} "
                            f"{args.zero_nvme_to_plan} is not used")
-    return config, plan["per_rank"]["measured_peak"]["device_and_host" if device.type == "cpu" else "device"]
+    name = _main_input(trainer)
+    shape = plan["sample"].get(name, {}).get("shape")
+    peak = plan["per_rank"]["measured_peak"]["device_and_host" if device.type == "cpu" else "device"]
+    return config, PlannedFor(peak, name, shape[0] if shape else None, plan["batch_of"])
 
 
 def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
@@ -141,7 +154,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
             adapter = ["--adapter", str(Path(folder, "adapter")), "--adapter_name", name]
         Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
                                                            if not p.requires_grad]))
-        optimizer, optimizer_kwargs = _optimizer_of(trainer.optimizer, flag)
+        optimizer, optimizer_kwargs, optimizer_folder = _optimizer_of(trainer.optimizer, flag)
         batch, which = longest_batch(trainer)
         sample = _sample(batch, args)
         Path(folder, "sample.json").write_text(json.dumps(sample))
@@ -157,7 +170,9 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
                    "--gradient_checkpointing", str(bool(args.gradient_checkpointing)).lower(),
                    "--hpz_partition_size", str(config.hpz_partition_size), *nvme,
                    *(arg for key, value in fixed.items() for arg in (f"--{key}", value))]
-        env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARIABLES} | {"CUDA_VISIBLE_DEVICES": ""}
+        env = _plan_environment()
+        if optimizer_folder:  # a module beside the script: the plan imports the same one
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [optimizer_folder, env.get("PYTHONPATH")]))
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=env,
                                   timeout=max(1.0, deadline - time.monotonic()))
@@ -195,26 +210,55 @@ def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
     return sample
 
 
-def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str) -> tuple[str, str]:
-    """The Trainer's optimizer as `hf-zero plan --optimizer`, `--optimizer_kwargs` take it: its class by its public
-    name in torch.optim or transformers.optimization, and its settings as JSON."""
-    from hf_zero.plan.simulate import OPTIMIZER_MODULES
+# Where torch's and transformers' optimizers are named from: their public names, not the modules defining them.
+PUBLIC_OPTIMIZER_MODULES = ("torch.optim", "transformers.optimization")
 
+
+def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str) -> tuple[str, str, str | None]:
+    """The Trainer's optimizer as `hf-zero plan --optimizer`, `--optimizer_kwargs` take it: its class by its public
+    name (torch's and transformers', else its top package's where that exports it, else its module's), its settings
+    as JSON; and the folder its module was imported from where a new interpreter would not find it there (a module
+    beside the script), else None."""
     cls = type(optimizer)
-    name = next((f"{module}.{cls.__name__}" for module in OPTIMIZER_MODULES
-                 if getattr(importlib.import_module(module), cls.__name__, None) is cls), None)
+    top = cls.__module__.split(".")[0]
+    named_in = [*PUBLIC_OPTIMIZER_MODULES, top, cls.__module__] if top != "__main__" else []
+    name = next((f"{module}.{cls.__qualname__}" for module in named_in
+                 if getattr(sys.modules.get(module) or importlib.import_module(module), cls.__qualname__, None) is cls),
+                None)
     if name is None:
-        raise ZeroConfigError(f"{flag} auto plans torch's and transformers' optimizers (torch.optim, "
-                              f"transformers.optimization); this run's is {cls.__module__}.{cls.__qualname__}: give "
-                              f"{flag} a value")
+        raise ZeroConfigError(f"{flag} auto plans the run's optimizer in a process of its own, which imports its class "
+                              f"by name; this run's is {cls.__module__}.{cls.__qualname__}, defined where no other "
+                              f"process can import it (the script, or inside a function): define it in a module, or "
+                              f"give {flag} a value")
+    folder = None if name.startswith(PUBLIC_OPTIMIZER_MODULES) else _imported_from(sys.modules[top])
     # Its settings as its constructor takes them (torch's defaults also hold what a class sets itself).
     accepted = inspect.signature(cls).parameters
     try:
-        return name, json.dumps({key: value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
-                                 for key, value in optimizer.defaults.items() if key in accepted})
+        settings = json.dumps({key: value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+                               for key, value in optimizer.defaults.items() if key in accepted})
     except TypeError as error:
         raise ZeroConfigError(f"{flag} auto: {name}'s settings cannot be planned ({error}): give {flag} a "
                               f"value") from None
+    return name, settings, folder
+
+
+def _imported_from(top: Any) -> str | None:
+    """The folder package or module `top` was imported from, where a new interpreter (as the plan starts: this
+    environment and working folder) would find another one or none (a module beside the script); else None."""
+    file = getattr(top, "__file__", None)
+    if file is None:
+        return None
+    found = subprocess.run([sys.executable, "-c", "import importlib.util, sys; spec = importlib.util.find_spec("
+                            "sys.argv[1]); print(spec.origin if spec else '')", top.__name__],
+                           capture_output=True, text=True, env=_plan_environment()).stdout.strip()
+    if found and Path(found).resolve() == Path(file).resolve():
+        return None
+    return str(Path(file).parent.parent if Path(file).name == "__init__.py" else Path(file).parent)
+
+
+def _plan_environment() -> dict[str, str]:
+    """The environment the plan's process runs in: this one's, outside the run's world and without GPUs."""
+    return {k: v for k, v in os.environ.items() if k not in _WORLD_VARIABLES} | {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:

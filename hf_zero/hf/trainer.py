@@ -89,6 +89,33 @@ def _counting_partitioned_params(count: Callable[..., int]) -> Callable[..., int
 transformers_trainer.get_model_param_count = _counting_partitioned_params(transformers_trainer.get_model_param_count)
 
 
+class PlanCheck:
+    """--zero_stage auto's check of a run against its plan (hf_zero.hf.auto): the second optimizer step's measured
+    peak; and each batch longer than any the plan was made for (an iterable dataset's sample after those the plan
+    read), said before its step runs, with that step's peak checked after it."""
+
+    def __init__(self, planned: auto.PlannedFor, measure: Callable[[], int], rank: int, by_rss: bool) -> None:
+        self.planned, self.measure, self.rank, self.by_rss = planned, measure, rank, by_rss
+        self.longest = planned.length
+        self.check_this_step = False
+
+    def batch(self, inputs: dict[str, Any], step: int) -> None:
+        """Sees the batch of optimizer step `step` (counted from 1) before it runs."""
+        tensor = inputs.get(self.planned.input_name)
+        if self.longest is None or not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 \
+                or tensor.shape[1] <= self.longest:
+            return
+        self.longest, self.check_this_step = tensor.shape[1], True
+        logger.warning(f"rank {self.rank}: step {step}'s batch has {self.planned.input_name} of length "
+                       f"{tensor.shape[1]}, longer than the {self.planned.length} the plan was made for "
+                       f"({self.planned.batch_of}); the step's peak is checked against the plan's after it")
+
+    def step_done(self, step: int) -> None:
+        if step == 2 or self.check_this_step:
+            check_against_plan(self.planned.peak, self.measure(), self.rank, logger, by_rss=self.by_rss)
+            self.check_this_step = False
+
+
 class ZeroOptimizer(AcceleratedOptimizer):
     """What the Trainer holds as its optimizer. param_groups are the user optimizer's (so schedulers
     set the learning rates the engine's shards are stepped with); step() and zero_grad() go to the engine."""
@@ -96,10 +123,10 @@ class ZeroOptimizer(AcceleratedOptimizer):
     # accelerate must not wrap it a second time (with its own GradScaler for fp16).
     _is_accelerate_prepared = True
 
-    def __init__(self, engine: ZeroEngine, plan_check: Callable[[], Any] | None = None) -> None:
+    def __init__(self, engine: ZeroEngine, plan_check: PlanCheck | None = None) -> None:
         super().__init__(engine.optimizer, device_placement=False, scaler=None)
         self.engine = engine
-        self.plan_check = plan_check  # --zero_stage auto: run after the second step (hf_zero.hf.auto)
+        self.plan_check = plan_check  # --zero_stage auto
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
@@ -109,9 +136,8 @@ class ZeroOptimizer(AcceleratedOptimizer):
         # anyway: max_skipped_steps_in_a_row stops here, every rank alike, not at the next step (or never, at the
         # last).
         self.engine.check_skipped_steps()
-        if self.plan_check is not None and self.engine.global_steps == 2:
-            self.plan_check()
-            self.plan_check = None
+        if self.plan_check is not None:
+            self.plan_check.step_done(self.engine.global_steps)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         self.engine.zero_grad()
@@ -331,20 +357,26 @@ class ZeroTrainerMixin:
             self.model._is_accelerate_prepared = True
         return self.optimizer
 
-    def _plan_auto_settings(self) -> Callable[[], bool] | None:
-        """Puts the plan's choice for the `auto` settings in the engine's configuration; returns the check of the
-        second step's peak against the plan's, measured from now (above what this process held apart from the
-        model, which the plan counts), or None where memory cannot be measured."""
-        self.args.zero_engine_config, planned_peak = auto.planned_config(self)
+    def _plan_auto_settings(self) -> PlanCheck | None:
+        """Puts the plan's choice for the `auto` settings in the engine's configuration; returns the check of the run
+        against the plan, its peaks measured from now (above what this process held apart from the model, which the
+        plan counts), or None where memory cannot be measured."""
+        self.args.zero_engine_config, planned = auto.planned_config(self)
         device = compute_device()
         try:
             baseline = start_measuring(device) - auto.model_bytes(self.model, device)
         except (OSError, RuntimeError) as error:  # no /proc to measure a CPU rank's memory by (not Linux)
             logger.warning(f"the step's memory cannot be measured here, so it is not checked against the plan: {error}")
             return None
+        return PlanCheck(planned, lambda: measured_peak(device, baseline), self.args.process_index,
+                         by_rss=device.type == "cpu")
 
-        return lambda: check_against_plan(planned_peak, measured_peak(device, baseline), self.engine.comm.rank, logger,
-                                          by_rss=device.type == "cpu")
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        plan_check = getattr(self.optimizer, "plan_check", None)
+        if plan_check is not None:
+            plan_check.batch(inputs, self.state.global_step + 1)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def create_scheduler(self, num_training_steps: int,
                          optimizer: torch.optim.Optimizer | None = None) -> torch.optim.lr_scheduler.LRScheduler:

@@ -46,19 +46,23 @@ def build_directory(name: str) -> Path:
     return extensions_dir() / f"torch-{torch.__version__}" / f"{name}-{digest.hexdigest()[:12]}"
 
 
-def _check_not_writable_by_others(path: Path, what: str) -> None:
-    """Refuses `path` (not followed if a link) unless this user or root owns it and no other account can
-    change it, as ssh treats its keys: a folder or library another local user could write into would run
-    their code in this process. A sticky folder (/tmp) is fine above the cache: others cannot replace
-    what is in it."""
+def others_could_change(path: Path, above: bool = False) -> str | None:
+    """What would let another account change `path` (not followed if a link), or None: this user or root must own
+    it and no other account may write it, as ssh treats its keys. A sticky folder (/tmp) is fine `above` what is
+    checked: others cannot replace what is in it."""
     info = os.lstat(path)
-    problem = None
-    if stat.S_ISLNK(info.st_mode) and what != "above":
-        problem = "is a symbolic link"
-    elif info.st_uid not in (0, os.getuid()):
-        problem = f"is owned by uid {info.st_uid}, not by this user ({os.getuid()})"
-    elif info.st_mode & 0o022 and not (what == "above" and info.st_mode & stat.S_ISVTX):
-        problem = f"can be written by other accounts (mode {stat.filemode(info.st_mode)})"
+    if stat.S_ISLNK(info.st_mode) and not above:
+        return "is a symbolic link"
+    if info.st_uid not in (0, os.getuid()):
+        return f"is owned by uid {info.st_uid}, not by this user ({os.getuid()})"
+    if info.st_mode & 0o022 and not (above and info.st_mode & stat.S_ISVTX):
+        return f"can be written by other accounts (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def _check_not_writable_by_others(path: Path, what: str) -> None:
+    """Refuses `path` where another local user could plant code there, which would run in this process."""
+    problem = others_could_change(path, above=what == "above")
     if problem:
         raise RuntimeError(f"{path} {problem}; hf_zero loads compiled code from there and refuses a place another "
                            f"user could plant it. Make it yours and `chmod go-w` it, or set {EXTENSIONS_DIR_ENV} to a "

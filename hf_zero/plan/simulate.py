@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from hf_zero.ops.build import others_could_change
 from hf_zero.plan.memory import KINDS, PLACES, MemoryCount
 from hf_zero.plan.models import build_model
 from hf_zero.plan.timeline import PlanTimeline
@@ -55,7 +58,7 @@ class Job:
     adapter: str | None = None  # a folder holding a peft adapter's adapter_config.json, put around the model
     adapter_name: str = "default"  # the name peft gives it (its parameters' names hold it)
     frozen: tuple[str, ...] | None = None  # the parameters that do not train; None: as the class and adapter have it
-    optimizer: str = "torch.optim.AdamW"  # its class, torch's or transformers' (`optimizer_class`)
+    optimizer: str = "torch.optim.AdamW"  # its class by its module's name and its own (`optimizer_class`)
     optimizer_kwargs: str = '{"lr": 0.0001}'  # its keyword arguments, as a JSON object
     engine_settings: str = "{}"  # the engine's other settings (ZeroConfig's names: bucket sizes, qwZ, ...), as JSON
 
@@ -211,19 +214,34 @@ def _gradient_counted(count: MemoryCount) -> Any:
     return hook
 
 
-OPTIMIZER_MODULES = ("torch.optim", "transformers.optimization")  # where a plan's optimizer may come from
-
-
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The optimizer class `name` (such as torch.optim.SGD or transformers.optimization.Adafactor): only torch's and
-    transformers' own are imported by name. ValueError otherwise."""
-    module, _, attribute = name.rpartition(".")
-    if module not in OPTIMIZER_MODULES:
-        raise ValueError(f"the optimizer must be one of {' or '.join(m + '.*' for m in OPTIMIZER_MODULES)}; "
-                         f"got {name}")
-    found = getattr(importlib.import_module(module), attribute, None)
+    """The optimizer class `name`, its module's name and its own (torch.optim.SGD,
+    transformers.optimization.Adafactor, lion_pytorch.Lion), imported. ValueError where it cannot be, where the module's
+    code lies where another account could change it (importing it would run that code here), or where it is not an
+    optimizer class."""
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name or not attribute.isidentifier():
+        raise ValueError(f"give the class with its module's name, as torch.optim.AdamW; got {name}")
+    try:  # the top package, found without running any of its code
+        top = importlib.util.find_spec(module_name.split(".")[0])
+    except (ImportError, ValueError) as error:
+        raise ValueError(f"cannot look for the module {module_name}: {error}") from None
+    if top is None:
+        raise ValueError(f"no module {module_name} can be imported here (of {name})")
+    # A package this process imported already (torch, transformers) runs no code of its own when imported again.
+    if top.origin and top.has_location and top.name not in sys.modules:
+        where = Path(top.origin)
+        for path, above in [(where, False), *((folder, folder != where.parent) for folder in where.parents)]:
+            if problem := others_could_change(path, above):
+                raise ValueError(f"{path} {problem}: the plan would run {module_name}'s code from a place another "
+                                 f"account could change it; install it where only you (or root) can write")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import {module_name} (of {name}): {error}") from None
+    found = getattr(module, attribute, None)
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
-        raise ValueError(f"{name} is not an optimizer class")
+        raise ValueError(f"{name} is not an optimizer class (a subclass of torch.optim.Optimizer)")
     return found
 
 

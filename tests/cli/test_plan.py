@@ -83,6 +83,10 @@ def test_a_stage_that_keeps_the_states_whole_is_told_to_partition_them_not_to_ad
     (["--model", "gpt2-tiny", "--adapter", "/no/such/adapter"], "--adapter"),
     (["--model", "gpt2-tiny", "--frozen", "/no/such/frozen.json"], "--frozen"),
     (["--model", "gpt2-tiny", "--optimizer", "os.system"], "--optimizer"),
+    (["--model", "gpt2-tiny", "--optimizer", "no_such_library.Lion"], "--optimizer"),
+    (["--model", "gpt2-tiny", "--optimizer", "Lion"], "--optimizer"),
+    (["--model", "gpt2-tiny", "--optimizer", "lion_pytorch.Lion", "--optimizer_kwargs", '{"lr": -1}'],
+     "--optimizer_kwargs"),
     (["--model", "gpt2-tiny", "--optimizer_kwargs", "[1]"], "--optimizer_kwargs"),
     (["--model", "gpt2-tiny", "--engine_settings", '{"reduce_bucket_sise": 5}'], "--engine_settings"),
     (["--model", "gpt2-tiny", "--engine_settings", '{"zero_stage": 3}'], "--engine_settings"),
@@ -103,6 +107,32 @@ def test_frozen_parameters_the_model_does_not_have_are_one_line_naming_the_flag(
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--frozen names 1 parameter(s)" in err and "no.such.parameter" in err, err
+
+
+def test_an_optimizers_module_another_account_can_change_is_refused_before_its_code_runs(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """The plan imports the optimizer's module by name, which runs its code: a module in a folder other accounts may
+    write is refused, naming the flag and the folder, and nothing of it runs. Made private, the same module plans."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "planted_optimizer.py").write_text(
+        "import pathlib, torch\n"
+        f"pathlib.Path({str(tmp_path / 'ran')!r}).touch()\n"
+        "class SGD(torch.optim.SGD):\n    pass\n")
+    monkeypatch.syspath_prepend(str(folder))
+    flags = ["plan", *TINY, *FIXED, "--optimizer", "planted_optimizer.SGD", "--optimizer_kwargs", '{"lr": 0.1}']
+    folder.chmod(0o777)
+    with pytest.raises(SystemExit) as stopped:
+        main(flags)
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"hf-zero plan: --optimizer: {folder} can be written by other accounts"), err
+    assert not (tmp_path / "ran").exists()
+
+    folder.chmod(0o755)
+    assert main([*flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer"] == "planted_optimizer.SGD"
+    assert (tmp_path / "ran").exists()
 
 
 def test_the_engines_other_settings_narrow_the_candidates_to_those_the_engine_takes(capsys):

@@ -224,6 +224,43 @@ def test_an_empty_param_group_anywhere_trains_as_torch_does_in_one_process():
         assert max_diff(weights, expected[first]) < FP32_TOL, (stage, first)
 
 
+def lion_steps(stage: int | None) -> dict[str, torch.Tensor]:
+    """3 steps of lion-pytorch's Lion, an optimizer of another library as users bring one, on an MLP; `stage` None:
+    one process on the global batch."""
+    from lion_pytorch import Lion
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    optimizer = Lion(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    inputs = [torch.randn(8, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    if stage is None:
+        for x in inputs:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return named_copy(model)
+    engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage})
+    for x in inputs:
+        engine.backward(engine(x.chunk(engine.comm.world_size)[engine.comm.rank]).square().mean())
+        engine.step()
+    with engine.gathered_parameters():
+        return named_copy(model)
+
+
+def lion_runs() -> dict[int, dict[str, torch.Tensor]]:
+    return {stage: lion_steps(stage) for stage in (1, 2, 3)}
+
+
+@pytest.mark.slow
+def test_an_optimizer_of_another_library_trains_as_in_one_process():
+    """lion-pytorch's Lion steps the engine's shards at stages 1-3 as it steps the whole model in one process: the
+    engine keeps the user's own optimizer, its class and what it holds outside its param groups."""
+    runs = spawn_gloo(lion_runs, 2)[0]
+    expected = lion_steps(None)
+    for stage, weights in runs.items():
+        assert max_diff(weights, expected) < FP32_TOL, stage
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_world_size_1_without_process_group_matches_plain_training(stage):
     ref = train_single_process("gpt2", steps=3, global_batch=4)["params"]

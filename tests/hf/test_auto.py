@@ -30,8 +30,11 @@ def plan_in_this_process(monkeypatch):
 
     from hf_zero.cli.commands import main
 
+    real_run = subprocess.run
+
     def run(command, **kwargs):
-        assert command[1:4] == ["-m", "hf_zero", "plan"], command
+        if command[1:4] != ["-m", "hf_zero", "plan"]:
+            return real_run(command, **kwargs)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -165,6 +168,31 @@ def test_an_iterable_datasets_longest_samples_are_planned_among_those_read_from_
     assert which == "the longest samples (all 5 of the iterable dataset read)" and batch.shape == (2, 12)
 
 
+def test_a_batch_longer_than_the_plans_is_said_before_its_step_and_its_peak_checked_after_it(
+        tmp_path, monkeypatch, plan_in_this_process):
+    """An iterable dataset planned for its first samples (here 8, of 8 tokens), whose samples grow after them (16
+    tokens from the ninth, 24 from the seventeenth), trained 5 steps of 4 in one process: the batches of steps 3
+    and 5 are longer than any before, so each is said before its step runs, naming the lengths, and its step's peak
+    is set beside the plan's; step 4's (as long as step 3's) is not. The second step's check stays."""
+    from tests.trainer_helpers import said_by
+
+    monkeypatch.setattr(auto, "ITERABLE_SAMPLES_READ", 8)
+    lengths = [8] * 8 + [16] * 8 + [24] * 4
+    samples = [{"input_ids": torch.arange(1, n + 1), "labels": torch.arange(1, n + 1)} for n in lengths]
+    trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+        output_dir=str(tmp_path), zero_stage="auto", **{**ARGS, "max_steps": 5, "log_level": "info",
+                                                        "save_strategy": "no"}), train_dataset=Stream(samples))
+    with said_by(["transformers.trainer"]) as said:
+        trainer.train()
+    longer = [line for line in said if "the plan was made for" in line]
+    assert longer == [f"rank 0: step {step}'s batch has input_ids of length {n}, longer than the 8 the plan was "
+                      f"made for (the longest of the iterable dataset's first 8 samples (its length is not known: a "
+                      f"longer sample after them is not planned for)); the step's peak is checked against the plan's "
+                      f"after it" for step, n in [(3, 16), (5, 24)]]
+    checked = [at for at, line in enumerate(said) if "at its peak" in line]
+    assert len(checked) == 3 and checked[1] > said.index(longer[0]) and checked[2] > said.index(longer[1])
+
+
 def frozen_layers():
     model = tiny_model("gpt2")
     model.transformer.h[0].requires_grad_(False)
@@ -198,17 +226,23 @@ def test_auto_plans_what_the_runs_model_trains(tmp_path, make, plan_in_this_proc
 def test_auto_plans_with_the_optimizer_the_run_steps(tmp_path, plan_in_this_process):
     """The plan steps the run's own optimizer: the one --optim makes (fp32: AdamW keeps two moments, 8 bytes a
     parameter; Adafactor its second moment, 4: ZeRO's flat shards are not matrices it would factor), or one given to
-    the Trainer. An optimizer from elsewhere is refused before training, naming the flag."""
+    the Trainer, from another library too (lion-pytorch's Lion: one moment, 4). One the plan's process cannot import
+    by name is refused before training, naming the flag."""
+    from lion_pytorch import Lion
+
     samples = [{"input_ids": torch.zeros(8, dtype=torch.long)}] * 4
     held = {}
-    for optim in ("adamw_torch", "adafactor"):
-        trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
-            output_dir=str(tmp_path), zero_stage="auto", optim=optim, **ARGS), train_dataset=samples)
+    for optim in ("adamw_torch", "adafactor", Lion):
+        model = tiny_model("gpt2")
+        given = (Lion(model.parameters(), lr=1e-4, weight_decay=0.1), None) if optim is Lion else (None, None)
+        trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(
+            output_dir=str(tmp_path), zero_stage="auto", **({} if optim is Lion else {"optim": optim}), **ARGS),
+            train_dataset=samples, optimizers=given)
         Trainer.create_optimizer(trainer)
         plan = auto._plan(trainer, 1, 10**12)
-        held[optim] = plan["per_rank"]["model_states_at_rest"]["optimizer_states"] / plan["trained_params"]
-    assert held["adamw_torch"] == pytest.approx(8, rel=0.01) and held["adafactor"] == pytest.approx(4, rel=0.01)
-    assert plan["optimizer"] == "transformers.optimization.Adafactor"
+        held[plan["optimizer"]] = plan["per_rank"]["model_states_at_rest"]["optimizer_states"] / plan["trained_params"]
+    assert held == pytest.approx({"torch.optim.AdamW": 8, "transformers.optimization.Adafactor": 4,
+                                  "lion_pytorch.Lion": 4}, rel=0.01)
 
     class Mine(torch.optim.SGD):
         pass
@@ -217,9 +251,32 @@ def test_auto_plans_with_the_optimizer_the_run_steps(tmp_path, plan_in_this_proc
     trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
                                                                   **ARGS), train_dataset=samples,
                           optimizers=(Mine(model.parameters(), lr=0.1), None))
-    with pytest.raises(ZeroConfigError, match=r"plans torch's and transformers' optimizers .* this run's is "
-                                              r".*Mine: give --zero_stage a value"):
+    with pytest.raises(ZeroConfigError, match=r"this run's is .*<locals>.Mine, defined where no other process can "
+                                              r"import it .*: define it in a module, or give --zero_stage a value"):
         auto._plan(trainer, 1, 10**12)
+
+
+def test_auto_plans_an_optimizer_from_a_module_beside_the_script_in_the_plans_own_process(tmp_path, monkeypatch):
+    """An optimizer class in the user's own module, imported from the script's folder, which a new interpreter in
+    the working folder would not find: the plan's own process (real, as rank 0 starts it) is pointed at that folder
+    and steps the same class. Its momentum buffer is what it keeps (fp32: 4 bytes a parameter)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "my_optimizers.py").write_text("import torch\n\n\nclass HeavyBall(torch.optim.SGD):\n    pass\n")
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.chdir(tmp_path)
+    from my_optimizers import HeavyBall
+
+    model = tiny_model("gpt2")
+    trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(output_dir=str(tmp_path / "out"),
+                                                                  zero_stage="auto", **ARGS),
+                          train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}] * 4,
+                          optimizers=(HeavyBall(model.parameters(), lr=0.1, momentum=0.9), None))
+    assert auto._optimizer_of(trainer.optimizer, "--zero_stage")[2] == str(folder)
+    plan = auto._plan(trainer, 1, 10**12)
+    assert plan["optimizer"] == "my_optimizers.HeavyBall"
+    assert plan["per_rank"]["model_states_at_rest"]["optimizer_states"] == pytest.approx(4 * plan["trained_params"],
+                                                                                         rel=0.01)
 
 
 @pytest.mark.parametrize("nvme_given, planned, on_nvme", [
@@ -237,8 +294,8 @@ def test_auto_plans_with_nvme_offload_and_keeps_the_folder_only_where_the_plan_o
         train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}] * 8)
     Trainer.create_optimizer(trainer)
     with caplog.at_level("WARNING"):
-        config, peak = auto.planned_config(trainer)
-    assert peak > 0
+        config, planned_for = auto.planned_config(trainer)
+    assert planned_for.peak > 0
     if on_nvme:
         assert config.zero_stage == 3 and (config.offload_optimizer, config.offload_param) == ("nvme", "nvme")
         assert config.nvme_path == str(tmp_path / "nvme")

@@ -141,13 +141,16 @@ def test_offloaded_states_are_the_hosts():
                                               (Setting(2, micro_batch=4), "lora"),
                                               (Setting(1, micro_batch=4), "sgd"),
                                               (Setting(2, micro_batch=4), "adafactor"),
+                                              (Setting(3, micro_batch=4), "lion"),
                                               (Setting(2, micro_batch=4), "small buckets")],
                          ids=["stage 3", "stage 2, optimizer on cpu", "stage 2, a LoRA adapter",
                               "stage 1, SGD with momentum", "stage 2, Adafactor",
+                              "stage 3, lion-pytorch's Lion",
                               "stage 2, reduce buckets of 100,000 elements"])
 def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent(setting, variant, tmp_path):
     """One rank, real: the model built (with peft's LoRA around it, built by peft itself; or stepped by SGD or
-    Adafactor; or with the engine's reduce buckets set smaller, 11% less at the peak) and two steps trained under
+    Adafactor, or by lion-pytorch's Lion, as users bring an optimizer of another library; or with the engine's reduce
+    buckets set smaller, 11% less at the peak) and two steps trained under
     torch's profiler, whose allocation events give the most bytes its CPU allocator handed out
     at once. The plan's figure for a CPU, device and host together at one moment (set-up included), is that within
     5%; device and host peaks added would count offload's host memory at a moment the device is not at its peak."""
@@ -167,7 +170,9 @@ def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent
         LoraConfig(r=8, target_modules=["c_attn", "c_fc"], task_type="CAUSAL_LM").save_pretrained(tmp_path / "lora")
     optimizer = {"sgd": {"optimizer": "torch.optim.SGD", "optimizer_kwargs": '{"lr": 0.01, "momentum": 0.9}'},
                  "adafactor": {"optimizer": "transformers.optimization.Adafactor",
-                               "optimizer_kwargs": '{"lr": 0.001, "relative_step": false}'}}.get(variant, {})
+                               "optimizer_kwargs": '{"lr": 0.001, "relative_step": false}'},
+                 "lion": {"optimizer": "lion_pytorch.Lion",
+                          "optimizer_kwargs": '{"lr": 0.0001, "weight_decay": 0.1}'}}.get(variant, {})
     engine = {"engine_settings": '{"reduce_bucket_size": 100000}'} if variant == "small buckets" else {}
     job = Job("gpt2-demo", 1, 1, "bf16", seq_len=128, adapter=str(tmp_path / "lora") if lora else None, **optimizer,
               **engine)
@@ -234,13 +239,16 @@ def test_a_ranks_nvme_files_and_io_are_the_engines_on_disk(setting, tmp_path, mo
 def test_the_optimizers_states_are_the_ones_it_keeps():
     """Stage 1 over 2 ranks, bf16: fp32 masters and what the optimizer keeps, partitioned. AdamW keeps two moments
     (12 bytes a parameter with the master), SGD with momentum one (8), Adafactor its second moment whole (8): ZeRO's
-    shards are flat, and Adafactor factors only matrices (as under DeepSpeed)."""
+    shards are flat, and Adafactor factors only matrices (as under DeepSpeed). lion-pytorch's Lion, from outside
+    torch and transformers, keeps one moment (8), as the Lion paper's algorithm does."""
     job = Job("gpt2-tiny", nodes=1, gpus_per_node=2, seq_len=32)
     states = {}
     for name, kwargs in [("torch.optim.AdamW", '{"lr": 0.001}'), ("torch.optim.SGD", '{"lr": 0.01, "momentum": 0.9}'),
-                         ("transformers.optimization.Adafactor", '{"lr": 0.001, "relative_step": false}')]:
+                         ("transformers.optimization.Adafactor", '{"lr": 0.001, "relative_step": false}'),
+                         ("lion_pytorch.Lion", '{"lr": 0.0001}')]:
         rank = simulate_rank(replace(job, optimizer=name, optimizer_kwargs=kwargs), Setting(1), 0)
         states[name.rsplit(".", 1)[1]] = rank.at_rest["device"]["optimizer_states"] / (rank.params / 2)
     assert states["AdamW"] == pytest.approx(12, rel=0.02)
     assert states["SGD"] == pytest.approx(8, rel=0.02)
     assert states["Adafactor"] == pytest.approx(8, rel=0.02)
+    assert states["Lion"] == pytest.approx(8, rel=0.02)

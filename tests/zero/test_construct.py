@@ -138,6 +138,28 @@ def test_a_meta_model_needs_init_from_and_stage3():
         hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 2}, init_from=SeededInit())
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_init_from_that_leaves_a_unit_unfilled_is_refused_naming_it(dtype):
+    """`init_from` is a protocol users may implement: one whose fill never opens and closes a unit would leave its
+    shard as allocated (zeros in fp32; no start values for the masters in bf16). That is an error naming the unit, not
+    a model trained from zeros."""
+
+    class SkipsTheLastBlock(SeededInit):
+        def fill(self, model, units, open_unit, close_unit, rank):
+            skipped = next(unit for unit in units if unit.name == "transformer.h.1")
+            super().fill(model, units, lambda unit: open_unit(unit) if unit is not skipped else [
+                torch.empty(flat.numel) for flat in unit.flats], lambda unit: unit is skipped or close_unit(unit),
+                rank)
+
+    with torch.device("meta"):
+        model = model_zoo.build("gpt2-tiny")
+    with pytest.raises(RuntimeError, match=r"SkipsTheLastBlock.fill gave values to \d+ of the model's \d+ units, not "
+                                           r"to unit 'transformer.h.1': fill must open and close every unit it is "
+                                           r"given"):
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3, "dtype": dtype},
+                           init_from=SkipsTheLastBlock(SEED))
+
+
 def build_gpt2_large() -> dict:
     """gpt2-large (774M) built on meta, materialised unit by unit at stage 3; peak memory."""
     import psutil

@@ -217,6 +217,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         """A model without values yet: one unit at a time gets memory, is filled by `init_from` (in fp32),
         gives up its chunk and is freed, so no rank holds more than its shard and one unit."""
         staging: dict[int, torch.Tensor] = {}
+        closed: set[int] = set()
 
         def open_unit(unit: Unit) -> list[torch.Tensor]:
             staging.update({id(f): self._stage(f) for f in unit.flats})
@@ -231,8 +232,16 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
                     flat.data.copy_(staged)
                     flat.bind()
             unit.built()
+            closed.add(id(unit))
 
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
+        # A unit never closed has no values in its shard: refused, not trained from whatever its shard holds.
+        missed = [unit.title for unit in self.units if id(unit) not in closed]
+        if missed:
+            raise RuntimeError(f"{type(init_from).__name__}.fill gave values to {len(self.units) - len(missed)} of the "
+                               f"model's {len(self.units)} units, not to {', '.join(missed[:3])}"
+                               f"{f' and {len(missed) - 3} more' if len(missed) > 3 else ''}: fill must open and "
+                               f"close every unit it is given")
 
     def _new_param_shard(self, numel: int, dtype: torch.dtype, device: torch.device,
                          frozen: bool = False) -> torch.Tensor:
