@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_zero.plan.machine import GB, KEYS, Machine
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser, count: type, size: type) -> N
                         "by its module's name and its own (default torch.optim.AdamW; torch.optim.SGD, "
                         "transformers.optimization.Adafactor, lion_pytorch.Lion, ...), imported here. ZeroTrainer's "
                         "--zero_stage auto gives its own")
+    parser.add_argument("--optimizer_folder", metavar="FOLDER", help="where --optimizer's module is, if Python would "
+                        "not find it (a module beside the script; looked in after the installed packages). "
+                        "ZeroTrainer's --zero_stage auto gives it")
     parser.add_argument("--optimizer_kwargs", default='{"lr": 0.0001}', metavar="JSON", help="its keyword arguments, "
                         "as a JSON object (default {\"lr\": 0.0001})")
     parser.add_argument("--engine_settings", default="{}", metavar="JSON", help="the engine's other settings, as a "
@@ -126,7 +130,7 @@ def check(args: argparse.Namespace) -> str | None:
                 setattr(args, flag, read(getattr(args, flag)))
             except (OSError, ValueError) as error:
                 return f"--{flag} {getattr(args, flag)}: {error}"
-    problem = optimizer_problem(args.optimizer, args.optimizer_kwargs)
+    problem = optimizer_problem(args.optimizer, args.optimizer_kwargs, args.optimizer_folder)
     if problem:
         return problem
     problem = engine_settings_problem(args.engine_settings)
@@ -142,13 +146,16 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def optimizer_problem(name: str, kwargs: str) -> str | None:
-    """What is wrong with --optimizer and --optimizer_kwargs, or None: the class must be importable by its name from
-    where only this user or root can write, and take the arguments (tried on one parameter of one element)."""
+def optimizer_problem(name: str, kwargs: str, folder: str | None = None) -> str | None:
+    """What is wrong with --optimizer, --optimizer_folder and --optimizer_kwargs, or None: the class must be
+    importable by its name (from the folder, where Python would not find it) with its code where only this user or
+    root can write, and take the arguments (tried on one parameter of one element)."""
     from hf_zero.plan.simulate import optimizer_class, probe_optimizer
 
+    if folder is not None and not Path(folder).is_dir():
+        return f"--optimizer_folder {folder} is not a folder"
     try:
-        optimizer_class(name)
+        optimizer_class(name, folder)
     except ValueError as error:
         return f"--optimizer: {error}"
     try:
@@ -157,8 +164,8 @@ def optimizer_problem(name: str, kwargs: str) -> str | None:
     except ValueError as error:
         return f"--optimizer_kwargs must be a JSON object such as {{\"lr\": 0.0001}}; got {kwargs} ({error})"
     try:
-        probe_optimizer(name, kwargs)
-    except (TypeError, ValueError, AssertionError) as error:  # a class of another library may assert its settings
+        probe_optimizer(name, kwargs, folder)
+    except Exception as error:  # a class of another library may raise anything for settings it refuses
         return f"--optimizer_kwargs {kwargs}: {name} does not take them ({str(error) or type(error).__name__})"
     return None
 
@@ -237,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seq_len {seq_len} is longer than {args.model} takes ({longest} positions)")
     job = Job(args.model, args.nodes, args.gpus_per_node, args.dtype, seq_len, args.gpu_memory, args.sample or (),
               adapter=args.adapter, adapter_name=args.adapter_name, frozen=args.frozen, optimizer=args.optimizer,
-              optimizer_kwargs=args.optimizer_kwargs, engine_settings=args.engine_settings)
+              optimizer_folder=args.optimizer_folder, optimizer_kwargs=args.optimizer_kwargs,
+              engine_settings=args.engine_settings)
     machine = Machine(args.gpu_memory, args.host_memory, nvme_capacity=args.nvme,
                       **{f.name: getattr(args, f.name) for f in fields(Machine)
                          if f.name not in ("gpu_memory", "host_memory", "nvme_capacity")})

@@ -1,6 +1,7 @@
 """ZeroTrainer's --zero_stage auto (and --zero_offload_optimizer / --zero_offload_param auto): the settings left to a
 plan of this job on this machine, made when the Trainer has the model, its optimizer and its data, just before the
-engine starts; then the second optimizer step's measured peak is checked against the plan's.
+engine starts; then the second optimizer step's measured peak is checked against the plan's, and that of each step
+whose batch is longer than the planned one (ZeroTrainer's PlanCheck).
 
 Rank 0 plans: `hf-zero plan --json` in a process of its own, since the plan simulates its own world and this process
 is a rank of a real one. It plans the model's class from its config (a peft adapter around it as the run has it,
@@ -81,8 +82,8 @@ def model_bytes(model: nn.Module, device: torch.device) -> int:
 @dataclasses.dataclass(frozen=True)
 class PlannedFor:
     """What a plan was made for, which the run is checked against: its peak (bytes; on a CPU device and host memory
-    together, measured from when the engine starts), and the length of the planned batch's `input_name` (None where
-    it is not a sequence), the longest of `batch_of`."""
+    together, measured from when the engine starts), and the length of the planned batch's `input_name` where each
+    sample's is a sequence of tokens (else None), the longest of `batch_of`."""
     peak: int
     input_name: str
     length: int | None
@@ -118,9 +119,9 @@ def planned_config(trainer: Any) -> tuple[ZeroConfig, PlannedFor]:
             logger.warning(f"the plan offloads nothing to NVMe: {trainer_flag('nvme_path')} "
                            f"{args.zero_nvme_to_plan} is not used")
     name = _main_input(trainer)
-    shape = plan["sample"].get(name, {}).get("shape")
+    shape = plan["sample"].get(name, {}).get("shape") or []
     peak = plan["per_rank"]["measured_peak"]["device_and_host" if device.type == "cpu" else "device"]
-    return config, PlannedFor(peak, name, shape[0] if shape else None, plan["batch_of"])
+    return config, PlannedFor(peak, name, shape[0] if len(shape) == 1 else None, plan["batch_of"])
 
 
 def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
@@ -154,14 +155,14 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
             adapter = ["--adapter", str(Path(folder, "adapter")), "--adapter_name", name]
         Path(folder, "frozen.json").write_text(json.dumps([n for n, p in model.named_parameters()
                                                            if not p.requires_grad]))
-        optimizer, optimizer_kwargs, optimizer_folder = _optimizer_of(trainer.optimizer, flag)
+        optimizer = _optimizer_of(trainer.optimizer, flag, deadline)
         batch, which = longest_batch(trainer)
         sample = _sample(batch, args)
         Path(folder, "sample.json").write_text(json.dumps(sample))
         command = [sys.executable, "-m", "hf_zero", "plan", "--json", "--model", folder,
                    "--sample", str(Path(folder, "sample.json")), *adapter,
                    "--frozen", str(Path(folder, "frozen.json")),
-                   "--optimizer", optimizer, "--optimizer_kwargs", optimizer_kwargs,
+                   *optimizer,
                    "--engine_settings", json.dumps(engine_settings_for_a_plan(dataclasses.asdict(config))),
                    "--nodes", str(args.world_size // topology), "--gpus_per_node", str(topology),
                    "--gpu_memory", f"{device_bytes / 1e9:.9f}GB",
@@ -170,11 +171,8 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
                    "--gradient_checkpointing", str(bool(args.gradient_checkpointing)).lower(),
                    "--hpz_partition_size", str(config.hpz_partition_size), *nvme,
                    *(arg for key, value in fixed.items() for arg in (f"--{key}", value))]
-        env = _plan_environment()
-        if optimizer_folder:  # a module beside the script: the plan imports the same one
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [optimizer_folder, env.get("PYTHONPATH")]))
         try:
-            done = subprocess.run(command, capture_output=True, text=True, env=env,
+            done = subprocess.run(command, capture_output=True, text=True, env=_plan_environment(),
                                   timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise ZeroConfigError(f"{flag} auto: planning took longer than {0.9 * args.ddp_timeout:.0f} s, 90% of "
@@ -214,23 +212,20 @@ def _sample(batch: dict[str, Any], args: Any) -> dict[str, dict[str, Any]]:
 PUBLIC_OPTIMIZER_MODULES = ("torch.optim", "transformers.optimization")
 
 
-def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str) -> tuple[str, str, str | None]:
-    """The Trainer's optimizer as `hf-zero plan --optimizer`, `--optimizer_kwargs` take it: its class by its public
-    name (torch's and transformers', else its top package's where that exports it, else its module's), its settings
-    as JSON; and the folder its module was imported from where a new interpreter would not find it there (a module
-    beside the script), else None."""
+def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str, deadline: float) -> list[str]:
+    """The Trainer's optimizer as `hf-zero plan` takes it: --optimizer, its class by its public name (torch's and
+    transformers', else its top package's where that exports it, else its module's); --optimizer_kwargs, its
+    settings as JSON; and --optimizer_folder where its module is not where a new interpreter looks (beside the
+    script)."""
     cls = type(optimizer)
     top = cls.__module__.split(".")[0]
-    named_in = [*PUBLIC_OPTIMIZER_MODULES, top, cls.__module__] if top != "__main__" else []
-    name = next((f"{module}.{cls.__qualname__}" for module in named_in
-                 if getattr(sys.modules.get(module) or importlib.import_module(module), cls.__qualname__, None) is cls),
-                None)
+    name = next((f"{module}.{cls.__qualname__}" for module in [*PUBLIC_OPTIMIZER_MODULES, top, cls.__module__]
+                 if top not in ("__main__", "__mp_main__") and _exports(module, cls)), None)
     if name is None:
         raise ZeroConfigError(f"{flag} auto plans the run's optimizer in a process of its own, which imports its class "
-                              f"by name; this run's is {cls.__module__}.{cls.__qualname__}, defined where no other "
-                              f"process can import it (the script, or inside a function): define it in a module, or "
-                              f"give {flag} a value")
-    folder = None if name.startswith(PUBLIC_OPTIMIZER_MODULES) else _imported_from(sys.modules[top])
+                              f"by name; this run's is {cls.__module__}.{cls.__qualname__}, which no other process "
+                              f"can import by that name (a class of the script, or one made inside a function or "
+                              f"class): define it at the top of a module, or give {flag} a value")
     # Its settings as its constructor takes them (torch's defaults also hold what a class sets itself).
     accepted = inspect.signature(cls).parameters
     try:
@@ -239,21 +234,46 @@ def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str) -> tuple[str, str
     except TypeError as error:
         raise ZeroConfigError(f"{flag} auto: {name}'s settings cannot be planned ({error}): give {flag} a "
                               f"value") from None
-    return name, settings, folder
+    folder = None if name.rpartition(".")[0] in PUBLIC_OPTIMIZER_MODULES else \
+        _folder_to_import(sys.modules[top], flag, deadline)
+    return ["--optimizer", name, "--optimizer_kwargs", settings, *(["--optimizer_folder", folder] if folder else [])]
 
 
-def _imported_from(top: Any) -> str | None:
+def _exports(module: str, cls: type) -> bool:
+    """Whether importing `module` gives `cls` by its qualified name."""
+    try:
+        found = sys.modules.get(module) or importlib.import_module(module)
+    except ImportError:
+        return False
+    return getattr(found, cls.__qualname__, None) is cls
+
+
+def _folder_to_import(top: Any, flag: str, deadline: float) -> str | None:
     """The folder package or module `top` was imported from, where a new interpreter (as the plan starts: this
-    environment and working folder) would find another one or none (a module beside the script); else None."""
+    environment and working folder) would find none (a module beside the script); None where it finds this one.
+    Where it would find another copy, refused: the plan would step another optimizer."""
     file = getattr(top, "__file__", None)
     if file is None:
         return None
-    found = subprocess.run([sys.executable, "-c", "import importlib.util, sys; spec = importlib.util.find_spec("
-                            "sys.argv[1]); print(spec.origin if spec else '')", top.__name__],
-                           capture_output=True, text=True, env=_plan_environment()).stdout.strip()
-    if found and Path(found).resolve() == Path(file).resolve():
-        return None
-    return str(Path(file).parent.parent if Path(file).name == "__init__.py" else Path(file).parent)
+    try:
+        found = subprocess.run([sys.executable, "-c", "import importlib.util, sys; spec = importlib.util.find_spec("
+                                "sys.argv[1]); print(spec.origin if spec else '')", top.__name__],
+                               capture_output=True, text=True, env=_plan_environment(),
+                               timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise ZeroConfigError(f"{flag} auto: looking for {top.__name__} as the plan's process would took longer "
+                              f"than the plan may (90% of --ddp_timeout): give {flag} a value") from None
+    origin = found.stdout.strip()
+    if found.returncode != 0:
+        raise ZeroConfigError(f"{flag} auto: looking for {top.__name__} as the plan's process would failed: "
+                              f"{found.stderr.strip()[-1000:]}")
+    if not origin:
+        return str(Path(file).parent.parent if Path(file).name == "__init__.py" else Path(file).parent)
+    if Path(origin).resolve() != Path(file).resolve():
+        raise ZeroConfigError(f"{flag} auto: a new process would import {top.__name__} from {origin}, not from "
+                              f"{file} as this run did, so the plan would step another optimizer: give {flag} a "
+                              f"value")
+    return None
 
 
 def _plan_environment() -> dict[str, str]:

@@ -64,7 +64,7 @@ from hf_zero.hf.arguments import ZeroArgumentsMixin
 from hf_zero.plan.planner import check_against_plan
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.groups import device_mesh
-from hf_zero.runtime.memory import measured_peak, start_measuring
+from hf_zero.runtime.memory import measured_peak, reset_peak, start_measuring
 from hf_zero.runtime.tensor_parallel import apply_tensor_parallel, init_mesh
 from hf_zero.settings.config import trainer_flag
 from hf_zero.settings.environment import restarts_so_far
@@ -92,28 +92,34 @@ transformers_trainer.get_model_param_count = _counting_partitioned_params(transf
 class PlanCheck:
     """--zero_stage auto's check of a run against its plan (hf_zero.hf.auto): the second optimizer step's measured
     peak; and each batch longer than any the plan was made for (an iterable dataset's sample after those the plan
-    read), said before its step runs, with that step's peak checked after it."""
+    read), said before its step runs, with that step's own peak checked after it."""
 
-    def __init__(self, planned: auto.PlannedFor, measure: Callable[[], int], rank: int, by_rss: bool) -> None:
-        self.planned, self.measure, self.rank, self.by_rss = planned, measure, rank, by_rss
+    def __init__(self, planned: auto.PlannedFor, device: torch.device, baseline: int, rank: int) -> None:
+        self.planned, self.device, self.baseline, self.rank = planned, device, baseline, rank
         self.longest = planned.length
-        self.check_this_step = False
+        self.longer_batch_step: int | None = None  # the step whose batch was longer than any before
 
-    def batch(self, inputs: dict[str, Any], step: int) -> None:
-        """Sees the batch of optimizer step `step` (counted from 1) before it runs."""
+    def before_step(self, inputs: dict[str, Any], step: int) -> None:
+        """Sees each micro-batch of optimizer step `step` (counted from 1) before it runs."""
         tensor = inputs.get(self.planned.input_name)
-        if self.longest is None or not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 \
+        if self.longest is None or not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 \
                 or tensor.shape[1] <= self.longest:
             return
-        self.longest, self.check_this_step = tensor.shape[1], True
+        self.longest = tensor.shape[1]
+        if self.longer_batch_step != step:
+            self.longer_batch_step = step
+            reset_peak(self.device)  # this step's own peak, not an earlier one's (or an evaluation's)
         logger.warning(f"rank {self.rank}: step {step}'s batch has {self.planned.input_name} of length "
                        f"{tensor.shape[1]}, longer than the {self.planned.length} the plan was made for "
                        f"({self.planned.batch_of}); the step's peak is checked against the plan's after it")
 
-    def step_done(self, step: int) -> None:
-        if step == 2 or self.check_this_step:
-            check_against_plan(self.planned.peak, self.measure(), self.rank, logger, by_rss=self.by_rss)
-            self.check_this_step = False
+    def after_step(self, step: int) -> None:
+        """After optimizer step `step`: its peak against the plan's, at the second step and where its batch was
+        longer than any before."""
+        if step != 2 and step != self.longer_batch_step:
+            return
+        check_against_plan(self.planned.peak, measured_peak(self.device, self.baseline), self.rank, logger,
+                           by_rss=self.device.type == "cpu", said_by_this_rank=step == self.longer_batch_step)
 
 
 class ZeroOptimizer(AcceleratedOptimizer):
@@ -137,7 +143,7 @@ class ZeroOptimizer(AcceleratedOptimizer):
         # last).
         self.engine.check_skipped_steps()
         if self.plan_check is not None:
-            self.plan_check.step_done(self.engine.global_steps)
+            self.plan_check.after_step(self.engine.global_steps)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         self.engine.zero_grad()
@@ -368,14 +374,13 @@ class ZeroTrainerMixin:
         except (OSError, RuntimeError) as error:  # no /proc to measure a CPU rank's memory by (not Linux)
             logger.warning(f"the step's memory cannot be measured here, so it is not checked against the plan: {error}")
             return None
-        return PlanCheck(planned, lambda: measured_peak(device, baseline), self.args.process_index,
-                         by_rss=device.type == "cpu")
+        return PlanCheck(planned, device, baseline, self.args.process_index)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         plan_check = getattr(self.optimizer, "plan_check", None)
         if plan_check is not None:
-            plan_check.batch(inputs, self.state.global_step + 1)
+            plan_check.before_step(inputs, self.state.global_step + 1)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def create_scheduler(self, num_training_steps: int,

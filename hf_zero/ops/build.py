@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from hf_zero.runtime.trusted import others_could_change
 from hf_zero.settings.environment import EXTENSIONS_DIR_ENV, extensions_dir
 
 logger = logging.getLogger("hf_zero")
@@ -44,20 +44,6 @@ def build_directory(name: str) -> Path:
     for source in [*KERNELS[name], *sorted(p.name for p in CSRC.glob("*.h"))]:
         digest.update(source.encode() + b"\0" + (CSRC / source).read_bytes())
     return extensions_dir() / f"torch-{torch.__version__}" / f"{name}-{digest.hexdigest()[:12]}"
-
-
-def others_could_change(path: Path, above: bool = False) -> str | None:
-    """What would let another account change `path` (not followed if a link), or None: this user or root must own
-    it and no other account may write it, as ssh treats its keys. A sticky folder (/tmp) is fine `above` what is
-    checked: others cannot replace what is in it."""
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode) and not above:
-        return "is a symbolic link"
-    if info.st_uid not in (0, os.getuid()):
-        return f"is owned by uid {info.st_uid}, not by this user ({os.getuid()})"
-    if info.st_mode & 0o022 and not (above and info.st_mode & stat.S_ISVTX):
-        return f"can be written by other accounts (mode {stat.filemode(info.st_mode)})"
-    return None
 
 
 def _check_not_writable_by_others(path: Path, what: str) -> None:

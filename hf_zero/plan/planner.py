@@ -212,7 +212,7 @@ def _valid(setting: Setting, job: Job) -> bool:
     config = ZeroConfig(**setting.engine_config(job))
     try:
         config.validate()
-        check_optimizer(probe_optimizer(job.optimizer, job.optimizer_kwargs), config)
+        check_optimizer(probe_optimizer(job.optimizer, job.optimizer_kwargs, job.optimizer_folder), config)
     except ZeroConfigError:
         return False
     return True
@@ -481,12 +481,14 @@ RSS_OVERHEAD = 512 * 2**20
 
 
 def check_against_plan(planned: int, measured: int, rank: int, logger: logging.Logger,
-                       by_rss: bool = False) -> bool:
+                       by_rss: bool = False, said_by_this_rank: bool = False) -> bool:
     """Logs a run's measured peak beside its plan's: a warning where it exceeds it by more than PLAN_MISS (and
-    RSS_OVERHEAD, measured `by_rss`), else both figures at rank 0. Returns whether it did."""
+    RSS_OVERHEAD, measured `by_rss`), else both figures at rank 0 (or at this rank, `said_by_this_rank`). Returns
+    whether it warned."""
     if measured <= planned * (1 + PLAN_MISS) + (RSS_OVERHEAD if by_rss else 0):
-        if rank == 0:
-            logger.info(f"rank 0: the step took {measured / GB:.3g} GB at its peak, the plan {planned / GB:.3g} GB")
+        if rank == 0 or said_by_this_rank:
+            logger.info(f"rank {rank}: the step took {measured / GB:.3g} GB at its peak, the plan "
+                        f"{planned / GB:.3g} GB")
         return False
     logger.warning(f"rank {rank}: the step took {measured / GB:.3g} GB at its peak, {measured / planned - 1:.0%} more "
                    f"than the plan's {planned / GB:.3g} GB (the auto settings were chosen for that figure): a longer "

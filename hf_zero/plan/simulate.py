@@ -15,8 +15,6 @@ optimizer step) run as one rank of a world of any size, on one CPU, holding no m
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -33,13 +31,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from hf_zero.ops.build import others_could_change
 from hf_zero.plan.memory import KINDS, PLACES, MemoryCount
 from hf_zero.plan.models import build_model
 from hf_zero.plan.timeline import PlanTimeline
 from hf_zero.runtime.device import timeline_in_force
 from hf_zero.runtime.memory import BYTES_PER_ELEMENT
 from hf_zero.runtime.trace import watching_spans
+from hf_zero.runtime.trusted import folder_problem, import_checked
 from hf_zero.settings.environment import CHECK_COLLECTIVES_ENV
 
 
@@ -59,6 +57,7 @@ class Job:
     adapter_name: str = "default"  # the name peft gives it (its parameters' names hold it)
     frozen: tuple[str, ...] | None = None  # the parameters that do not train; None: as the class and adapter have it
     optimizer: str = "torch.optim.AdamW"  # its class by its module's name and its own (`optimizer_class`)
+    optimizer_folder: str | None = None  # where its module is, if Python would not find it (beside a script)
     optimizer_kwargs: str = '{"lr": 0.0001}'  # its keyword arguments, as a JSON object
     engine_settings: str = "{}"  # the engine's other settings (ZeroConfig's names: bucket sizes, qwZ, ...), as JSON
 
@@ -214,41 +213,30 @@ def _gradient_counted(count: MemoryCount) -> Any:
     return hook
 
 
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+def optimizer_class(name: str, folder: str | None = None) -> type[torch.optim.Optimizer]:
     """The optimizer class `name`, its module's name and its own (torch.optim.SGD,
-    transformers.optimization.Adafactor, lion_pytorch.Lion), imported. ValueError where it cannot be, where the module's
-    code lies where another account could change it (importing it would run that code here), or where it is not an
-    optimizer class."""
+    transformers.optimization.Adafactor, lion_pytorch.Lion), imported where Python finds it, else from `folder` (a
+    module beside a script). ValueError where it cannot be, where another account could change the code it would
+    run, or where it is not an optimizer class."""
     module_name, _, attribute = name.rpartition(".")
     if not module_name or not attribute.isidentifier():
         raise ValueError(f"give the class with its module's name, as torch.optim.AdamW; got {name}")
-    try:  # the top package, found without running any of its code
-        top = importlib.util.find_spec(module_name.split(".")[0])
-    except (ImportError, ValueError) as error:
-        raise ValueError(f"cannot look for the module {module_name}: {error}") from None
-    if top is None:
-        raise ValueError(f"no module {module_name} can be imported here (of {name})")
-    # A package this process imported already (torch, transformers) runs no code of its own when imported again.
-    if top.origin and top.has_location and top.name not in sys.modules:
-        where = Path(top.origin)
-        for path, above in [(where, False), *((folder, folder != where.parent) for folder in where.parents)]:
-            if problem := others_could_change(path, above):
-                raise ValueError(f"{path} {problem}: the plan would run {module_name}'s code from a place another "
-                                 f"account could change it; install it where only you (or root) can write")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import {module_name} (of {name}): {error}") from None
-    found = getattr(module, attribute, None)
+    if folder is not None and folder not in sys.path:
+        if problem := folder_problem(Path(folder)):
+            raise ValueError(f"{problem}: the plan would import {module_name} from a place another account could "
+                             f"change")
+        sys.path.append(folder)  # after the installed packages: it adds modules, it replaces none
+    found = getattr(import_checked(module_name), attribute, None)
     if not (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)):
         raise ValueError(f"{name} is not an optimizer class (a subclass of torch.optim.Optimizer)")
     return found
 
 
-def probe_optimizer(name: str, kwargs: str) -> torch.optim.Optimizer:
-    """Optimizer `name` made with `kwargs` (a JSON object) over one parameter of one element: what the engine's
-    checks look at is its class and settings. ValueError or TypeError where it cannot be made so."""
-    return optimizer_class(name)([torch.nn.Parameter(torch.zeros(1))], **json.loads(kwargs))
+def probe_optimizer(name: str, kwargs: str, folder: str | None = None) -> torch.optim.Optimizer:
+    """Optimizer `name` (from `folder`, as `optimizer_class`) made with `kwargs` (a JSON object) over one parameter of
+    one element: what the engine's checks look at is its class and settings. What its constructor raises where it
+    cannot be made so."""
+    return optimizer_class(name, folder)([torch.nn.Parameter(torch.zeros(1))], **json.loads(kwargs))
 
 
 def _batch(job: Job, vocab: int, micro_batch: int) -> dict[str, torch.Tensor]:
@@ -317,8 +305,8 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         if hasattr(model.config, "use_cache"):
             model.config.use_cache = False
         # As transformers' Trainer makes it: over the parameters that train.
-        optimizer = optimizer_class(job.optimizer)([p for p in model.parameters() if p.requires_grad],
-                                                   **json.loads(job.optimizer_kwargs))
+        optimizer = optimizer_class(job.optimizer, job.optimizer_folder)(
+            [p for p in model.parameters() if p.requires_grad], **json.loads(job.optimizer_kwargs))
         engine = initialize(model, optimizer, setting.engine_config(job))
         flops = FlopCounterMode(display=False) if known_flops is None else contextlib.nullcontext()
         for step in range(2):

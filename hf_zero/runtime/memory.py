@@ -108,11 +108,18 @@ def start_measuring(device: "torch.device") -> int:
     what is in use before the model is built (a GPU's allocated bytes, the host's resident memory)."""
     import torch
 
+    reset_peak(device)
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss()
+
+
+def reset_peak(device: "torch.device") -> None:
+    """Starts a new peak window for `measured_peak`, its baseline kept."""
+    import torch
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    reset_peak_rss()
-    return current_rss()
+    else:
+        reset_peak_rss()
 
 
 def measured_peak(device: "torch.device", baseline: int) -> int:

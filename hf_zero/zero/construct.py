@@ -17,6 +17,9 @@ this rank's shard plus one unit, never the model.
 - `PretrainedWeights` reads from a folder `save_pretrained` wrote: for each unit only the slices of the
   safetensors files this rank owns (`get_slice` reads without loading the file), whole tensors only for
   the small persistent parameters and what the engine does not partition (buffers, frozen tp parts).
+
+Another `init_from` has their two methods: `fill_rest(model)`, and `fill(model, units, open_unit, close_unit, rank)`,
+which opens, fills and closes every unit once. A unit it never closes has no values: the engine refuses it by name.
 """
 from __future__ import annotations
 

@@ -109,29 +109,48 @@ def test_frozen_parameters_the_model_does_not_have_are_one_line_naming_the_flag(
     assert len(err.splitlines()) == 1 and "--frozen names 1 parameter(s)" in err and "no.such.parameter" in err, err
 
 
-def test_an_optimizers_module_another_account_can_change_is_refused_before_its_code_runs(tmp_path, capsys,
-                                                                                         monkeypatch):
-    """The plan imports the optimizer's module by name, which runs its code: a module in a folder other accounts may
-    write is refused, naming the flag and the folder, and nothing of it runs. Made private, the same module plans."""
-    folder = tmp_path / "shared"
-    folder.mkdir()
-    (folder / "planted_optimizer.py").write_text(
-        "import pathlib, torch\n"
-        f"pathlib.Path({str(tmp_path / 'ran')!r}).touch()\n"
-        "class SGD(torch.optim.SGD):\n    pass\n")
-    monkeypatch.syspath_prepend(str(folder))
-    flags = ["plan", *TINY, *FIXED, "--optimizer", "planted_optimizer.SGD", "--optimizer_kwargs", '{"lr": 0.1}']
-    folder.chmod(0o777)
+@pytest.mark.parametrize("layout", ["a module", "a package's subfolder", "a namespace package",
+                                    "a file its package imports"])
+def test_an_optimizers_code_another_account_can_change_is_refused_before_any_of_it_runs(layout, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """The plan imports the optimizer's module by name, which runs its code: where another account could change what
+    the import runs (the module's folder, a subfolder of its package, a namespace package's folder, a file of the
+    package that its own code imports), it is refused, naming the flag and the place, and nothing of it runs. Made
+    private, the same module plans."""
+    code = tmp_path / "code"
+    code.mkdir(mode=0o755)
+    body = f"import pathlib, torch\npathlib.Path({str(tmp_path / 'ran')!r}).touch()\n" \
+           f"class SGD(torch.optim.SGD):\n    pass\n"
+    # A name of its own per layout: this process keeps what it imported.
+    package = {"a module": "planted_module", "a package's subfolder": "planted_package",
+               "a namespace package": "planted_namespace", "a file its package imports": "planted_import"}[layout]
+    files, name, writable = {
+        "a module": ({f"{package}.py": body}, f"{package}.SGD", code),
+        "a package's subfolder": ({f"{package}/__init__.py": "", f"{package}/sub/__init__.py": "",
+                                   f"{package}/sub/optimizers.py": body}, f"{package}.sub.optimizers.SGD",
+                                  code / package / "sub"),
+        "a namespace package": ({f"{package}/optimizers.py": body}, f"{package}.optimizers.SGD", code / package),
+        "a file its package imports": ({f"{package}/__init__.py": "from . import helpers\n",
+                                        f"{package}/helpers.py": body, f"{package}/optimizers.py": "from .helpers "
+                                        "import SGD\n"}, f"{package}.optimizers.SGD", code / package / "helpers.py"),
+    }[layout]
+    for path, text in files.items():
+        (code / path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        (code / path).write_text(text)
+        (code / path).chmod(0o644)
+    monkeypatch.syspath_prepend(str(code))
+    flags = ["plan", *TINY, *FIXED, "--optimizer", name, "--optimizer_kwargs", '{"lr": 0.1}']
+    writable.chmod(0o777)
     with pytest.raises(SystemExit) as stopped:
         main(flags)
     err = capsys.readouterr().err.strip()
     assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
-    assert err.startswith(f"hf-zero plan: --optimizer: {folder} can be written by other accounts"), err
+    assert err.startswith(f"hf-zero plan: --optimizer: {writable} can be written by other accounts"), err
     assert not (tmp_path / "ran").exists()
 
-    folder.chmod(0o755)
+    writable.chmod(0o755 if writable.is_dir() else 0o644)
     assert main([*flags, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["optimizer"] == "planted_optimizer.SGD"
+    assert json.loads(capsys.readouterr().out)["optimizer"] == name
     assert (tmp_path / "ran").exists()
 
 

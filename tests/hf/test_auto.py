@@ -1,6 +1,7 @@
 """ZeroTrainer's --zero_stage auto around its plan: the first batch it plans for, and what it refuses before any work
 starts. The plan's choice trained across two ranks: tests/hf/test_trainer.py."""
 import random
+import time
 
 import numpy
 import pytest
@@ -33,8 +34,9 @@ def plan_in_this_process(monkeypatch):
     real_run = subprocess.run
 
     def run(command, **kwargs):
-        if command[1:4] != ["-m", "hf_zero", "plan"]:
+        if command[1] == "-c":  # where a new interpreter finds the optimizer's module: asked of a real one
             return real_run(command, **kwargs)
+        assert command[1:4] == ["-m", "hf_zero", "plan"], command
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -193,6 +195,61 @@ def test_a_batch_longer_than_the_plans_is_said_before_its_step_and_its_peak_chec
     assert len(checked) == 3 and checked[1] > said.index(longer[0]) and checked[2] > said.index(longer[1])
 
 
+def test_the_plan_check_counts_optimizer_steps_and_measures_sequences_only():
+    """Under gradient accumulation a step's micro-batches are one step: each new longest length is said, and the step
+    is checked once after it, by the rank that saw it (rank 1 here: a check within the plan is otherwise said by rank
+    0 alone). Inputs that are not [batch, sequence] (an audio model's features, an image's pixels) are never
+    longer."""
+    import transformers
+
+    from hf_zero.hf.trainer import PlanCheck
+    from tests.trainer_helpers import said_by
+
+    ids = {length: {"input_ids": torch.zeros(4, length, dtype=torch.long)} for length in (8, 16, 20)}
+    check = PlanCheck(auto.PlannedFor(10**15, "input_ids", 8, "the first samples"), torch.device("cpu"), 0, rank=1)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_info()
+    try:
+        with said_by(["transformers.trainer"]) as said:
+            check.before_step(ids[8], 1)
+            check.after_step(1)
+            for micro_batch in (16, 16, 20):
+                check.before_step(ids[micro_batch], 3)
+            check.after_step(3)
+            check.before_step(ids[16], 4)
+            check.after_step(4)
+            features = PlanCheck(auto.PlannedFor(10**15, "input_features", None, "the first samples"),
+                                 torch.device("cpu"), 0, rank=1)
+            features.before_step({"input_features": torch.zeros(4, 80, 3000)}, 1)
+            frames = PlanCheck(auto.PlannedFor(10**15, "input_ids", 8, "the first samples"), torch.device("cpu"), 0,
+                               rank=1)
+            frames.before_step({"input_ids": torch.zeros(4, 16, 3)}, 1)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    assert [line.split(",")[0] for line in said[:2]] == ["rank 1: step 3's batch has input_ids of length 16",
+                                                         "rank 1: step 3's batch has input_ids of length 20"], said
+    assert len(said) == 3 and said[2].startswith("rank 1: the step took "), said
+
+
+def test_a_longer_batchs_step_is_checked_by_its_own_peak_not_an_earlier_one(monkeypatch):
+    """An evaluation or an earlier step that took more is not the longer batch's step: its check measures from when
+    the batch is seen (here 512 MiB written and given back before it, the step itself taking nothing)."""
+    from hf_zero.hf import trainer as zero_trainer
+    from hf_zero.hf.trainer import PlanCheck
+    from hf_zero.runtime.memory import start_measuring
+
+    measured = []
+    monkeypatch.setattr(zero_trainer, "check_against_plan",
+                        lambda planned, peak, *args, **kwargs: measured.append(peak))
+    check = PlanCheck(auto.PlannedFor(10**15, "input_ids", 8, "the first samples"), torch.device("cpu"),
+                      start_measuring(torch.device("cpu")), rank=0)
+    earlier = torch.ones(512 * 2**20, dtype=torch.uint8)  # mmapped: its pages go back to the system when freed
+    del earlier
+    check.before_step({"input_ids": torch.zeros(4, 16, dtype=torch.long)}, 3)
+    check.after_step(3)
+    assert len(measured) == 1 and measured[0] < 256 * 2**20, measured
+
+
 def frozen_layers():
     model = tiny_model("gpt2")
     model.transformer.h[0].requires_grad_(False)
@@ -251,18 +308,21 @@ def test_auto_plans_with_the_optimizer_the_run_steps(tmp_path, plan_in_this_proc
     trainer = ZeroTrainer(model=model, args=ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto",
                                                                   **ARGS), train_dataset=samples,
                           optimizers=(Mine(model.parameters(), lr=0.1), None))
-    with pytest.raises(ZeroConfigError, match=r"this run's is .*<locals>.Mine, defined where no other process can "
-                                              r"import it .*: define it in a module, or give --zero_stage a value"):
+    with pytest.raises(ZeroConfigError, match=r"this run's is .*<locals>.Mine, which no other process can import by "
+                                              r"that name .*: define it at the top of a module, or give --zero_stage "
+                                              r"a value"):
         auto._plan(trainer, 1, 10**12)
 
 
 def test_auto_plans_an_optimizer_from_a_module_beside_the_script_in_the_plans_own_process(tmp_path, monkeypatch):
     """An optimizer class in the user's own module, imported from the script's folder, which a new interpreter in
-    the working folder would not find: the plan's own process (real, as rank 0 starts it) is pointed at that folder
-    and steps the same class. Its momentum buffer is what it keeps (fp32: 4 bytes a parameter)."""
+    the working folder would not find: the plan's own process (real, as rank 0 starts it) is told that folder
+    (--optimizer_folder) and steps the same class. Its momentum buffer is what it keeps (fp32: 4 bytes a
+    parameter)."""
     folder = tmp_path / "project"
-    folder.mkdir()
+    folder.mkdir(mode=0o755)
     (folder / "my_optimizers.py").write_text("import torch\n\n\nclass HeavyBall(torch.optim.SGD):\n    pass\n")
+    (folder / "my_optimizers.py").chmod(0o644)
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.chdir(tmp_path)
     from my_optimizers import HeavyBall
@@ -272,11 +332,19 @@ def test_auto_plans_an_optimizer_from_a_module_beside_the_script_in_the_plans_ow
                                                                   zero_stage="auto", **ARGS),
                           train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}] * 4,
                           optimizers=(HeavyBall(model.parameters(), lr=0.1, momentum=0.9), None))
-    assert auto._optimizer_of(trainer.optimizer, "--zero_stage")[2] == str(folder)
+    assert auto._optimizer_of(trainer.optimizer, "--zero_stage", time.monotonic() + 60)[-2:] == [
+        "--optimizer_folder", str(folder)]
     plan = auto._plan(trainer, 1, 10**12)
     assert plan["optimizer"] == "my_optimizers.HeavyBall"
     assert plan["per_rank"]["model_states_at_rest"]["optimizer_states"] == pytest.approx(4 * plan["trained_params"],
                                                                                          rel=0.01)
+
+    # Another copy where a new interpreter looks first (the working folder): the plan would step that one.
+    (tmp_path / "my_optimizers.py").write_text("import torch\n\n\nclass HeavyBall(torch.optim.Adam):\n    pass\n")
+    with pytest.raises(ZeroConfigError, match=f"a new process would import my_optimizers from "
+                                              f"{tmp_path / 'my_optimizers.py'}, not from "
+                                              f"{folder / 'my_optimizers.py'} as this run did"):
+        auto._plan(trainer, 1, 10**12)
 
 
 @pytest.mark.parametrize("nvme_given, planned, on_nvme", [
