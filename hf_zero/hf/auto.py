@@ -43,6 +43,7 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.ledger import Ledger
 from hf_zero.runtime.memory import memory_left
+from hf_zero.runtime.trusted import code_location
 from hf_zero.settings.config import (
     ZeroConfig,
     ZeroConfigError,
@@ -252,26 +253,29 @@ def _folder_to_import(top: Any, flag: str, deadline: float) -> str | None:
     """The folder package or module `top` was imported from, where a new interpreter (as the plan starts: this
     environment and working folder) would find none (a module beside the script); None where it finds this one.
     Where it would find another copy, refused: the plan would step another optimizer."""
-    file = getattr(top, "__file__", None)
-    if file is None:
+    spec = top.__spec__
+    here = code_location(spec) if spec is not None else ""
+    if not here:
         return None
     try:
-        found = subprocess.run([sys.executable, "-c", "import importlib.util, sys; spec = importlib.util.find_spec("
-                                "sys.argv[1]); print(spec.origin if spec else '')", top.__name__],
+        found = subprocess.run([sys.executable, "-c", "import importlib.util, sys\n"
+                                "from hf_zero.runtime.trusted import code_location\n"
+                                "spec = importlib.util.find_spec(sys.argv[1])\n"
+                                "print(code_location(spec) if spec else '')", top.__name__],
                                capture_output=True, text=True, env=_plan_environment(),
                                timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         raise ZeroConfigError(f"{flag} auto: looking for {top.__name__} as the plan's process would took longer "
                               f"than the plan may (90% of --ddp_timeout): give {flag} a value") from None
-    origin = found.stdout.strip()
     if found.returncode != 0:
         raise ZeroConfigError(f"{flag} auto: looking for {top.__name__} as the plan's process would failed: "
                               f"{found.stderr.strip()[-1000:]}")
-    if not origin:
-        return str(Path(file).parent.parent if Path(file).name == "__init__.py" else Path(file).parent)
-    if Path(origin).resolve() != Path(file).resolve():
-        raise ZeroConfigError(f"{flag} auto: a new process would import {top.__name__} from {origin}, not from "
-                              f"{file} as this run did, so the plan would step another optimizer: give {flag} a "
+    there = found.stdout.strip()
+    if not there:
+        return str(Path(here).parent)
+    if Path(there).resolve() != Path(here).resolve():
+        raise ZeroConfigError(f"{flag} auto: a new process would import {top.__name__} from {there}, not from "
+                              f"{here} as this run did, so the plan would step another optimizer: give {flag} a "
                               f"value")
     return None
 

@@ -64,7 +64,7 @@ from hf_zero.hf.arguments import ZeroArgumentsMixin
 from hf_zero.plan.planner import check_against_plan
 from hf_zero.runtime.device import compute_device
 from hf_zero.runtime.groups import device_mesh
-from hf_zero.runtime.memory import measured_peak, reset_peak, start_measuring
+from hf_zero.runtime.memory import measured_peak, restart_peak, start_measuring
 from hf_zero.runtime.tensor_parallel import apply_tensor_parallel, init_mesh
 from hf_zero.settings.config import trainer_flag
 from hf_zero.settings.environment import restarts_so_far
@@ -108,7 +108,7 @@ class PlanCheck:
         self.longest = tensor.shape[1]
         if self.longer_batch_step != step:
             self.longer_batch_step = step
-            reset_peak(self.device)  # this step's own peak, not an earlier one's (or an evaluation's)
+            restart_peak(self.device)  # this step's own peak, not an earlier one's (or an evaluation's)
         logger.warning(f"rank {self.rank}: step {step}'s batch has {self.planned.input_name} of length "
                        f"{tensor.shape[1]}, longer than the {self.planned.length} the plan was made for "
                        f"({self.planned.batch_of}); the step's peak is checked against the plan's after it")

@@ -48,7 +48,8 @@ def build_directory(name: str) -> Path:
 
 def _check_not_writable_by_others(path: Path, what: str) -> None:
     """Refuses `path` where another local user could plant code there, which would run in this process."""
-    problem = others_could_change(path, above=what == "above")
+    # The cache is hf_zero's own (0700 as it makes it): no group may write it, not even this user's own.
+    problem = others_could_change(path, above=what == "above", own_group=False)
     if problem:
         raise RuntimeError(f"{path} {problem}; hf_zero loads compiled code from there and refuses a place another "
                            f"user could plant it. Make it yours and `chmod go-w` it, or set {EXTENSIONS_DIR_ENV} to a "

@@ -59,7 +59,7 @@ def memory_left(device: "torch.device", ranks_on_node: int) -> tuple[int, str]:
         return planned
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        left = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+        left = free + torch.cuda.memory_reserved(device) - allocated_peak(device)
         return max(0, left), f"{device}'s free memory after the step's peak"
     available = psutil.virtual_memory().available
     return available // ranks_on_node, f"the host's available memory over {ranks_on_node} local rank(s)"
@@ -108,18 +108,36 @@ def start_measuring(device: "torch.device") -> int:
     what is in use before the model is built (a GPU's allocated bytes, the host's resident memory)."""
     import torch
 
-    reset_peak(device)
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        _peak_before_restart.pop(str(device), None)
+        return torch.cuda.memory_allocated(device)
+    reset_peak_rss()
+    return current_rss()
 
 
-def reset_peak(device: "torch.device") -> None:
-    """Starts a new peak window for `measured_peak`, its baseline kept."""
+# Per GPU, the most torch's allocator had handed out before `restart_peak` began a new window: the steps' peak,
+# which memory_left keeps counting (it comes back at the next step).
+_peak_before_restart: dict[str, int] = {}
+
+
+def restart_peak(device: "torch.device") -> None:
+    """A new peak window for `measured_peak` in the middle of a run, its baseline kept. On a GPU this restarts torch's
+    own peak counter (what transformers' memory metrics read too); memory_left still counts the earlier peak."""
     import torch
 
     if device.type == "cuda":
+        _peak_before_restart[str(device)] = allocated_peak(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
         reset_peak_rss()
+
+
+def allocated_peak(device: "torch.device") -> int:
+    """The most torch's allocator has handed out at once on GPU `device`, across `restart_peak`s."""
+    import torch
+
+    return max(torch.cuda.max_memory_allocated(device), _peak_before_restart.get(str(device), 0))
 
 
 def measured_peak(device: "torch.device", baseline: int) -> int:

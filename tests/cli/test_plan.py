@@ -1,6 +1,7 @@
 """`hf-zero plan` as a user runs it: its JSON, the setting it chooses checked against the simulated ranks, and one
 line for each bad flag."""
 import json
+import sys
 
 import pytest
 
@@ -112,7 +113,7 @@ def test_frozen_parameters_the_model_does_not_have_are_one_line_naming_the_flag(
 @pytest.mark.parametrize("layout", ["a module", "a package's subfolder", "a namespace package",
                                     "a file its package imports"])
 def test_an_optimizers_code_another_account_can_change_is_refused_before_any_of_it_runs(layout, tmp_path, capsys,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch, request):
     """The plan imports the optimizer's module by name, which runs its code: where another account could change what
     the import runs (the module's folder, a subfolder of its package, a namespace package's folder, a file of the
     package that its own code imports), it is refused, naming the flag and the place, and nothing of it runs. Made
@@ -139,6 +140,8 @@ def test_an_optimizers_code_another_account_can_change_is_refused_before_any_of_
         (code / path).write_text(text)
         (code / path).chmod(0o644)
     monkeypatch.syspath_prepend(str(code))
+    request.addfinalizer(lambda: [sys.modules.pop(module) for module in list(sys.modules)
+                                  if module.split(".")[0] == package])
     flags = ["plan", *TINY, *FIXED, "--optimizer", name, "--optimizer_kwargs", '{"lr": 0.1}']
     writable.chmod(0o777)
     with pytest.raises(SystemExit) as stopped:

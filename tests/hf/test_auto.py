@@ -1,6 +1,7 @@
 """ZeroTrainer's --zero_stage auto around its plan: the first batch it plans for, and what it refuses before any work
 starts. The plan's choice trained across two ranks: tests/hf/test_trainer.py."""
 import random
+import sys
 import time
 
 import numpy
@@ -314,7 +315,8 @@ def test_auto_plans_with_the_optimizer_the_run_steps(tmp_path, plan_in_this_proc
         auto._plan(trainer, 1, 10**12)
 
 
-def test_auto_plans_an_optimizer_from_a_module_beside_the_script_in_the_plans_own_process(tmp_path, monkeypatch):
+def test_auto_plans_an_optimizer_from_a_module_beside_the_script_in_the_plans_own_process(tmp_path, monkeypatch,
+                                                                                         request):
     """An optimizer class in the user's own module, imported from the script's folder, which a new interpreter in
     the working folder would not find: the plan's own process (real, as rank 0 starts it) is told that folder
     (--optimizer_folder) and steps the same class. Its momentum buffer is what it keeps (fp32: 4 bytes a
@@ -325,6 +327,7 @@ def test_auto_plans_an_optimizer_from_a_module_beside_the_script_in_the_plans_ow
     (folder / "my_optimizers.py").chmod(0o644)
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.chdir(tmp_path)
+    request.addfinalizer(lambda: sys.modules.pop("my_optimizers", None))
     from my_optimizers import HeavyBall
 
     model = tiny_model("gpt2")

@@ -143,3 +143,25 @@ def test_each_stage_holds_less_than_the_one_before(measured, stage):
     saved = formula(stage - 1) - formula(stage)
     for before, after in zip(measured[stage - 1], measured[stage]):
         assert after["grown"] <= before["grown"] - saved / 2
+
+
+def test_a_gpus_memory_left_keeps_the_steps_peak_when_a_check_restarts_the_peak_window(monkeypatch):
+    """--zero_stage auto's check of a longer batch restarts torch's peak counter to measure that step alone; what the
+    rank has left (free + reserved - the steps' peak) still counts the earlier steps' peak, which comes back at the
+    next step, until a new run starts measuring. torch.cuda's counters are played by a stand-in (no GPU here)."""
+    from hf_zero.runtime import memory
+
+    counters = {"peak": 10 << 30, "allocated": 2 << 30}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: counters.update(peak=counters["allocated"]))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 12 << 30)
+    gpu = torch.device("cuda", 0)
+    assert memory.memory_left(gpu, 1)[0] == (20 + 12 - 10) << 30
+    memory.restart_peak(gpu)
+    assert counters["peak"] == 2 << 30 and memory.measured_peak(gpu, 0) == 2 << 30
+    assert memory.memory_left(gpu, 1)[0] == (20 + 12 - 10) << 30
+    memory.start_measuring(gpu)
+    assert memory.memory_left(gpu, 1)[0] == (20 + 12 - 2) << 30
