@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -186,14 +187,13 @@ def test_with_a_fused_optimizer_a_non_finite_step_is_skipped_on_the_device_and_c
     assert len(warnings) == 3 and all("the gradients are not finite" in w for w in warnings)
 
 
-def with_an_empty_param_group(stage: int | None, empty_first: bool) -> dict[str, torch.Tensor]:
-    """3 AdamW steps of an MLP whose optimizer has an empty param group before or after the one with weight decay
-    (the Trainer's no-decay group under LoRA); `stage` None: one process on the global batch, with torch's AdamW."""
+def mlp_steps(stage: int | None, optimizer_of: Callable[[torch.nn.Module], torch.optim.Optimizer]
+              ) -> dict[str, torch.Tensor]:
+    """3 steps of an MLP with the optimizer `optimizer_of` makes for it: on `stage` over the process group, each rank
+    on its part of the batch, or (`stage` None) in one process on the global batch."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
-    empty = {"params": [], "weight_decay": 0.0}
-    optimizer = torch.optim.AdamW([empty, *groups] if empty_first else [*groups, empty], lr=1e-2)
+    optimizer = optimizer_of(model)
     inputs = [torch.randn(8, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
     if stage is None:
         for x in inputs:
@@ -207,6 +207,16 @@ def with_an_empty_param_group(stage: int | None, empty_first: bool) -> dict[str,
         engine.step()
     with engine.gathered_parameters():
         return named_copy(model)
+
+
+def with_an_empty_param_group(stage: int | None, empty_first: bool) -> dict[str, torch.Tensor]:
+    """AdamW with an empty param group before or after the one with weight decay (the Trainer's no-decay group under
+    LoRA)."""
+    def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+        groups = [{"params": list(model.parameters()), "weight_decay": 0.1}]
+        empty = {"params": [], "weight_decay": 0.0}
+        return torch.optim.AdamW([empty, *groups] if empty_first else [*groups, empty], lr=1e-2)
+    return mlp_steps(stage, adamw)
 
 
 def empty_group_runs() -> dict[tuple[int, bool], dict[str, torch.Tensor]]:
@@ -224,31 +234,16 @@ def test_an_empty_param_group_anywhere_trains_as_torch_does_in_one_process():
         assert max_diff(weights, expected[first]) < FP32_TOL, (stage, first)
 
 
-def lion_steps(stage: int | None) -> dict[str, torch.Tensor]:
-    """3 steps of lion-pytorch's Lion, an optimizer of another library as users bring one, on an MLP; `stage` None:
-    one process on the global batch."""
+def lion(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """lion-pytorch's Lion, an optimizer of another library as users bring one (decoupled weight decay: a setting it
+    keeps outside its param groups)."""
     from lion_pytorch import Lion
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    optimizer = Lion(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
-    inputs = [torch.randn(8, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
-    if stage is None:
-        for x in inputs:
-            model(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return named_copy(model)
-    engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage})
-    for x in inputs:
-        engine.backward(engine(x.chunk(engine.comm.world_size)[engine.comm.rank]).square().mean())
-        engine.step()
-    with engine.gathered_parameters():
-        return named_copy(model)
+    return Lion(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
 
 
 def lion_runs() -> dict[int, dict[str, torch.Tensor]]:
-    return {stage: lion_steps(stage) for stage in (1, 2, 3)}
+    return {stage: mlp_steps(stage, lion) for stage in (1, 2, 3)}
 
 
 @pytest.mark.slow
@@ -256,7 +251,7 @@ def test_an_optimizer_of_another_library_trains_as_in_one_process():
     """lion-pytorch's Lion steps the engine's shards at stages 1-3 as it steps the whole model in one process: the
     engine keeps the user's own optimizer, its class and what it holds outside its param groups."""
     runs = spawn_gloo(lion_runs, 2)[0]
-    expected = lion_steps(None)
+    expected = mlp_steps(None, lion)
     for stage, weights in runs.items():
         assert max_diff(weights, expected) < FP32_TOL, stage
 
