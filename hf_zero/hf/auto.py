@@ -220,8 +220,10 @@ def _optimizer_of(optimizer: torch.optim.Optimizer, flag: str, deadline: float) 
     script)."""
     cls = type(optimizer)
     top = cls.__module__.split(".")[0]
-    name = next((f"{module}.{cls.__qualname__}" for module in [*PUBLIC_OPTIMIZER_MODULES, top, cls.__module__]
-                 if top not in ("__main__", "__mp_main__") and _exports(module, cls)), None)
+    # A script's classes live in __main__ (__mp_main__ in processes multiprocessing started), which no other process
+    # imports by that name.
+    named_in = [] if top in ("__main__", "__mp_main__") else [*PUBLIC_OPTIMIZER_MODULES, top, cls.__module__]
+    name = next((f"{module}.{cls.__qualname__}" for module in named_in if _exports(module, cls)), None)
     if name is None:
         raise ZeroConfigError(f"{flag} auto plans the run's optimizer in a process of its own, which imports its class "
                               f"by name; this run's is {cls.__module__}.{cls.__qualname__}, which no other process "
