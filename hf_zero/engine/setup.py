@@ -36,7 +36,7 @@ from hf_zero.zero.activations import CheckpointStore, check_supports_checkpointi
 from hf_zero.zero.construct import place_rest
 from hf_zero.zero.holder import ParamHolder
 from hf_zero.zero.partition import is_tp_replicated, local
-from hf_zero.zero.stages import check_builds_from, param_holder
+from hf_zero.zero.stages import param_holder
 
 
 def check_model(model: nn.Module, init_from: Any) -> None:
@@ -50,8 +50,8 @@ def check_model(model: nn.Module, init_from: Any) -> None:
                               f"move it to one device (model.to(device)) before hf_zero.initialize")
     if devices == ["meta"]:
         raise ZeroConfigError("the model is on the meta device (no values): pass "
-                              "init_from=hf_zero.zero.construct.SeededInit(seed) or PretrainedWeights(folder) with "
-                              "zero_stage 3 to build it shard by shard")
+                              "init_from=hf_zero.zero.construct.SeededInit(seed) or PretrainedWeights(folder) to build "
+                              "it (shard by shard at zero_stage 3)")
     if not devices and init_from is None:
         raise ZeroConfigError("the model has no parameters to train")
     if devices and devices[0].startswith("cuda"):
@@ -119,7 +119,6 @@ def check_inputs(model: nn.Module, optimizer: torch.optim.Optimizer, config: Zer
     """1. The trainable parameters of each param group, and the data- and tensor-parallel process groups;
     anything the engine cannot train is refused here, before any work."""
     check_model(model, init_from)
-    check_builds_from(init_from, config)
     dp_group, tp_group = check_mesh(mesh, group)
     if config.partition_activations or config.cpu_checkpointing:
         check_supports_checkpointing(model)

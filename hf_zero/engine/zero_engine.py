@@ -366,6 +366,6 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
     """Partitions `model` and `optimizer` across the ranks of `group` (default: the whole world), or
     across the "dp" dimension of a ("dp", "tp") `mesh` whose "tp" dimension the model was made
     tensor-parallel over (hf_zero.runtime.tensor_parallel).
-    A model built on the meta device is materialised shard by shard from `init_from` (stage 3):
-    hf_zero.zero.construct.SeededInit(seed) or PretrainedWeights(folder)."""
+    A model built on the meta device is materialised from `init_from`, shard by shard at stage 3 and whole on
+    every rank at stages 0-2: hf_zero.zero.construct.SeededInit(seed) or PretrainedWeights(folder)."""
     return ZeroEngine(model, optimizer, config, group, init_from, mesh)

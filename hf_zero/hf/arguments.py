@@ -51,7 +51,10 @@ def _post_init(self: Any) -> None:
     # The engine keeps the fp32 masters and casts the model itself; accelerate's autocast or
     # GradScaler on top would cast twice and scale the loss twice.
     self.mixed_precision = "no"
-    if self.zero_engine_config.zero_stage == 3 and self.zero_init_partitioned:
+    # Where --zero_stage auto may choose stage 3 the model is built partitioned too; where the plan then chooses
+    # stages 0-2, the engine fills it whole on every rank (hf_zero.zero.construct.fill_whole).
+    stage3 = 3 in self.zero_stages if "zero_stage" in self.zero_planned else self.zero_engine_config.zero_stage == 3
+    if stage3 and self.zero_init_partitioned:
         pretrained.enable(self)
 
 

@@ -66,6 +66,12 @@ def enabled() -> bool:
     return _asked_by is not None and _asked_by() is not None
 
 
+def _stage_flag() -> str:
+    """The stage flag of the arguments that turned partitioned construction on, as given (3, or auto): named while
+    from_pretrained runs under them."""
+    return f"--zero_stage {_asked_by().zero_stage}"
+
+
 def init_source(model: nn.Module) -> Any:
     """Where the engine takes the values of a model built partitioned (`init_from`), or None for a whole model. A
     peft model around a base built partitioned has the base's: the engine fills the base's shards through peft's
@@ -95,9 +101,9 @@ def _refuse_lost_adapter_values(model: nn.Module, source: PretrainedWeights) -> 
                 lost.append(name)
     if lost:
         raise ValueError(f"{', '.join(lost)} of the peft model ({type(model).__name__}) have no values: peft made "
-                         f"them on the meta device of a base built partitioned (stage-3 arguments were parsed before "
-                         f"from_pretrained), and the checkpoint does not hold them. Pass --zero_init_partitioned false "
-                         f"to build the base whole first")
+                         f"them on the meta device of a base built partitioned (arguments building it so were parsed "
+                         f"before from_pretrained), and the checkpoint does not hold them. Pass "
+                         f"--zero_init_partitioned false to build the base whole first")
 
 
 def _peft_base(model: nn.Module) -> nn.Module | None:
@@ -105,11 +111,12 @@ def _peft_base(model: nn.Module) -> nn.Module | None:
 
 
 def describe(source: Any) -> str:
-    """What a rank did to fill its shards, for the log once the engine has started."""
+    """What a rank did to fill its shards (or, at stages 0-2, its whole model), for the log once the engine has
+    started."""
     if isinstance(source, PretrainedWeights):
         return (f"read {source.bytes_read / 2**20:.2f} MiB of the checkpoint's {source.total_bytes() / 2**20:.2f} "
                 f"MiB ({len(set(source.file_of.values()))} file(s))")
-    return "initialised its own shards with transformers' initialisation of the whole model"
+    return "transformers' initialisation of the whole model, replayed for what this rank holds"
 
 
 def forget(model: nn.Module) -> bool:
@@ -183,19 +190,19 @@ def _check_loadable(checkpoint_files: list[str], load_config: Any) -> None:
     """What partitioned loading cannot do is refused before anything is built."""
     for file in checkpoint_files:
         if not str(file).endswith(".safetensors"):
-            raise ValueError(f"--zero_stage 3 builds the model partitioned, reading each rank's slices of safetensors "
+            raise ValueError(f"{_stage_flag()} builds the model partitioned, reading each rank's slices of safetensors "
                              f"files, and {file} is not one (it cannot be read in slices). Save the model with "
                              f"save_pretrained(..., safe_serialization=True), or pass --zero_init_partitioned false "
                              f"to load it whole on every rank first")
     if not checkpoint_files:
-        raise ValueError("--zero_stage 3 builds the model partitioned from checkpoint files, and from_pretrained "
-                         "found none")
+        raise ValueError(f"{_stage_flag()} builds the model partitioned from checkpoint files, and from_pretrained "
+                         f"found none")
     if load_config.hf_quantizer is not None:
-        raise ValueError("a quantized model cannot be built partitioned at --zero_stage 3 (hf_zero trains "
-                         "unquantized weights): pass --zero_init_partitioned false")
+        raise ValueError(f"a quantized model cannot be built partitioned at {_stage_flag()} (hf_zero trains "
+                         f"unquantized weights): pass --zero_init_partitioned false")
     if load_config.device_map is not None:
         raise ValueError(f"from_pretrained(device_map={load_config.device_map!r}) places the whole model, and "
-                         f"--zero_stage 3 partitions it over the ranks instead: drop device_map")
+                         f"{_stage_flag()} partitions it over the ranks instead: drop device_map")
 
 
 def _check_readable(model: nn.Module, weights: PretrainedWeights, not_read: set[str]) -> None:
@@ -212,4 +219,4 @@ def _check_readable(model: nn.Module, weights: PretrainedWeights, not_read: set[
         if shape != tuple(tensor.shape):
             raise ValueError(f"{name} ({tuple(tensor.shape)}) is neither stored as one tensor of that shape in the "
                              f"checkpoint nor made so by transformers' conversions of it, and partitioned loading at "
-                             f"--zero_stage 3 reads nothing else: pass --zero_init_partitioned false")
+                             f"{_stage_flag()} reads nothing else: pass --zero_init_partitioned false")

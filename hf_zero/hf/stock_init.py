@@ -173,7 +173,7 @@ def _refuse_constructor_values(model: nn.Module, draws: _DrawsOnMeta) -> None:
             and tensor.untyped_storage()._cdata not in draws.written_in_init]
     if kept:
         raise ValueError(
-            f"--zero_stage 3 builds {type(model).__name__} partitioned with transformers' initialisation replayed "
-            f"module by module, and {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''} keep the values their "
-            f"module's constructor drew (its _init_weights does not set them), which are not replayed. Pass "
+            f"{type(model).__name__} is built partitioned (--zero_init_partitioned) with transformers' initialisation "
+            f"replayed module by module, and {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''} keep the values "
+            f"their module's constructor drew (its _init_weights does not set them), which are not replayed. Pass "
             f"--zero_init_partitioned false to build the model whole on every rank first")

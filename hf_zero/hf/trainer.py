@@ -249,7 +249,7 @@ class ZeroTrainerMixin:
     """The overrides shared by ZeroTrainer and ZeroSeq2SeqTrainer."""
 
     engine: ZeroEngine | None = None
-    built_partitioned = False  # the engine filled the model's shards itself (hf_zero.hf.pretrained)
+    built_partitioned = False  # the engine filled the model's stage-3 shards itself (hf_zero.hf.pretrained)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -352,10 +352,14 @@ class ZeroTrainerMixin:
             source = pretrained.init_source(self.model)
             self.engine = initialize(self.model, optimizer, self.args.zero_engine_config, mesh=self.mesh,
                                      init_from=source)
-            self.built_partitioned = pretrained.forget(self.model)
+            # Built on meta, the model was filled by the engine: in shards at stage 3, whole at stages 0-2 (the
+            # stage --zero_stage auto chose), which then holds it as a model built whole.
+            filled = pretrained.forget(self.model)
+            self.built_partitioned = filled and self.engine.zero_stage == 3
             pretrained.end(self.args)
-            if self.built_partitioned:
-                logger.info(f"rank {self.engine.comm.rank} built the model partitioned: {pretrained.describe(source)}")
+            if filled:
+                built = "partitioned" if self.built_partitioned else f"whole (stage {self.engine.zero_stage})"
+                logger.info(f"rank {self.engine.comm.rank} built the model {built}: {pretrained.describe(source)}")
             self.optimizer = ZeroOptimizer(self.engine, plan_check)
             # The engine has placed the model and owns its parameters' storage; accelerate's
             # prepare_model (run by evaluate) would otherwise call model.to(device), which copies

@@ -26,10 +26,11 @@ EXTRA_FLAGS: dict[str, tuple[Any, str, str, str]] = {
     "tensor_parallel_size": (1, "ranks per tensor-parallel group (Megatron-style, DTensor): each transformer block "
                              "is split over them and ZeRO runs over the remaining data-parallel dimension", "N",
                              "Megatron's model parallel size (`mpu`)"),
-    "zero_init_partitioned": (True, "stage 3: from_pretrained and from_config, called once these arguments are parsed "
-                              "and until a ZeroTrainer given them takes its model, build the model partitioned (each "
-                              "rank reads only its slices of the safetensors files, or initialises only its shards); "
-                              "false builds the whole model on every rank first",
+    "zero_init_partitioned": (True, "stage 3 (and auto, which may choose it): from_pretrained and from_config, called "
+                              "once these arguments are parsed and until a ZeroTrainer given them takes its model, "
+                              "build the model partitioned (each rank reads only its slices of the safetensors files, "
+                              "or initialises only its shards; where auto chooses stages 0-2, each rank then fills the "
+                              "whole model); false builds the whole model on every rank first",
                               "[BOOL]", "DeepSpeed's `zero.Init` (accelerate's `zero3_init_flag`)"),
     "tensor_parallel_across_nodes": (False, "let a tensor-parallel group span nodes (its all-reduces in every layer "
                                      "then cross the network); refused otherwise", "[BOOL]",

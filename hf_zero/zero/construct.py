@@ -1,4 +1,4 @@
-"""Partitioned construction at stage 3: each rank materialises only its own shard of a model built on meta.
+"""Construction from `init_from` of a model built on meta: at stage 3 each rank materialises only its own shard.
 
     with torch.device("meta"):
         model = model_zoo.build("gpt2-large")              # no memory: shapes only
@@ -18,8 +18,13 @@ this rank's shard plus one unit, never the model.
   safetensors files this rank owns (`get_slice` reads without loading the file), whole tensors only for
   the small persistent parameters and what the engine does not partition (buffers, frozen tp parts).
 
+At stages 0-2 every rank holds the whole model, so `init_from` fills it whole (`fill_whole`): one parameter at a
+time, each a unit that every rank reads whole, as stage 3's persistent one. That is how `--zero_stage auto` starts from
+a model built partitioned whichever stage its plan chooses.
+
 Another `init_from` has their two methods: `fill_rest(model)`, and `fill(model, units, open_unit, close_unit, rank)`,
-which opens, fills and closes every unit once. A unit it never closes has no values: the engine refuses it by name.
+which opens, fills and closes every unit once. A unit it never closes has no values: the engine refuses it by name
+(`refuse_unfilled`).
 """
 from __future__ import annotations
 
@@ -32,26 +37,35 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hf_zero.runtime.device import HOST, compute_device, in_host_memory, to_device
+from hf_zero.runtime.device import HOST, compute_device, host_memory_empty, in_host_memory, to_device
 from hf_zero.runtime.dtypes import TORCH_DTYPES
 from hf_zero.runtime.tensor_parallel import local_ranges
 from hf_zero.zero.partition import (
+    FlatParamBuffer,
     copy_cut_into,
     is_tp_replicated,
     local,
     partitioned_frozen,
+    set_data,
     wrap_like,
 )
 
-if TYPE_CHECKING:
-    from hf_zero.zero.stage3 import Unit
+
+class FilledUnit(Protocol):
+    """What `fill` reads of a unit it is given: stage 3's `Unit`, or a `WholeParameter` at stages 0-2."""
+    name: str
+    flats: list[FlatParamBuffer]  # one per param group; `open_unit` gives a buffer laid out as each
+    persistent: bool  # read whole on every rank; else each rank reads its owned range of the flat buffers
+
+    @property
+    def title(self) -> str: ...
 
 
 def _init_module(seed: int, name: str, module: nn.Module, owner: nn.Module) -> None:
@@ -147,7 +161,7 @@ class SeededInit:
     def init_module(self, name: str, module: nn.Module, owner: nn.Module) -> None:
         _init_module(self.seed, name, module, owner)
 
-    def fill(self, model: nn.Module, units: list["Unit"], open_unit: Callable, close_unit: Callable,
+    def fill(self, model: nn.Module, units: list[FilledUnit], open_unit: Callable, close_unit: Callable,
              rank: int) -> None:
         """Runs the init of every module once, in transformers' order. A unit gets memory before the first
         module that writes it and gives up its chunk after the last one, so units are filled one at a
@@ -356,7 +370,7 @@ class PretrainedWeights:
                 missing_owners.add(name.rpartition(".")[0])
         init_weights(model, 0, missing_owners)
 
-    def fill(self, model: nn.Module, units: list["Unit"], open_unit: Callable, close_unit: Callable,
+    def fill(self, model: nn.Module, units: list[FilledUnit], open_unit: Callable, close_unit: Callable,
              rank: int) -> None:
         """Unit by unit, reads the elements this rank owns (all of them for the persistent unit, which
         every rank holds whole) into the unit's buffers."""
@@ -381,6 +395,74 @@ class PretrainedWeights:
 # What peft puts between a base model's module and its tensors: a tuner layer's wrapped layer, and a modules_to_save
 # wrapper's original and its trained copy for an adapter.
 _PEFT_WRAPPING = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+
+class WholeParameter:
+    """What `fill` reads of a unit, for one parameter every rank holds whole (stages 0-2): a persistent unit, which
+    `fill` reads whole on every rank."""
+
+    persistent = True
+
+    def __init__(self, name: str, param: nn.Parameter) -> None:
+        self.name = name
+        # Its layout only: `fill` writes the buffer `open_unit` gives.
+        self.flats = [FlatParamBuffer([(name, param)], 1, torch.float32, device=torch.device("meta"))]
+
+    @property
+    def title(self) -> str:
+        return f"parameter {self.name!r}"
+
+
+def leave_meta(params: Iterable[nn.Parameter], device: torch.device) -> None:
+    """Turns each meta parameter into an empty one on `device`, keeping the Parameter object (the optimizer and
+    tied modules hold it): `.data =` cannot change a tensor's device type, nor the device a DTensor reports (it is
+    fixed when the wrapper is made), so a DTensor becomes a new one of empty parts."""
+    for param in params:
+        if param.is_meta:
+            empty = wrap_like(param, torch.empty(0, dtype=param.dtype, device=device))
+            torch.utils.swap_tensors(param, nn.Parameter(empty, param.requires_grad))
+
+
+@torch.no_grad()
+def fill_whole(model: nn.Module, init_from: Any, device: torch.device, rank: int) -> None:
+    """The parameters stage 3 would put in units (those not of `_rest`, which `init_from.fill_rest` filled) get their
+    values whole on `device` from `init_from`, one at a time: staged in fp32 on the host as stage 3 stages a unit (a
+    seeded init then draws from the CPU generator), then in the parameter's own dtype on `device`, as a build of the
+    whole model holds it. Those that already hold values (what transformers initialised) are taken by `fill`, as at
+    stage 3."""
+    units = [WholeParameter(name, p) for name, p in model.named_parameters()
+             if p.requires_grad or partitioned_frozen(p)]
+    dtype_of = {id(unit): unit.flats[0].slices[0].param.dtype for unit in units}
+    leave_meta((s.param for unit in units for s in unit.flats[0].slices), device)
+    staging: dict[int, torch.Tensor] = {}
+    closed: set[int] = set()
+
+    def open_unit(unit: WholeParameter) -> list[torch.Tensor]:
+        flat = unit.flats[0]
+        staging[id(unit)] = staged = host_memory_empty(flat.padded_numel, zeroed=True)
+        set_data(flat.slices[0].param, flat.view_of(flat.slices[0], staged))
+        return [staged]
+
+    def close_unit(unit: WholeParameter) -> None:
+        flat = unit.flats[0]
+        staged = flat.view_of(flat.slices[0], staging.pop(id(unit))).to(dtype_of[id(unit)])
+        values, copy = to_device(staged, device, f"the values of {unit.title}")
+        copy.wait()
+        set_data(flat.slices[0].param, values)
+        closed.add(id(unit))
+
+    init_from.fill(model, units, open_unit, close_unit, rank)
+    refuse_unfilled(init_from, units, closed)
+
+
+def refuse_unfilled(init_from: Any, units: list[FilledUnit], closed: set[int]) -> None:
+    """A unit `init_from.fill` never closed has no values: refused, not trained from whatever its memory holds."""
+    missed = [unit.title for unit in units if id(unit) not in closed]
+    if missed:
+        raise RuntimeError(f"{type(init_from).__name__}.fill gave values to {len(units) - len(missed)} of the "
+                           f"model's {len(units)} units, not to {', '.join(missed[:3])}"
+                           f"{f' and {len(missed) - 3} more' if len(missed) > 3 else ''}: fill must open and "
+                           f"close every unit it is given")
 
 
 def _name_in_base(model: nn.Module, name: str) -> tuple[nn.Module, str]:

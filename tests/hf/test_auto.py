@@ -22,15 +22,16 @@ ARGS = dict(use_cpu=True, report_to=[], per_device_train_batch_size=4, disable_t
 @pytest.fixture
 def plan_in_this_process(monkeypatch):
     """`hf-zero plan --json`, which rank 0 runs in a process of its own, run here instead (5 s of imports a plan
-    saved), where the test is about what is planned and this process's state does not change the plan (arguments
-    asking for stage 3 build models partitioned in the process that holds them: those plan in their own). The
-    process itself, its environment and its time limit, are tests/hf/test_trainer.py's (two ranks),
-    tests/test_examples.py's (run_clm) and the NVMe test's below."""
+    saved), where the test is about what is planned and this process's state does not change the plan: arguments
+    asking for stage 3 or auto build models partitioned in the process that holds them, and the plan's own process
+    has none, so they are put aside while it runs here. The process itself, its environment and its time limit, are
+    tests/hf/test_trainer.py's (two ranks), tests/test_examples.py's (run_clm) and the NVMe test's below."""
     import contextlib
     import io
     import subprocess
 
     from hf_zero.cli.commands import main
+    from hf_zero.hf import pretrained
 
     real_run = subprocess.run
 
@@ -39,11 +40,14 @@ def plan_in_this_process(monkeypatch):
             return real_run(command, **kwargs)
         assert command[1:4] == ["-m", "hf_zero", "plan"], command
         out, err = io.StringIO(), io.StringIO()
+        asked_by, pretrained._asked_by = pretrained._asked_by, None
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(command[3:])
             except SystemExit as stopped:
                 code = stopped.code
+            finally:
+                pretrained._asked_by = asked_by
         return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
 
     monkeypatch.setattr(auto.subprocess, "run", run)

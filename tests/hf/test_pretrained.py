@@ -106,10 +106,10 @@ def test_checkpoints_transformers_converts_while_loading_build_partitioned_with_
         assert_saved_as_stock_saves(tmp_path / "out" / kind, folders[kind])
 
 
-def arguments(output_dir: Path, partitioned: bool = True, **more):
+def arguments(output_dir: Path, partitioned: bool = True, zero_stage: int | str = 3, **more):
     from training_args import ZeroTrainingArguments
 
-    return ZeroTrainingArguments(output_dir=str(output_dir), zero_stage=3, use_cpu=True, report_to=[], seed=SEED,
+    return ZeroTrainingArguments(output_dir=str(output_dir), zero_stage=zero_stage, use_cpu=True, report_to=[], seed=SEED,
                                  zero_init_partitioned=partitioned, save_strategy="no", **more)
 
 
@@ -181,6 +181,59 @@ def test_stage3_arguments_build_from_pretrained_and_from_config_partitioned_with
         assert max_diff(result["bert"], expected_bert) == 0
         assert expected_bert["classifier.weight"].abs().sum() > 0
         assert max_diff(result["from_config"], expected_from_config) == 0
+
+
+def train_auto_and_given(folder: Path, output_dir: Path) -> dict:
+    """On each rank, 3 steps under --zero_stage auto arguments: a GPT-2 classifier from_pretrained of a language-model
+    checkpoint (its new head initialised by transformers) and GPT-2 from_config, where the plan chooses among every
+    stage, and GPT-2 from_pretrained with hpZ, which only stage 3 takes; then each again built whole
+    (--zero_init_partitioned false) with the stage the plan chose given. Dropout stays on: the runs draw the same
+    masks only where the builds leave the global generator alike."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_zero import ZeroTrainer
+
+    ids = torch.randint(0, 64, (12, 16), generator=torch.Generator().manual_seed(2))
+    texts = [{"input_ids": row, "labels": row} for row in ids]
+    classes = [{"input_ids": row, "labels": torch.tensor(i % 3)} for i, row in enumerate(ids)]
+    jobs = {"classifier": (lambda: AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3,
+                                                                                      pad_token_id=0), classes, {}),
+            "from_config": (lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)), texts, {}),
+            "hpz": (lambda: AutoModelForCausalLM.from_pretrained(folder), texts, {"zero_hpz_partition_size": 2})}
+    results = {}
+    for name, (build, samples, settings) in jobs.items():
+        runs = {}
+        for way in ("auto", "given"):
+            stage = "auto" if way == "auto" else runs["auto"]["stage"]
+            set_seed(SEED)
+            args = arguments(output_dir / name / way, partitioned=way == "auto", zero_stage=stage, **settings,
+                             per_device_train_batch_size=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                             disable_tqdm=True)
+            model = build()
+            on_meta = all(p.is_meta for n, p in model.named_parameters() if not n.startswith("score."))
+            trainer = ZeroTrainer(model=model, args=args, train_dataset=samples)
+            trainer.train()
+            runs[way] = {"stage": trainer.engine.zero_stage, "on_meta": on_meta,
+                         "built_partitioned": trainer.built_partitioned,
+                         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                         "params": gathered(trainer)}
+        results[name] = runs
+    return results
+
+
+@pytest.mark.slow
+def test_zero_stage_auto_builds_partitioned_and_trains_as_the_chosen_stage_built_whole(tmp_path):
+    """--zero_stage auto builds the model on meta, as stage 3 does, before its plan has chosen: where the plan chooses
+    stages 0-2 the engine fills it whole on every rank, where it chooses 3 in shards. Either way it trains as the run
+    given that stage and built whole."""
+    save_gpt2(tmp_path / "gpt2", vocab_size=64)
+    for result in spawn_gloo(train_auto_and_given, 2, tmp_path / "gpt2", tmp_path / "out"):
+        for name, runs in result.items():
+            auto, given = runs["auto"], runs["given"]
+            assert auto["on_meta"] and not given["on_meta"], name
+            assert (auto["stage"] == 3) == (name == "hpz") == auto["built_partitioned"], (name, auto["stage"])
+            assert len(auto["losses"]) == 3 and auto["losses"] == given["losses"], name
+            assert max_diff(auto["params"], given["params"]) == 0, name
 
 
 def stock_configs() -> dict[str, tuple[Any, Any]]:

