@@ -179,16 +179,16 @@ FAULTS = Path(__file__).parent / "scripts" / "faults"  # sitecustomize.py: SIGKI
 
 
 def test_run_clm_killed_twice_restarts_by_itself_and_ends_as_the_uninterrupted_run(tmp_path):
-    """examples/run_clm.py at stage 3 on 2 ranks, 40 steps, a checkpoint every 10, under --max_restarts 2. Rank 1 is
-    killed with SIGKILL inside step 23, then, in the restart, while it writes its shard of checkpoint-30: each restart
-    resumes from the newest complete checkpoint (checkpoint-20 both times) by itself, though the script passes no
-    --resume_from_checkpoint, and the checkpoint-30 the second kill left half-written is removed. The run exits 0,
-    and its final weights, final eval loss and every loss logged after step 20 equal the uninterrupted run's."""
+    """examples/run_clm.py at stage 3 on 2 ranks, 30 steps, a checkpoint every 10, under --max_restarts 2. Rank 1 is
+    killed with SIGKILL inside step 13, then, in the restart, while it writes its shard of checkpoint-20: each restart
+    resumes from the newest complete checkpoint (checkpoint-10 both times) by itself, though the script passes no
+    --resume_from_checkpoint, and the checkpoint-20 the second kill left half-written is removed. The run exits 0,
+    and its final weights, final eval loss and every loss logged after step 10 equal the uninterrupted run's."""
     from safetensors.torch import load_file
 
     corpus = python_reference(tmp_path)
     common = ["--zero_stage", "3", "--train_file", str(corpus), "--block_size", "32", "--do_train", "--do_eval",
-              "--max_steps", "40", "--save_steps", "10", "--logging_steps", "1", "--per_device_train_batch_size", "2",
+              "--max_steps", "30", "--save_steps", "10", "--logging_steps", "1", "--per_device_train_batch_size", "2",
               "--per_device_eval_batch_size", "32", "--validation_split_percentage", "1", "--learning_rate", "2e-3",
               "--use_cpu",
               "--report_to", "none", "--disable_tqdm", "true"]
@@ -197,19 +197,19 @@ def test_run_clm_killed_twice_restarts_by_itself_and_ends_as_the_uninterrupted_r
     command.insert(command.index("--nproc_per_node"), "--max_restarts")
     command.insert(command.index("--nproc_per_node"), "2")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")]),
-           "HF_ZERO_TEST_KILLS": "1:0:backward=23,1:1:save=checkpoint-30"}
+           "HF_ZERO_TEST_KILLS": "1:0:backward=13,1:1:save=checkpoint-20"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     said = done.stdout + done.stderr
-    assert said.count("resuming from") == 2 and f"resuming from {tmp_path / 'restarted' / 'checkpoint-20'}" in said
-    assert "removing" in said and "checkpoint-30, which a save left incomplete" in said
+    assert said.count("resuming from") == 2 and f"resuming from {tmp_path / 'restarted' / 'checkpoint-10'}" in said
+    assert "removing" in said and "checkpoint-20, which a save left incomplete" in said
     assert "restart 1 (torchrun" in said and "restart 2 (torchrun" in said  # both kills happened
 
     def logged(folder: str) -> dict[int, float]:
         state = json.loads((tmp_path / folder / "trainer_state.json").read_text())
-        return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h and h["step"] > 20}
+        return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h and h["step"] > 10}
 
-    assert sorted(logged("restarted")) == list(range(21, 41))
+    assert sorted(logged("restarted")) == list(range(11, 31))
     assert logged("restarted") == pytest.approx(logged("straight"), abs=1e-5)
     eval_loss = {f: json.loads((tmp_path / f / "eval_results.json").read_text())["eval_loss"]
                  for f in ("straight", "restarted")}

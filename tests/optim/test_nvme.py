@@ -97,7 +97,11 @@ def nvme_matches_cpu_offload(tmp_path) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_nvme_offload_trains_exactly_as_cpu_offload_and_as_one_process(tmp_path, world):
+def test_nvme_offload_trains_exactly_as_cpu_offload_and_as_one_process(tmp_path, world, copies):
+    if world == 1 and copies != "immediate":
+        # One rank's step moves the same NVMe copies per rank as two ranks' do; its collectives become local
+        # copies, which tests/optim/test_offload.py's one-rank runs check under each mode.
+        pytest.skip("the copies' ordering under the simulation is checked on 2 ranks")
     results = [nvme_matches_cpu_offload(tmp_path)] if world == 1 else spawn_gloo(nvme_matches_cpu_offload, 2, tmp_path)
     reference = {"plain": one_process(4), "accumulated": one_process(2, micro_batches=2, clip=0.05)}
     for result in results:
