@@ -34,6 +34,12 @@ CHECKPOINTING = {"none": {}, "pa": {"partition_activations": True},
 SCENARIOS = [(kind, stage, mode) for kind in ("gpt2-tp", "bert-tp") for stage in (0, 1, 2, 3)
              for mode in (CHECKPOINTING if kind == "gpt2-tp" else ("none", "pa_cpu"))] + \
             [("llama-tp", stage, "none") for stage in (1, 3)]  # through transformers' base_model_tp_plan
+# tp 4 leaves a dp of 1: each stage's partitioning over dp is tp 2 x dp 2's to check (and tests/engine's, on 1, 2
+# and 4 ranks). tp 4 checks the four-way split: GPT-2's at the stage that keeps whole parameters and the one that
+# gathers them, with each activation checkpointing; BERT's; Llama's through its plan.
+TP4_SCENARIOS = [s for s in SCENARIOS if (s[0] == "gpt2-tp" and s[1] in (0, 3)) or (s[0] == "bert-tp" and s[1] == 2)
+                 or s[0] == "llama-tp"]
+MESHES = [(2, s) for s in SCENARIOS] + [(4, s) for s in TP4_SCENARIOS]
 
 
 def tp_model(kind: str, tp: int) -> tuple[torch.nn.Module, object]:
@@ -63,9 +69,9 @@ def train_steps(engine: hf_zero.ZeroEngine, kind: str, start: int, stop: int) ->
 
 
 def train_tp(tp: int) -> dict[tuple, dict]:
-    """Every scenario on this mesh: final whole parameters and the gradient norms."""
+    """Every scenario of this mesh (MESHES): final whole parameters and the gradient norms."""
     results = {}
-    for kind, stage, mode in SCENARIOS:
+    for kind, stage, mode in (s for mesh, s in MESHES if mesh == tp):
         engine = tp_engine(kind, tp, {"zero_stage": stage, **CHECKPOINTING[mode]})
         norms = train_steps(engine, kind, 0, STEPS)
         results[(kind, stage, mode)] = {"params": whole_params(engine), "norms": norms}
@@ -78,8 +84,9 @@ def train_tp(tp: int) -> dict[tuple, dict]:
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["tp2_dp2", "tp4"])
+@pytest.fixture(scope="module")
 def tp_runs(request) -> list[dict]:
+    """On 4 ranks, tp `request.param` (2: tp 2 x dp 2; 4: tp 4)."""
     return spawn_gloo(train_tp, 4, request.param)
 
 
@@ -90,7 +97,9 @@ def references() -> dict[str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, stage, mode", SCENARIOS, ids=[f"{k}-s{s}-{m}" for k, s, m in SCENARIOS])
+@pytest.mark.parametrize("tp_runs, kind, stage, mode", [(tp, *s) for tp, s in MESHES], indirect=["tp_runs"],
+                         scope="module",  # one spawned world per mesh, shared by its scenarios
+                         ids=[f"{'tp2_dp2' if tp == 2 else 'tp4'}-{k}-s{st}-{m}" for tp, (k, st, m) in MESHES])
 def test_tp_x_zero_dp_matches_single_process(tp_runs, references, kind, stage, mode):
     """Llama through its config's base_model_tp_plan: every Linear the plan names is split (`split` records each
     rank's local shapes), so the parity is tensor parallelism's, not dp over replicated copies."""
