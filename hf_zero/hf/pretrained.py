@@ -67,9 +67,9 @@ def enabled() -> bool:
 
 
 def _stage_flag() -> str:
-    """The stage flag of the arguments that turned partitioned construction on, as given (3, or auto): named while
-    from_pretrained runs under them."""
-    return f"--zero_stage {_asked_by().zero_stage}"
+    """The stage of the arguments that turned partitioned construction on, as a flag: auto, or 3 (given by the flag
+    or by a configuration file). Named while from_pretrained runs under them."""
+    return "--zero_stage auto" if "zero_stage" in _asked_by().zero_planned else "--zero_stage 3"
 
 
 def init_source(model: nn.Module) -> Any:

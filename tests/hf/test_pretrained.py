@@ -482,14 +482,17 @@ def test_with_tensor_parallelism_each_rank_reads_its_tp_parts_dp_chunk_and_train
     torch.testing.assert_close(logits["true"], logits["false"], atol=1e-5, rtol=0)
 
 
-def test_a_checkpoint_that_cannot_be_read_in_slices_is_refused_naming_the_file(tmp_path):
+@pytest.mark.parametrize("stage", [3, "auto"])
+def test_a_checkpoint_that_cannot_be_read_in_slices_is_refused_naming_the_file(tmp_path, stage):
+    """Under --zero_stage auto too, which builds partitioned before its plan chooses; the message names the flag."""
     torch.manual_seed(1)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
     model.config.save_pretrained(tmp_path / "bin")  # transformers 5 writes safetensors only: a .bin by hand
     torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
-    args = arguments(tmp_path / "out")
+    args = arguments(tmp_path / "out", zero_stage=stage)
     assert pretrained.enabled()
-    with pytest.raises(ValueError, match=r"pytorch_model\.bin is not one .* --zero_init_partitioned false"):
+    with pytest.raises(ValueError, match=rf"^--zero_stage {stage} builds the model partitioned, .*pytorch_model\.bin "
+                                         rf"is not one .* --zero_init_partitioned false"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "bin")
     del args
     gc.collect()
