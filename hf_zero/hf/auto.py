@@ -299,8 +299,11 @@ def longest_batch(trainer: Any) -> tuple[dict[str, Any], str]:
 
     dataset, collate = trainer.train_dataset, trainer.data_collator
     count = trainer.args.per_device_train_batch_size
-    empty = (f"{trainer_flag(trainer.args.zero_planned[0])} auto plans for the training data's batches; the "
-             f"training dataset is empty")
+    flag = trainer_flag(trainer.args.zero_planned[0])
+    empty = f"{flag} auto plans for the training data's batches; the training dataset is empty"
+    if dataset is None:  # a Trainer made to evaluate or predict only, whose model was built partitioned for auto
+        raise ZeroConfigError(f"{flag} auto plans for the training data's batches, and the Trainer was given no "
+                              f"train_dataset: give {flag} a value (3 keeps a model built partitioned so)")
     if not _iterable(dataset) and not len(dataset):
         raise ZeroConfigError(empty)
     name = _main_input(trainer)

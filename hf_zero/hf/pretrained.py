@@ -2,11 +2,12 @@
 by an unmodified script.
 
 A script such as run_clm.py calls `AutoModelForCausalLM.from_pretrained(...)` (or `from_config`) before the
-Trainer exists. Once its arguments are parsed with `--zero_stage 3` (`ZeroTrainingArguments`; on by default,
-`--zero_init_partitioned false` turns it off), those calls build the model on the meta device and no weight
+Trainer exists. Once its arguments are parsed with `--zero_stage 3` or `auto` (`ZeroTrainingArguments`; on by
+default, `--zero_init_partitioned false` turns it off), those calls build the model on the meta device and no weight
 is read: every rank gets the model's structure, and `ZeroTrainer` then hands it to the engine, which reads
 this rank's slices of the safetensors files (`construct.PretrainedWeights`) or runs transformers' own init
-(`stock_init.StockInit`) one unit at a time. No rank ever holds the whole model.
+(`stock_init.StockInit`) one unit at a time. At stage 3 no rank ever holds the whole model; where `auto`'s plan
+chooses stages 0-2, which hold it whole, each rank fills it whole (`construct.fill_whole`).
 
 transformers asks `is_deepspeed_zero3_enabled()` at these two points and then enters DeepSpeed's
 `zero.Init` and its rank-0 loader; without DeepSpeed it offers no hook for another engine. hf_zero replaces

@@ -99,6 +99,11 @@ class PlanCheck:
         self.longest = planned.length
         self.longer_batch_step: int | None = None  # the step whose batch was longer than any before
 
+    def start(self) -> None:
+        """Training begins: a plan made in the Trainer's constructor (a model built partitioned) is not checked against
+        what ran between then and now (an evaluation first)."""
+        restart_peak(self.device)
+
     def before_step(self, inputs: dict[str, Any], step: int) -> None:
         """Sees each micro-batch of optimizer step `step` (counted from 1) before it runs."""
         tensor = inputs.get(self.planned.input_name)
@@ -322,6 +327,9 @@ class ZeroTrainerMixin:
         elif resume_from_checkpoint is None and restarts_so_far() > 0:  # unless the script named a checkpoint
             resume_from_checkpoint = checkpoint_to_restart_from(self.args.output_dir, self.args.save_only_model,
                                                                 removes=self.args.should_save)
+        plan_check = getattr(self.optimizer, "plan_check", None)
+        if plan_check is not None:
+            plan_check.start()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:

@@ -236,9 +236,12 @@ def test_the_plan_check_counts_optimizer_steps_and_measures_sequences_only():
     assert len(said) == 3 and said[2].startswith("rank 1: the step took "), said
 
 
-def test_a_longer_batchs_step_is_checked_by_its_own_peak_not_an_earlier_one(monkeypatch):
-    """An evaluation or an earlier step that took more is not the longer batch's step: its check measures from when
-    the batch is seen (here 512 MiB written and given back before it, the step itself taking nothing)."""
+@pytest.mark.parametrize("window", ["from a longer batch", "from the start of training"])
+def test_a_checked_steps_peak_is_its_own_not_an_earlier_ones(monkeypatch, window):
+    """An evaluation or an earlier step that took more is not the checked step: the check measures from when a longer
+    batch is seen, and from when training starts (a plan made in the Trainer's constructor, for a model built
+    partitioned, is not checked against what ran between). Here 512 MiB are written and given back before it, the
+    step itself taking nothing."""
     from hf_zero.hf import trainer as zero_trainer
     from hf_zero.hf.trainer import PlanCheck
     from hf_zero.runtime.memory import start_measuring
@@ -250,9 +253,26 @@ def test_a_longer_batchs_step_is_checked_by_its_own_peak_not_an_earlier_one(monk
                       start_measuring(torch.device("cpu")), rank=0)
     earlier = torch.ones(512 * 2**20, dtype=torch.uint8)  # mmapped: its pages go back to the system when freed
     del earlier
-    check.before_step({"input_ids": torch.zeros(4, 16, dtype=torch.long)}, 3)
-    check.after_step(3)
+    if window == "from a longer batch":
+        check.before_step({"input_ids": torch.zeros(4, 16, dtype=torch.long)}, 3)
+        check.after_step(3)
+    else:
+        check.start()
+        check.after_step(2)
     assert len(measured) == 1 and measured[0] < 256 * 2**20, measured
+
+
+def test_a_trainer_without_training_data_is_refused_naming_the_flag_where_auto_built_the_model_partitioned(
+        tmp_path):
+    """Built partitioned, the model is planned for in the Trainer's constructor, which needs the training data."""
+    from transformers import AutoModelForCausalLM
+
+    args = ZeroTrainingArguments(output_dir=str(tmp_path), zero_stage="auto", **ARGS)
+    model = AutoModelForCausalLM.from_config(tiny_model("gpt2").config)
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(ZeroConfigError, match="--zero_stage auto plans for the training data's batches, and the "
+                                              "Trainer was given no train_dataset: give --zero_stage a value"):
+        ZeroTrainer(model=model, args=args)
 
 
 def frozen_layers():
