@@ -135,6 +135,21 @@ def test_partitioned_from_pretrained_gives_the_normal_loads_outputs_reading_only
             assert rank_result["bytes_read"] == total
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_stages_0_2_fill_a_bf16_model_with_its_own_dtypes_values_as_from_pretrained_loads_it(tmp_path, stage):
+    """The whole fill stages in fp32 and gives each parameter its own dtype: a bf16 model filled from an fp32
+    checkpoint holds the values rounded to bf16, as transformers' own load in bf16 does (which the engine, computing
+    in fp32 here, then keeps)."""
+    build_seeded(lambda: model_zoo.build("gpt2-tiny"), SEED).save_pretrained(tmp_path)
+    reference = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config.from_pretrained(tmp_path)).to(torch.bfloat16)
+    hf_zero.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_stage": stage},
+                       init_from=PretrainedWeights(tmp_path))
+    for name, param in reference.named_parameters():
+        assert torch.equal(model.get_parameter(name), param.float()), name
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_meta_model_needs_init_from(stage):
     with torch.device("meta"):
