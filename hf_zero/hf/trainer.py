@@ -291,6 +291,11 @@ class ZeroTrainerMixin:
             # shards, so the engine starts now, and evaluation or generation before training work too.
             self.create_optimizer()
 
+    @property
+    def plan_check(self) -> PlanCheck | None:
+        """--zero_stage auto's check of the run against its plan, once the engine has started (else None)."""
+        return getattr(self.optimizer, "plan_check", None)
+
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         # evaluate() and predict() run every batch's forward (and generate()) on weights that do not change: at stage
         # 3 each forward would gather every unit again.
@@ -327,9 +332,8 @@ class ZeroTrainerMixin:
         elif resume_from_checkpoint is None and restarts_so_far() > 0:  # unless the script named a checkpoint
             resume_from_checkpoint = checkpoint_to_restart_from(self.args.output_dir, self.args.save_only_model,
                                                                 removes=self.args.should_save)
-        plan_check = getattr(self.optimizer, "plan_check", None)
-        if plan_check is not None:
-            plan_check.start()
+        if self.plan_check is not None:
+            self.plan_check.start()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -390,9 +394,8 @@ class ZeroTrainerMixin:
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        plan_check = getattr(self.optimizer, "plan_check", None)
-        if plan_check is not None:
-            plan_check.before_step(inputs, self.state.global_step + 1)
+        if self.plan_check is not None:
+            self.plan_check.before_step(inputs, self.state.global_step + 1)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def create_scheduler(self, num_training_steps: int,

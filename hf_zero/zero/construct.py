@@ -404,13 +404,24 @@ class WholeParameter:
     persistent = True
 
     def __init__(self, name: str, param: nn.Parameter) -> None:
-        self.name = name
+        self.name, self.dtype = name, param.dtype  # what it is built in; staged in fp32 meanwhile
         # Its layout only: `fill` writes the buffer `open_unit` gives.
         self.flats = [FlatParamBuffer([(name, param)], 1, torch.float32, device=torch.device("meta"))]
 
     @property
     def title(self) -> str:
         return f"parameter {self.name!r}"
+
+
+def staged_on_host(flat: FlatParamBuffer) -> torch.Tensor:
+    """An fp32 host buffer the flat buffer's parameters view while `init_from` fills them (init and checkpoints
+    are fp32; filling a bf16 buffer directly would lose the masters' precision). In host memory, so that a
+    seeded init draws from the CPU generator: the same values as a build on CPU, and the accelerator's
+    generator left as it was."""
+    buffer = host_memory_empty(flat.padded_numel, zeroed=True)
+    for s in flat.slices:
+        set_data(s.param, flat.view_of(s, buffer))
+    return buffer
 
 
 def leave_meta(params: Iterable[nn.Parameter], device: torch.device) -> None:
@@ -432,20 +443,17 @@ def fill_whole(model: nn.Module, init_from: Any, device: torch.device, rank: int
     stage 3."""
     units = [WholeParameter(name, p) for name, p in model.named_parameters()
              if p.requires_grad or partitioned_frozen(p)]
-    dtype_of = {id(unit): unit.flats[0].slices[0].param.dtype for unit in units}
     leave_meta((s.param for unit in units for s in unit.flats[0].slices), device)
     staging: dict[int, torch.Tensor] = {}
     closed: set[int] = set()
 
     def open_unit(unit: WholeParameter) -> list[torch.Tensor]:
-        flat = unit.flats[0]
-        staging[id(unit)] = staged = host_memory_empty(flat.padded_numel, zeroed=True)
-        set_data(flat.slices[0].param, flat.view_of(flat.slices[0], staged))
-        return [staged]
+        staging[id(unit)] = staged_on_host(unit.flats[0])
+        return [staging[id(unit)]]
 
     def close_unit(unit: WholeParameter) -> None:
         flat = unit.flats[0]
-        staged = flat.view_of(flat.slices[0], staging.pop(id(unit))).to(dtype_of[id(unit)])
+        staged = flat.view_of(flat.slices[0], staging.pop(id(unit))).to(unit.dtype)
         values, copy = to_device(staged, device, f"the values of {unit.title}")
         copy.wait()
         set_data(flat.slices[0].param, values)
@@ -498,7 +506,7 @@ def _rest(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _materialize_rest(model: nn.Module) -> None:
-    """In host memory, as the units are staged (Stage3Params._stage): a seeded init of a frozen weight then
+    """In host memory, as the units are staged (`staged_on_host`): a seeded init of a frozen weight then
     draws from the CPU generator on any machine. `place_rest` moves them to the device once filled."""
     _replace_rest(model, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=HOST) if t.is_meta else None)
 

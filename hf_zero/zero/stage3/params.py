@@ -17,7 +17,7 @@ from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.device import LatestCopy, host_buffers_for_good, host_memory_empty
 from hf_zero.runtime.memory import budget_of_every_rank
 from hf_zero.settings.config import ZeroConfig
-from hf_zero.zero.construct import leave_meta, refuse_unfilled
+from hf_zero.zero.construct import leave_meta, refuse_unfilled, staged_on_host
 from hf_zero.zero.grad_landing import landing_for
 from hf_zero.zero.holder import ParamHolder, fp32_start_empty
 from hf_zero.zero.partition import (
@@ -26,7 +26,6 @@ from hf_zero.zero.partition import (
     model_order,
     partitioned_frozen,
     release_storage,
-    set_data,
 )
 from hf_zero.zero.reducer import StepPhase
 from hf_zero.zero.stage3.discovery import (
@@ -220,7 +219,7 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
         closed: set[int] = set()
 
         def open_unit(unit: Unit) -> list[torch.Tensor]:
-            staging.update({id(f): self._stage(f) for f in unit.flats})
+            staging.update({id(f): staged_on_host(f) for f in unit.flats})
             return [staging[id(f)] for f in unit.flats]
 
         def close_unit(unit: Unit) -> None:
@@ -272,17 +271,6 @@ class Stage3Params(Schedule, SharedWeights, ParamHolder):
             release_storage(shard)
         self.param_shards = []
         self.reader = reader
-
-    @staticmethod
-    def _stage(flat: FlatParamBuffer) -> torch.Tensor:
-        """An fp32 host buffer the unit's parameters view while `init_from` fills them (init and checkpoints
-        are fp32; filling a bf16 buffer directly would lose the masters' precision). In host memory, so that a
-        seeded init draws from the CPU generator: the same values as a build on CPU, and the accelerator's
-        generator left as it was."""
-        buffer = host_memory_empty(flat.padded_numel, zeroed=True)
-        for s in flat.slices:
-            set_data(s.param, flat.view_of(s, buffer))
-        return buffer
 
     @contextlib.contextmanager
     def gathered(self, only: Collection[int] | None = None) -> Iterator[None]:
