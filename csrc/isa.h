@@ -2,7 +2,7 @@
 // plain scalar code), or HF_ZERO_CPU_ADAM_ISA (avx512, avx2, scalar) when set, e.g. to test every path on
 // one machine. One choice for every hf_zero kernel (the variable keeps its first kernel's name).
 #pragma once
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
 #include <cstdlib>
 #include <cstring>
 

@@ -6,7 +6,10 @@
 // tensors carry per-tensor or per-channel scales, not the ZeRO++ block layout), hence this kernel. The
 // arithmetic is the reference's in hf_zero/ops/quantize.py step for step (scale = absmax / qmax; q =
 // round-half-even(x / scale), a true division; x = q * scale), so both give the same bits.
-#include <torch/extension.h>
+// The tensor and its Python binding only, not <torch/extension.h> (all of libtorch's C++ API): 10 s of
+// compiling instead of 32 on a 2-core machine.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -99,7 +102,7 @@ inline void dequantize(const int8_t* q, float* x, int64_t n, float scale) {
 }  // namespace avx2
 #pragma GCC pop_options
 
-static void check_layout(const torch::Tensor& t, torch::ScalarType dtype, int64_t numel, const char* what) {
+static void check_layout(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel,
               "quantize: ", what, " must be a contiguous CPU ", c10::toString(dtype), " tensor of ", numel, " elements");
 }
@@ -120,13 +123,13 @@ static void unpack_nibbles(const uint8_t* packed, int8_t* q, int64_t n) {
 
 // Quantizes fp32 `x` block by block into `q` (int8: one value a byte; int4: two a byte, ceil(n / 2) bytes)
 // and `scales` (fp32, one a block). An all-zero block gets scale 0 and zeros.
-void quantize(torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t bits, int64_t block) {
+void quantize(at::Tensor x, at::Tensor q, at::Tensor scales, int64_t bits, int64_t block) {
   TORCH_CHECK(bits == 8 || bits == 4, "quantize: bits must be 8 or 4; got ", bits);
   TORCH_CHECK(block > 0 && block % 2 == 0, "quantize: block must be a positive even number; got ", block);
   const int64_t n = x.numel(), blocks = (n + block - 1) / block;
-  check_layout(x, torch::kFloat, n, "x");
-  check_layout(q, bits == 8 ? torch::kChar : torch::kByte, bits == 8 ? n : (n + 1) / 2, "q");
-  check_layout(scales, torch::kFloat, blocks, "scales");
+  check_layout(x, at::kFloat, n, "x");
+  check_layout(q, bits == 8 ? at::kChar : at::kByte, bits == 8 ? n : (n + 1) / 2, "q");
+  check_layout(scales, at::kFloat, blocks, "scales");
   const float qmax = bits == 8 ? 127.0f : 7.0f;
   const float* xs = x.data_ptr<float>();
   float* ss = scales.data_ptr<float>();
@@ -152,13 +155,13 @@ void quantize(torch::Tensor x, torch::Tensor q, torch::Tensor scales, int64_t bi
 }
 
 // The inverse: x = q * scale, block by block, into fp32 `x` of n elements.
-void dequantize(torch::Tensor q, torch::Tensor scales, torch::Tensor x, int64_t bits, int64_t block) {
+void dequantize(at::Tensor q, at::Tensor scales, at::Tensor x, int64_t bits, int64_t block) {
   TORCH_CHECK(bits == 8 || bits == 4, "dequantize: bits must be 8 or 4; got ", bits);
   TORCH_CHECK(block > 0 && block % 2 == 0, "dequantize: block must be a positive even number; got ", block);
   const int64_t n = x.numel(), blocks = (n + block - 1) / block;
-  check_layout(x, torch::kFloat, n, "x");
-  check_layout(q, bits == 8 ? torch::kChar : torch::kByte, bits == 8 ? n : (n + 1) / 2, "q");
-  check_layout(scales, torch::kFloat, blocks, "scales");
+  check_layout(x, at::kFloat, n, "x");
+  check_layout(q, bits == 8 ? at::kChar : at::kByte, bits == 8 ? n : (n + 1) / 2, "q");
+  check_layout(scales, at::kFloat, blocks, "scales");
   float* xs = x.data_ptr<float>();
   const float* ss = scales.data_ptr<float>();
   const void* in = q.data_ptr();

@@ -47,7 +47,7 @@ _KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Under xdist, the C++ kernels start compiling in the background at once (one compiler process each, about
-    25 s), while the workers run tests that need none; a test that needs one waits on the build's lock
+    10 s), while the workers run tests that need none; a test that needs one waits on the build's lock
     (hf_zero/ops/build.py). Compiled on first use, both workers waited on the compiler, one core idle."""
     if session.config.getoption("numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
         session.config.stash[_KERNEL_BUILD] = subprocess.Popen(

@@ -16,7 +16,7 @@ NAME = "hf_zero_cpu_adam"
 @pytest.fixture
 def extensions(tmp_path, monkeypatch):
     """An empty extensions cache whose compiler writes an empty library and records where it built, and whose
-    import of a cached library records it: the build logic without a minute of compiling."""
+    import of a cached library records it: the build logic without half a minute of compiling."""
     built_in, imported = [], []
 
     def compile_for_a_while(name, build_directory, **kwargs):
@@ -50,7 +50,7 @@ def test_the_first_build_says_it_is_building_and_where_it_caches_and_a_later_one
         messages.append([r.getMessage() for r in caplog.records])
         caplog.clear()
     directory = build.build_directory(NAME)
-    assert messages == [[f"building hf_zero's C++ {NAME} kernel on first use (about a minute); it is "
+    assert messages == [[f"building hf_zero's C++ {NAME} kernel on first use (about half a minute); it is "
                          f"cached in {directory} for later runs (`hf-zero build-ops` builds it ahead of time)"], []]
     assert len(extensions.built_in) == 1 and extensions.built_in[0] != directory  # built aside, then moved
     assert extensions.imported == [directory / f"{NAME}.so"]
