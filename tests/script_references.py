@@ -1,0 +1,51 @@
+"""The reference runs of the script tests, on ranks forked from the worker's forkserver.
+
+A script test launches the run it tests as a user does (`hf-zero run`, torchrun): a launcher and a new interpreter
+per rank, each importing torch and transformers (7-10 s of a core on a 2-core machine). The run it compares with (the
+model built whole, the uninterrupted run, stock DDP) needs none of that: it is the same script with the same
+arguments, started here on ranks forked from the server that imported them once (hf_zero.runtime.launch.spawn_gloo),
+with the variables torchrun gives its ranks. Its process group is the one the Trainer would start (gloo, on one node).
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hf_zero.runtime.launch import spawn_gloo
+
+
+def _script_rank(script: str, args: list[str], stock: bool, logs: str) -> int | str | None:
+    # The rank's stdout and stderr, the Trainer's logs among them, go to its own file, as torchrun would pass them on.
+    with open(Path(logs) / f"rank{dist.get_rank()}.log", "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            if not stock:
+                from hf_zero.cli.run import main
+
+                return main([script, *args])
+            sys.argv = [script, *args]
+            sys.path.insert(0, str(Path(script).resolve().parent))  # as `python SCRIPT` puts the script's folder first
+            runpy.run_path(script, run_name="__main__")
+            return 0
+        except SystemExit as stop:
+            return stop.code
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def run_script_reference(script: Path | str, args: list[str], ranks: int, stock: bool = False) -> str:
+    """`script args` on `ranks` forked ranks, as `hf-zero run --nproc_per_node ranks` runs it (stock: as plain
+    torchrun does, transformers' own classes); returns the ranks' output, rank 0's first. For the run a test compares
+    with, never for the one it tests."""
+    with tempfile.TemporaryDirectory(prefix="hf_zero_reference_") as logs:
+        codes = spawn_gloo(_script_rank, ranks, str(script), list(args), stock, logs)
+        output = "".join((Path(logs) / f"rank{rank}.log").read_text() for rank in range(ranks))
+    assert all(code in (0, None) for code in codes), f"exit codes {codes}:\n{output[-4000:]}"
+    return output
