@@ -1,4 +1,4 @@
-"""The suite's settings and its split over two xdist workers (docs/testing.md), and the session-wide spawned
+"""The suite's settings and its split over three xdist workers (docs/testing.md), and the session-wide spawned
 runs: each world size is spawned once and runs every scenario the tests read."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ os.environ["PYTHONFAULTHANDLER"] = "1"
 # instead of after gloo's default wait (spawned ranks: 5 minutes; hf-zero train: 30).
 os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
 
-# The suite runs on two pytest-xdist workers (pyproject.toml: -n 2 --dist loadgroup). A worker takes whole
+# The suite runs on three pytest-xdist workers (pyproject.toml: -n 3 --dist loadgroup). A worker takes whole
 # modules, so that a module's fixtures are built once; the modules that use the session's spawned worlds go
 # to one worker together, so that those are spawned once. Modules that took over 20 s alone (--durations=0 on
 # the 2-core machine) start first, longest first, so that no long module is left to run
@@ -36,8 +36,8 @@ SESSION_WORLDS = {"world2", "world4"}
 
 
 if "PYTEST_XDIST_WORKER" in os.environ:
-    # Two workers on two cores: torch's intra-op threads (OpenMP, which spins while it waits) in each worker and
-    # in the interpreters they start would contend for the cores the other worker's ranks need.
+    # Several workers on two cores: torch's intra-op threads (OpenMP, which spins while it waits) in each worker and
+    # in the interpreters they start would contend for the cores the other workers' ranks need.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
