@@ -19,7 +19,7 @@ from tests.helpers import Scenario, run_scenarios, simulated
 # on a signal, so a rare abort in CI says where it happened.
 os.environ["PYTHONFAULTHANDLER"] = "1"
 # A collective that some rank never joins fails its test within a minute, naming the rank and the collective,
-# instead of after gloo's default wait (spawned ranks: 5 minutes; hf-zero train: 30).
+# instead of after the default wait (spawned ranks: 5 minutes; hf-zero train and run: 10).
 os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
 
 # The suite runs on three pytest-xdist workers (pyproject.toml: -n 3 --dist loadgroup). A worker takes whole
@@ -46,9 +46,9 @@ _KERNEL_BUILD = pytest.StashKey[subprocess.Popen]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Under xdist, the C++ kernels start compiling in the background at once (one compiler process each, about
-    10 s), while the workers run tests that need none; a test that needs one waits on the build's lock
-    (hf_zero/ops/build.py). Compiled on first use, both workers waited on the compiler, one core idle."""
+    """Under xdist, the C++ kernels start compiling in the background at once (one compiler process, about
+    13 s of a core each), while the workers run tests that need none; a test that needs one waits on the build's
+    lock (hf_zero/ops/build.py). Compiled on first use, the workers waited on the compiler, one core idle."""
     if session.config.getoption("numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
         session.config.stash[_KERNEL_BUILD] = subprocess.Popen(
             [sys.executable, "-m", "hf_zero", "build-ops"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -93,8 +93,8 @@ def _build(name: str, directory: Path, verbose: bool) -> ModuleType:
     for leftover in directory.parent.glob(f"{name}.build-*"):
         logger.warning(f"removing {leftover}, left by a build of {name} that was interrupted")
         shutil.rmtree(leftover, ignore_errors=True)
-    logger.warning(f"building hf_zero's C++ {name} kernel on first use (about half a minute); it is cached in {directory} "
-                   f"for later runs (`hf-zero build-ops` builds it ahead of time)")
+    logger.warning(f"building hf_zero's C++ {name} kernel on first use (about half a minute); it is cached in "
+                   f"{directory} for later runs (`hf-zero build-ops` builds it ahead of time)")
     staging = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=directory.parent))  # mode 0700
     try:
         module = load(name=name, sources=[str(CSRC / s) for s in KERNELS[name]], extra_include_paths=[str(CSRC)],

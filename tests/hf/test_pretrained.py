@@ -408,7 +408,7 @@ def script_args(*args: str) -> list[str]:
 
 
 def hf_zero_run(*args: str, ranks: int = 2) -> subprocess.CompletedProcess:
-    """The script launched by `hf-zero run` on `ranks` ranks (script_args)."""
+    """The script launched by `hf-zero run` on `ranks` ranks, with script_args(*args)."""
     return subprocess.run([sys.executable, "-m", "hf_zero", "run", "--nproc_per_node", str(ranks), str(SCRIPT),
                            *script_args(*args)], capture_output=True, text=True, timeout=300)
 
@@ -438,9 +438,10 @@ def test_an_unmodified_script_fine_tunes_a_checkpoint_built_partitioned_as_when_
     out, log = partitioned_runs[1]
     runs = {True: (json.loads((out / "log_history.json").read_text()), log)}
     outputs = {True: out, False: tmp_path / "out_False"}
-    log = run_script_reference(SCRIPT, script_args("--model_name_or_path", str(ckpt), "--output_dir",
-                                                   str(outputs[False]), "--zero_init_partitioned", "false"), ranks=2)
-    runs[False] = (json.loads((outputs[False] / "log_history.json").read_text()), log)
+    reference_log = run_script_reference(SCRIPT, script_args("--model_name_or_path", str(ckpt), "--output_dir",
+                                                             str(outputs[False]), "--zero_init_partitioned", "false"),
+                                         ranks=2)
+    runs[False] = (json.loads((outputs[False] / "log_history.json").read_text()), reference_log)
     read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs[True][1])]
     assert len(read) == 2 and all(mib * 2**20 < 0.6 * model_bytes for mib in read)  # each rank its slices only
     assert "built the model partitioned" not in runs[False][1]
@@ -468,10 +469,10 @@ def test_with_tensor_parallelism_each_rank_reads_its_tp_parts_dp_chunk_and_train
     out, log = partitioned_runs[2]
     outputs = {"true": out, "false": tmp_path / "out_false"}
     runs = {"true": (json.loads((out / "log_history.json").read_text()), log)}
-    log = run_script_reference(SCRIPT, script_args("--model_name_or_path", str(ckpt), "--output_dir",
-                                                   str(outputs["false"]), "--tensor_parallel_size", "2",
-                                                   "--zero_init_partitioned", "false"), ranks=4)
-    runs["false"] = (json.loads((outputs["false"] / "log_history.json").read_text()), log)
+    reference_log = run_script_reference(SCRIPT, script_args("--model_name_or_path", str(ckpt), "--output_dir",
+                                                             str(outputs["false"]), "--tensor_parallel_size", "2",
+                                                             "--zero_init_partitioned", "false"), ranks=4)
+    runs["false"] = (json.loads((outputs["false"] / "log_history.json").read_text()), reference_log)
     read = [float(mib) for mib in re.findall(r"built the model partitioned: read ([\d.]+) MiB", runs["true"][1])]
     # tp 2 x dp 2: about a quarter of the block weights, half of the embeddings (0.27 by hand); reading the
     # split weights' whole tensors and cutting them would take about 0.5.
