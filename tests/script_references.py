@@ -12,13 +12,13 @@ HF_ZERO_COLLECTIVE_TIMEOUT (40 s in the suite) for a collective, not the script'
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
 
+from hf_zero.cli.run import main, run_as_main
 from hf_zero.runtime.launch import spawn_gloo
 
 
@@ -31,12 +31,8 @@ def _script_rank(script: str, args: list[str], stock: bool, log_dir: str) -> int
         os.dup2(log.fileno(), 2)
         try:
             if not stock:
-                from hf_zero.cli.run import main
-
                 return main([script, *args])
-            sys.argv = [script, *args]
-            sys.path.insert(0, str(Path(script).resolve().parent))  # as `python SCRIPT` puts the script's folder first
-            runpy.run_path(script, run_name="__main__")
+            run_as_main(Path(script), args)
             return 0
         except SystemExit as stop:
             return stop.code

@@ -73,13 +73,18 @@ def main(argv: list[str] | None = None) -> int:
         world = world_size()
         check_script_flags(argv[1:], world, processes_per_node(world))
         patch_transformers()
-        sys.argv = [str(script), *argv[1:]]
-        sys.path.insert(0, str(script.resolve().parent))  # as `python SCRIPT.py` would
-        runpy.run_path(str(script), run_name="__main__")
+        run_as_main(script, argv[1:])
     except ZeroConfigError as error:  # a bad --zero_* flag: the message says what to change
         say_once(f"{script.name}: {error}")  # every rank has the same error
         return 2
     return 0
+
+
+def run_as_main(script: Path, args: list[str]) -> None:
+    """Runs `script` in this process as `python SCRIPT args` would: its own argv, its folder first on the path."""
+    sys.argv = [str(script), *args]
+    sys.path.insert(0, str(script.resolve().parent))
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def start_rank() -> None:
