@@ -9,7 +9,8 @@ training what the run trains, with the run's optimizer and engine settings), for
 --per_device_train_batch_size, with --gradient_checkpointing and the other settings as given (a stage among those they
 allow), at this world's size and nodes, with the device memory the rank with the least has left (the model's own
 tensors counted back in: the plan builds it too), the host's available memory and the NVMe folder's free space. Every
-rank takes rank 0's answer, or raises rank 0's error. The batch is read with every random generator kept as it was,
+rank takes rank 0's answer, or raises rank 0's error; they wait for it in short collectives (Communicator.from_one_rank),
+so the plan may take longer than --ddp_timeout. The batch is read with every random generator kept as it was,
 so that the run trains as the same run with the chosen settings given.
 """
 from __future__ import annotations
@@ -54,6 +55,11 @@ from hf_zero.settings.config import (
 from hf_zero.settings.environment import processes_per_node
 
 logger = logging.get_logger(__name__)
+
+# Seconds a plan may take (reading the batch, and `hf-zero plan` in its own process) before it is stopped: a plan
+# that hangs would hold the job, whose other ranks wait for it without a collective timing out
+# (Communicator.from_one_rank).
+PLAN_TIME_LIMIT = 600.0
 
 # What torchrun tells a rank about its world: a plan's own process runs outside it.
 _WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
@@ -104,8 +110,7 @@ def planned_config(trainer: Any) -> tuple[ZeroConfig, PlannedFor]:
     if comm.rank == 0:
         logger.warning(f"planning {', '.join(trainer_flag(key) for key in args.zero_planned)} for {args.world_size} "
                        f"process(es), {per_node} a node (the other ranks wait) ...")
-    plan = comm.agree(lambda: _plan(trainer, per_node, left) if comm.rank == 0 else None, f"planning {flag} auto",
-                      ZeroConfigError)[0]
+    plan = comm.from_one_rank(lambda: _plan(trainer, per_node, left), f"planning {flag} auto", ZeroConfigError)
     chosen = {key: plan["setting"][key] for key in args.zero_planned}
     on_nvme = "nvme" in (plan["setting"]["offload_optimizer"], plan["setting"]["offload_param"])
     nvme = {"nvme_path": args.zero_nvme_to_plan} if args.zero_nvme_to_plan and on_nvme else {}
@@ -130,9 +135,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
     args, model = trainer.args, trainer.model
     config: ZeroConfig = args.zero_engine_config
     flag = trainer_flag(args.zero_planned[0])
-    # The other ranks wait for the answer in one collective: reading the batch and the plan must end before it times
-    # out.
-    deadline = time.monotonic() + 0.9 * args.ddp_timeout
+    deadline = time.monotonic() + PLAN_TIME_LIMIT
     fixed = {key: str(getattr(config, key)) for key in ("zero_stage", "offload_optimizer", "offload_param")
              if key not in args.zero_planned}
     if "zero_stage" in args.zero_planned and args.zero_stages != (0, 1, 2, 3):
@@ -176,10 +179,8 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
             done = subprocess.run(command, capture_output=True, text=True, env=_plan_environment(),
                                   timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise ZeroConfigError(f"{flag} auto: planning took longer than {0.9 * args.ddp_timeout:.0f} s, 90% of "
-                                  f"--ddp_timeout, "
-                                  f"which the other ranks wait: give {flag} a value (`hf-zero plan` answers "
-                                  f"beforehand), or a longer --ddp_timeout") from None
+            raise ZeroConfigError(f"{flag} auto: planning took longer than {PLAN_TIME_LIMIT:.0f} s: give {flag} a "
+                                  f"value (`hf-zero plan` answers beforehand)") from None
     try:
         plan = json.loads(done.stdout)
     except json.JSONDecodeError:
@@ -268,7 +269,7 @@ def _folder_to_import(top: Any, flag: str, deadline: float) -> str | None:
                                timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         raise ZeroConfigError(f"{flag} auto: looking for {top.__name__} as the plan's process would took longer "
-                              f"than the plan may (90% of --ddp_timeout): give {flag} a value") from None
+                              f"than the plan may ({PLAN_TIME_LIMIT:.0f} s): give {flag} a value") from None
     if found.returncode != 0:
         raise ZeroConfigError(f"{flag} auto: looking for {top.__name__} as the plan's process would failed: "
                               f"{found.stderr.strip()[-1000:]}")

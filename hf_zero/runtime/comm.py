@@ -6,6 +6,7 @@ simulated GPU) runs an asynchronous collective at its wait, or finished when iss
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -39,6 +40,10 @@ from hf_zero.settings.environment import processes_per_node
 # Imported from here by the modules that issue collectives, besides the Communicator itself.
 __all__ = ["SPANS", "CollectiveError", "CollectiveMismatch", "Communicator", "Ledger", "issued_for", "link_bytes",
            "rank", "world_size"]
+
+# How often the ranks meet while one rank works alone (Communicator.from_one_rank): well inside the shortest collective
+# timeout (1 s is the least HF_ZERO_COLLECTIVE_TIMEOUT takes, a rank's scheduling delay besides).
+WAIT_POLL_SECONDS = 0.25
 
 
 class _Done:
@@ -306,6 +311,39 @@ class Communicator:
         gathered: list[Any] = [None] * self.world_size
         self._launch("all_gather_object", None, lambda: dist.all_gather_object(gathered, obj, group=self.group))
         return gathered
+
+    def from_one_rank(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError,
+                      source: int = 0) -> Any:
+        """Runs `action` (which issues no collectives) on rank `source` alone, however long it takes, and returns its
+        result on every rank; where it failed, every rank raises `error` with its message. The collective timeout
+        bounds a wait, not the work: `source` runs `action` in a thread while every rank meets it in a one-byte
+        all-reduce each WAIT_POLL_SECONDS, so that no rank waits in one collective for the whole of it, and a
+        `source` that stops answering is still found within one timeout."""
+        if self.world_size == 1:
+            return self.agree(action, what, error)[0]
+        outcome: dict[str, Any] = {"failure": f"{what} stopped unfinished"}
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.update(result=action(), failure=None)
+            except Exception as e:  # raised on every rank below
+                outcome["failure"] = f"{type(e).__name__}: {e}"
+            finally:
+                finished.set()
+
+        if self.rank == source:
+            threading.Thread(target=run, name=what, daemon=True).start()
+        done = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        with issued_for(f"waiting for rank {source}, {what}"):
+            while not done.item():
+                done.fill_(self.rank == source and finished.wait(WAIT_POLL_SECONDS))
+                self.any_rank_(done)
+        result, failure = self.all_gather_object((outcome.get("result"), outcome["failure"]) if self.rank == source
+                                                 else None)[source]
+        if failure is not None:
+            raise error(f"{what} failed on rank {source}: {failure}")
+        return result
 
     def agree(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError) -> list[Any]:
         """Runs `action` on every rank and returns every rank's result. If it failed on any rank, every rank

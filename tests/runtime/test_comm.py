@@ -1,13 +1,19 @@
 """The ledger counts what the paper counts: 2Ψ per step for stages 0-2, 3Ψ for stage 3, and
-model-state bytes per rank equal to the paper's formulas, within padding."""
+model-state bytes per rank equal to the paper's formulas, within padding. The Communicator's collectives equal
+torch's, and one rank's work longer than the collective timeout reaches every rank."""
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import pytest
 import torch
 
 from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.launch import spawn_gloo
 from hf_zero.runtime.ledger import Ledger
 from hf_zero.runtime.memory import communication_elements, model_state_bytes
+from hf_zero.settings.environment import COLLECTIVE_TIMEOUT_ENV
 
 NORM_ALL_REDUCE = 2  # the global gradient norm: one scalar all-reduce, counted 2 x 1 element
 
@@ -234,3 +240,28 @@ def test_the_ledger_splits_each_steps_bytes_into_intra_node_and_inter_node_by_wh
             assert tp_total > 0 and r["tp2_stage2"]["tp_spans"] == {"intra-node": tp_total // 2}
             assert f"{crossing} {total / 2 / 2**20:.2f} MiB" in r["tp2_stage2"]["report"]
             assert "ranks_per_node must divide the world size 4 (ranks fill nodes in order); got 3" in r["refused"]
+
+
+def rank_0_works_alone(seconds: float, fails: bool) -> Any:
+    """Rank 0 works `seconds`, then returns what it found or raises; every rank returns what reached it."""
+    comm = Communicator(Ledger())
+
+    def work() -> dict[str, Any]:
+        time.sleep(seconds)
+        if fails:
+            raise ValueError("no setting fits")
+        return {"found_by": comm.rank, "after": seconds}
+
+    try:
+        return comm.from_one_rank(work, "planning", LookupError)
+    except LookupError as e:
+        return str(e)
+
+
+def test_one_ranks_work_longer_than_the_collective_timeout_reaches_every_rank(monkeypatch):
+    """The other ranks wait for rank 0's work (a plan) in collectives that each end long before the timeout, as a
+    single all-gather after the work would not: rank 1 would fail in it after 3 s."""
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "3")
+    assert spawn_gloo(rank_0_works_alone, 2, 7.0, False) == [{"found_by": 0, "after": 7.0}] * 2
+    failed = "planning failed on rank 0: ValueError: no setting fits"
+    assert spawn_gloo(rank_0_works_alone, 3, 0.0, True) == [failed] * 3
