@@ -9,7 +9,7 @@ training what the run trains, with the run's optimizer and engine settings), for
 --per_device_train_batch_size, with --gradient_checkpointing and the other settings as given (a stage among those they
 allow), at this world's size and nodes, with the device memory the rank with the least has left (the model's own
 tensors counted back in: the plan builds it too), the host's available memory and the NVMe folder's free space. Every
-rank takes rank 0's answer, or raises rank 0's error; they wait for it in short collectives (Communicator.from_one_rank),
+rank takes rank 0's answer, or raises rank 0's error; they wait for it in short collectives (Communicator.from_rank_0),
 so the plan may take longer than --ddp_timeout. The batch is read with every random generator kept as it was,
 so that the run trains as the same run with the chosen settings given.
 """
@@ -56,9 +56,9 @@ from hf_zero.settings.environment import processes_per_node
 
 logger = logging.get_logger(__name__)
 
-# Seconds a plan may take (reading the batch, and `hf-zero plan` in its own process) before it is stopped: a plan
-# that hangs would hold the job, whose other ranks wait for it without a collective timing out
-# (Communicator.from_one_rank).
+# Seconds a plan may take (reading the batch, and `hf-zero plan` in its own process) before it is stopped and every
+# rank raises: a plan that hangs would hold the job, whose other ranks wait for it without a collective timing out
+# (Communicator.from_rank_0).
 PLAN_TIME_LIMIT = 600.0
 
 # What torchrun tells a rank about its world: a plan's own process runs outside it.
@@ -110,7 +110,9 @@ def planned_config(trainer: Any) -> tuple[ZeroConfig, PlannedFor]:
     if comm.rank == 0:
         logger.warning(f"planning {', '.join(trainer_flag(key) for key in args.zero_planned)} for {args.world_size} "
                        f"process(es), {per_node} a node (the other ranks wait) ...")
-    plan = comm.from_one_rank(lambda: _plan(trainer, per_node, left), f"planning {flag} auto", ZeroConfigError)
+    # The plan's processes stop at PLAN_TIME_LIMIT, saying so; past a minute more, reading the batch has hung.
+    plan = comm.from_rank_0(lambda: _plan(trainer, per_node, left), f"planning {flag} auto", ZeroConfigError,
+                            limit=PLAN_TIME_LIMIT + 60)
     chosen = {key: plan["setting"][key] for key in args.zero_planned}
     on_nvme = "nvme" in (plan["setting"]["offload_optimizer"], plan["setting"]["offload_param"])
     nvme = {"nvme_path": args.zero_nvme_to_plan} if args.zero_nvme_to_plan and on_nvme else {}

@@ -7,6 +7,7 @@ simulated GPU) runs an asynchronous collective at its wait, or finished when iss
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -41,8 +42,8 @@ from hf_zero.settings.environment import processes_per_node
 __all__ = ["SPANS", "CollectiveError", "CollectiveMismatch", "Communicator", "Ledger", "issued_for", "link_bytes",
            "rank", "world_size"]
 
-# How often the ranks meet while one rank works alone (Communicator.from_one_rank): well inside the shortest collective
-# timeout (1 s is the least HF_ZERO_COLLECTIVE_TIMEOUT takes, a rank's scheduling delay besides).
+# How often the ranks meet while rank 0 works alone (Communicator.from_rank_0): well inside the shortest collective
+# timeout (TIMEOUT_BOUNDS in hf_zero/settings/environment.py), a rank's scheduling delay besides.
 WAIT_POLL_SECONDS = 0.25
 
 
@@ -312,38 +313,46 @@ class Communicator:
         self._launch("all_gather_object", None, lambda: dist.all_gather_object(gathered, obj, group=self.group))
         return gathered
 
-    def from_one_rank(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError,
-                      source: int = 0) -> Any:
-        """Runs `action` (which issues no collectives) on rank `source` alone, however long it takes, and returns its
-        result on every rank; where it failed, every rank raises `error` with its message. The collective timeout
-        bounds a wait, not the work: `source` runs `action` in a thread while every rank meets it in a one-byte
-        all-reduce each WAIT_POLL_SECONDS, so that no rank waits in one collective for the whole of it, and a
-        `source` that stops answering is still found within one timeout."""
-        if self.world_size == 1:
+    def from_rank_0(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError,
+                    limit: float | None = None) -> Any:
+        """Runs `action` (which issues no collectives) on rank 0 alone, up to `limit` seconds, and returns its result
+        on every rank; where it failed or ran out of time, every rank raises `error` with its message. The collective
+        timeout bounds a wait, not the work: rank 0 runs `action` in a thread while every rank meets it in a one-byte
+        all-reduce each WAIT_POLL_SECONDS, so that no rank waits in one collective for the whole of it, and a rank 0
+        that stops answering is still found within one timeout. (A C extension that holds the GIL longer than the
+        timeout would still stop rank 0's meetings.) In a simulated world this rank runs it."""
+        if self.world_size == 1 or self.simulated:
             return self.agree(action, what, error)[0]
-        outcome: dict[str, Any] = {"failure": f"{what} stopped unfinished"}
+        outcome: dict[str, Any] = {}
         finished = threading.Event()
 
         def run() -> None:
             try:
-                outcome.update(result=action(), failure=None)
-            except Exception as e:  # raised on every rank below
-                outcome["failure"] = f"{type(e).__name__}: {e}"
+                outcome["result"] = action()
+            except BaseException as e:  # raised on every rank below
+                outcome["raised"] = e
             finally:
                 finished.set()
 
-        if self.rank == source:
+        if self.rank == 0:
             threading.Thread(target=run, name=what, daemon=True).start()
+        ends = None if limit is None else time.monotonic() + limit
         done = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        with issued_for(f"waiting for rank {source}, {what}"):
+        with issued_for(f"waiting for rank 0, {what}"):
             while not done.item():
-                done.fill_(self.rank == source and finished.wait(WAIT_POLL_SECONDS))
+                over = self.rank == 0 and (finished.wait(WAIT_POLL_SECONDS) or
+                                           (ends is not None and time.monotonic() > ends))
+                done.fill_(over)
                 self.any_rank_(done)
-        result, failure = self.all_gather_object((outcome.get("result"), outcome["failure"]) if self.rank == source
-                                                 else None)[source]
-        if failure is not None:
-            raise error(f"{what} failed on rank {source}: {failure}")
-        return result
+
+        def rank_0s_outcome() -> Any:
+            if not finished.is_set():
+                raise TimeoutError(f"took longer than {limit:.0f} s")
+            if "raised" in outcome:
+                raise outcome["raised"]
+            return outcome["result"]
+
+        return self.agree(lambda: rank_0s_outcome() if self.rank == 0 else None, what, error)[0]
 
     def agree(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError) -> list[Any]:
         """Runs `action` on every rank and returns every rank's result. If it failed on any rank, every rank

@@ -242,8 +242,9 @@ def test_the_ledger_splits_each_steps_bytes_into_intra_node_and_inter_node_by_wh
             assert "ranks_per_node must divide the world size 4 (ranks fill nodes in order); got 3" in r["refused"]
 
 
-def rank_0_works_alone(seconds: float, fails: bool) -> Any:
-    """Rank 0 works `seconds`, then returns what it found or raises; every rank returns what reached it."""
+def rank_0_works_alone(seconds: float, fails: bool, limit: float | None = None) -> Any:
+    """Rank 0 works `seconds`, then returns what it found or raises, or runs past `limit`; every rank returns what
+    reached it."""
     comm = Communicator(Ledger())
 
     def work() -> dict[str, Any]:
@@ -253,15 +254,18 @@ def rank_0_works_alone(seconds: float, fails: bool) -> Any:
         return {"found_by": comm.rank, "after": seconds}
 
     try:
-        return comm.from_one_rank(work, "planning", LookupError)
+        return comm.from_rank_0(work, "planning", LookupError, limit=limit)
     except LookupError as e:
         return str(e)
 
 
-def test_one_ranks_work_longer_than_the_collective_timeout_reaches_every_rank(monkeypatch):
+def test_rank_0s_work_longer_than_the_collective_timeout_reaches_every_rank(monkeypatch):
     """The other ranks wait for rank 0's work (a plan) in collectives that each end long before the timeout, as a
-    single all-gather after the work would not: rank 1 would fail in it after 3 s."""
+    single all-gather after the work would not: rank 1 would fail in it after 3 s. Its error, or its running past
+    its limit, is raised on every rank."""
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "3")
-    assert spawn_gloo(rank_0_works_alone, 2, 7.0, False) == [{"found_by": 0, "after": 7.0}] * 2
+    assert spawn_gloo(rank_0_works_alone, 2, 5.0, False) == [{"found_by": 0, "after": 5.0}] * 2
     failed = "planning failed on rank 0: ValueError: no setting fits"
     assert spawn_gloo(rank_0_works_alone, 3, 0.0, True) == [failed] * 3
+    stopped = "planning failed on rank 0: TimeoutError: took longer than 1 s"
+    assert spawn_gloo(rank_0_works_alone, 2, 60.0, False, 1.0) == [stopped] * 2
