@@ -1,4 +1,4 @@
-"""The suite's settings and its split over three xdist workers (docs/testing.md), and the session-wide spawned
+"""The suite's settings and its split over four xdist workers (docs/testing.md), and the session-wide spawned
 runs: each world size is spawned once and runs every scenario the tests read."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ os.environ["PYTHONFAULTHANDLER"] = "1"
 # instead of after the default wait (spawned ranks: 5 minutes; hf-zero train and run: 10).
 os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"
 
-# The suite runs on three pytest-xdist workers (pyproject.toml: -n 3 --dist loadgroup). A worker takes whole
+# The suite runs on four pytest-xdist workers (pyproject.toml: -n 4 --dist loadgroup). A worker takes whole
 # modules, so that a module's fixtures are built once; the modules that use the session's spawned worlds go
 # to one worker together, so that those are spawned once. Modules that took over 20 s alone (--durations=0 on
 # the 2-core machine) start first, longest first, so that no long module is left to run
