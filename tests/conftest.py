@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_zero.runtime.launch import spawn_gloo
-from hf_zero.settings.environment import COLLECTIVE_TIMEOUT_ENV, CPU_INFO, SIMULATION_MODES, cpu_isas
+from hf_zero.settings.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATION_MODES, cpu_isas, cpu_model
 from hf_zero.testing.simulated_gpu import simulation, uninstall
 from tests.helpers import Scenario, run_scenarios, simulated
 
@@ -60,13 +60,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         build.wait()
 
 
-@pytest.hookimpl(trylast=True)  # after the durations, just above the line of counts
+@pytest.hookimpl(trylast=True)  # after the durations, near the line of counts that CI shows last
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The machine the run's times belong to, last, beside them: docs/testing.md compares the suite's time by machine
-    kind, and CI shows a run's last lines."""
-    lines = CPU_INFO.read_text().splitlines() if CPU_INFO.is_file() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
-    terminalreporter.write_line(f"machine: {model}, {os.cpu_count()} cores, kernels' instruction sets "
+    """The machine the run's times belong to: docs/testing.md compares the suite's time by machine kind."""
+    terminalreporter.write_line(f"machine: {cpu_model()}, {os.cpu_count()} cores, kernels' instruction sets "
                                 f"{', '.join(cpu_isas() or ['unknown'])}")
 
 

@@ -179,7 +179,7 @@ def _plan(trainer: Any, per_node: int, device_bytes: int) -> dict[str, Any]:
                    *(arg for key, value in fixed.items() for arg in (f"--{key}", value))]
         try:
             done = subprocess.run(command, capture_output=True, text=True, env=_plan_environment(),
-                                  timeout=max(1.0, deadline - time.monotonic()))
+                                  timeout=_seconds_left(deadline))
         except subprocess.TimeoutExpired:
             raise ZeroConfigError(f"{flag} auto: planning took longer than {PLAN_TIME_LIMIT:.0f} s: give {flag} a "
                                   f"value (`hf-zero plan` answers beforehand)") from None
@@ -268,7 +268,7 @@ def _folder_to_import(top: Any, flag: str, deadline: float) -> str | None:
                                 "spec = importlib.util.find_spec(sys.argv[1])\n"
                                 "print(code_location(spec) if spec else '')", top.__name__],
                                capture_output=True, text=True, env=_plan_environment(),
-                               timeout=max(1.0, deadline - time.monotonic()))
+                               timeout=_seconds_left(deadline))
     except subprocess.TimeoutExpired:
         raise ZeroConfigError(f"{flag} auto: looking for {top.__name__} as the plan's process would took longer "
                               f"than the plan may ({PLAN_TIME_LIMIT:.0f} s): give {flag} a value") from None
@@ -283,6 +283,15 @@ def _folder_to_import(top: Any, flag: str, deadline: float) -> str | None:
                               f"{here} as this run did, so the plan would step another optimizer: give {flag} a "
                               f"value")
     return None
+
+
+def _seconds_left(deadline: float) -> float:
+    """The plan's time left before `deadline`, for a process it starts; where none is left (the ranks no longer wait
+    for it), TimeoutExpired, as a process that ran out of it raises."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise subprocess.TimeoutExpired("the plan", 0)
+    return left
 
 
 def _plan_environment() -> dict[str, str]:

@@ -315,12 +315,13 @@ class Communicator:
 
     def from_rank_0(self, action: Callable[[], Any], what: str, error: type[Exception] = RuntimeError,
                     limit: float | None = None) -> Any:
-        """Runs `action` (which issues no collectives) on rank 0 alone, up to `limit` seconds, and returns its result
-        on every rank; where it failed or ran out of time, every rank raises `error` with its message. The collective
-        timeout bounds a wait, not the work: rank 0 runs `action` in a thread while every rank meets it in a one-byte
-        all-reduce each WAIT_POLL_SECONDS, so that no rank waits in one collective for the whole of it, and a rank 0
-        that stops answering is still found within one timeout. (A C extension that holds the GIL longer than the
-        timeout would still stop rank 0's meetings.) In a simulated world this rank runs it."""
+        """Runs `action` (which issues no collectives) on rank 0 alone and returns its result on every rank; where it
+        failed, or ran past `limit` seconds, every rank raises `error` with its message. The collective timeout bounds
+        a wait, not the work: rank 0 runs `action` in a thread while every rank meets it in a one-byte all-reduce each
+        WAIT_POLL_SECONDS, so that no rank waits in one collective for the whole of it, and a rank 0 that stops
+        answering is still found within one timeout. (A C extension that holds the GIL longer than the timeout would
+        still stop rank 0's meetings.) An action past its limit is not stopped, only no longer waited for: the
+        process is to end on the error. With one rank, or in a simulated world, this rank runs it, without a limit."""
         if self.world_size == 1 or self.simulated:
             return self.agree(action, what, error)[0]
         outcome: dict[str, Any] = {}
@@ -329,28 +330,28 @@ class Communicator:
         def run() -> None:
             try:
                 outcome["result"] = action()
-            except BaseException as e:  # raised on every rank below
+            except Exception as e:  # raised on every rank below
                 outcome["raised"] = e
             finally:
                 finished.set()
 
         if self.rank == 0:
             threading.Thread(target=run, name=what, daemon=True).start()
-        ends = None if limit is None else time.monotonic() + limit
+            ends = None if limit is None else time.monotonic() + limit
         done = torch.zeros(1, dtype=torch.uint8, device=self.device)
         with issued_for(f"waiting for rank 0, {what}"):
             while not done.item():
-                over = self.rank == 0 and (finished.wait(WAIT_POLL_SECONDS) or
+                stop = self.rank == 0 and (finished.wait(WAIT_POLL_SECONDS) or
                                            (ends is not None and time.monotonic() > ends))
-                done.fill_(over)
+                done.fill_(stop)
                 self.any_rank_(done)
 
         def rank_0s_outcome() -> Any:
             if not finished.is_set():
-                raise TimeoutError(f"took longer than {limit:.0f} s")
-            if "raised" in outcome:
-                raise outcome["raised"]
-            return outcome["result"]
+                raise TimeoutError(f"took longer than {limit:g} s")
+            if "result" in outcome:
+                return outcome["result"]
+            raise outcome.get("raised", RuntimeError("ended without a result"))  # a SystemExit in the thread
 
         return self.agree(lambda: rank_0s_outcome() if self.rank == 0 else None, what, error)[0]
 

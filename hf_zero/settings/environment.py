@@ -176,15 +176,27 @@ def restarts_so_far() -> int:
     return integer("TORCHELASTIC_RESTART_COUNT", 0, 0)
 
 
-def cpu_isas() -> list[str] | None:
-    """The kernels' instruction sets this CPU has (ISA_NEEDS), best first; None where /proc/cpuinfo cannot be read
-    (not Linux: the kernel then checks HF_ZERO_CPU_ADAM_ISA itself, in the first step)."""
+def _cpu_info(field: str) -> str | None:
+    """The first processor's `field` in /proc/cpuinfo; None where it cannot be read (not Linux)."""
     try:
         lines = CPU_INFO.read_text().splitlines()
     except OSError:
         return None
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-    return [isa for isa in CPU_ADAM_ISAS if ISA_NEEDS[isa] <= flags]
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), "")
+
+
+def cpu_isas() -> list[str] | None:
+    """The kernels' instruction sets this CPU has (ISA_NEEDS), best first; None where /proc/cpuinfo cannot be read
+    (not Linux: the kernel then checks HF_ZERO_CPU_ADAM_ISA itself, in the first step)."""
+    flags = _cpu_info("flags")
+    if flags is None:
+        return None
+    return [isa for isa in CPU_ADAM_ISAS if ISA_NEEDS[isa] <= set(flags.split())]
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it, or "unknown CPU"."""
+    return _cpu_info("model name") or "unknown CPU"
 
 
 def cpu_adam_isa() -> str | None:
