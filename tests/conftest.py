@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from hf_zero.runtime.launch import spawn_gloo
-from hf_zero.settings.environment import COLLECTIVE_TIMEOUT_ENV, SIMULATION_MODES, cpu_isas, cpu_model
+from hf_zero.settings.environment import (
+    COLLECTIVE_TIMEOUT_ENV,
+    CPU_ADAM_THREADS_ENV,
+    SIMULATION_MODES,
+    cpu_isas,
+    cpu_model,
+)
 from hf_zero.testing.simulated_gpu import simulation, uninstall
 from tests.helpers import Scenario, run_scenarios, simulated
 
@@ -37,8 +43,12 @@ SESSION_WORLDS = {"world2", "world4"}
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Several workers on two cores: torch's intra-op threads (OpenMP, which spins while it waits) in each worker and
-    # in the interpreters they start would contend for the cores the other workers' ranks need.
+    # in the interpreters they start would contend for the cores the other workers' ranks need. The offloaded step's
+    # CPU Adam takes its threads from HF_ZERO_CPU_ADAM_THREADS, not OMP_NUM_THREADS (two here by default): 100 steps
+    # of gpt2-tiny offloaded took 4.9 s and 3.4 s of CPU on two threads beside a running suite, 1.8 s on one.
+    # tests/optim/test_host.py runs it on the default and on 3 threads.
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ[CPU_ADAM_THREADS_ENV] = "1"
     torch.set_num_threads(1)
 
 
