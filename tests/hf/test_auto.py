@@ -14,6 +14,7 @@ from hf_zero import ZeroTrainer
 from hf_zero.hf import auto
 from hf_zero.settings.config import ZeroConfigError
 from tests.helpers import tiny_model
+from tests.settings.test_deepspeed_config import TRANSFORMERS_ZERO2, TRANSFORMERS_ZERO3
 from training_args import ZeroTrainingArguments
 
 ARGS = dict(use_cpu=True, report_to=[], per_device_train_batch_size=4, disable_tqdm=True)
@@ -482,3 +483,33 @@ def test_first_batch_keeps_a_seeded_collators_own_generator_and_reads_an_iterabl
     alone = DataCollatorForLanguageModeling(tokenizer, mlm=True, seed=3)
     planned = masked(DataCollatorForLanguageModeling(tokenizer, mlm=True, seed=3))
     assert torch.equal(planned["labels"], alone(samples[:4])["labels"])
+
+
+@pytest.mark.parametrize("file, as_flags, stages", [
+    (TRANSFORMERS_ZERO2, {"zero_offload_optimizer": "cpu", "zero_reduce_bucket_size": 200_000_000,
+                          "zero_allgather_bucket_size": 200_000_000, "zero_overlap_comm": True}, (1, 2, 3)),
+    # "auto" buckets: transformers fills hidden², 0.9 hidden² and 10 hidden (the tiny GPT-2's hidden size is 32).
+    (TRANSFORMERS_ZERO3, {"zero_offload_optimizer": "cpu", "zero_offload_param": "cpu", "zero_overlap_comm": True,
+                          "zero_reduce_bucket_size": 32 * 32, "zero_prefetch_bucket_size": int(0.9 * 32 * 32),
+                          "zero_param_persistence_threshold": 10 * 32}, (3,)),
+], ids=["ds_config_zero2.json", "ds_config_zero3.json"])
+def test_a_deepspeed_config_under_zero_stage_auto_is_planned_as_its_settings_given_as_flags(
+        tmp_path, monkeypatch, plan_in_this_process, file, as_flags, stages):
+    """transformers' documented DeepSpeed files with --zero_stage auto (the flag wins over the file's stage): the
+    stage is chosen among those the file's offloads allow, and the plan, its choice and the engine built are those
+    of the same settings given as --zero_* flags."""
+    planned = []
+    plan = auto._plan
+    monkeypatch.setattr(auto, "_plan", lambda *args: planned.append(plan(*args)) or planned[-1])
+    samples = [{"input_ids": torch.arange(8), "labels": torch.arange(8)}] * 8
+    engines = []
+    for settings in ({"deepspeed": file}, as_flags):
+        trainer = ZeroTrainer(model=tiny_model("gpt2"), args=ZeroTrainingArguments(
+            output_dir=str(tmp_path), zero_stage="auto", **settings, **ARGS), train_dataset=samples)
+        assert trainer.args.zero_stages == stages
+        trainer.create_optimizer()
+        engines.append(trainer.args.zero_engine_config)
+    from_file, from_flags = planned
+    for key in ("setting", "engine_settings", "per_rank", "traffic_per_step"):
+        assert from_file[key] == from_flags[key], key
+    assert engines[0] == engines[1] and engines[0].zero_stage in stages
