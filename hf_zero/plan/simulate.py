@@ -123,6 +123,7 @@ class RankStep:
     nvme_moved: int = 0  # bytes the step read from and wrote to them
     trained_params: int = 0  # the parameters that train (the optimizer steps)
     seconds: float = 0.0  # what simulating it took
+    step_collectives_from: int = 0  # collectives[step_collectives_from:] are the measured step's (`sent`)
 
     @property
     def device_peak(self) -> int:
@@ -327,4 +328,5 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
                         dict(ledger.last_step_elements), ledger.last_step_paper_cross_node_bytes, dict(line.copied),
                         flops.get_total_flops() if known_flops is None else known_flops, params,
                         list(line.collectives), setup_peak, count.peak_together, setup_together_peak,
-                        line.counted_files.held, line.counted_files.read + line.counted_files.written, trained)
+                        line.counted_files.held, line.counted_files.read + line.counted_files.written, trained,
+                        step_collectives_from=line.window_collectives_from)

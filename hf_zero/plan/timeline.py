@@ -81,12 +81,14 @@ class PlanTimeline(Timeline):
     def __init__(self, count: MemoryCount, device_bytes: int) -> None:
         self.count, self.device_bytes = count, device_bytes
         self.collectives: list[tuple[str, str]] = []  # (group, what), in the order issued
+        self.window_collectives_from = 0  # the index in `collectives` of the first issued since `start_window`
         self.copied = Counter({"to_device": 0, "to_host": 0})  # bytes, since `start_window`
         self.counted_files = CountedFiles()
 
     def start_window(self) -> None:
         self.copied = Counter({"to_device": 0, "to_host": 0})
         self.counted_files.start_window()
+        self.window_collectives_from = len(self.collectives)
 
     def files(self) -> Files:
         return self.counted_files
