@@ -1,6 +1,7 @@
 """ZeroTrainer's --zero_stage auto around its plan: the first batch it plans for, and what it refuses before any work
 starts. The plan's choice trained across two ranks: tests/hf/test_trainer.py."""
 import random
+import re
 import sys
 import time
 
@@ -235,6 +236,37 @@ def test_the_plan_check_counts_optimizer_steps_and_measures_sequences_only():
     assert [line.split(",")[0] for line in said[:2]] == ["rank 1: step 3's batch has input_ids of length 16",
                                                          "rank 1: step 3's batch has input_ids of length 20"], said
     assert len(said) == 3 and said[2].startswith("rank 1: the step took "), said
+
+
+@pytest.mark.parametrize("planned_mib, warned", [(640, False), (64, True)])
+def test_a_step_over_its_plan_by_more_than_10_percent_is_a_warning_with_both_figures(planned_mib, warned):
+    """The second step's peak, measured (resident memory on a CPU, less what the process held before), against the
+    plan's: 640 MiB written in the step, planned at 640 MiB it is said at info; planned at 64 MiB it is a warning
+    naming both figures, past 10% and the CPU's allowance for glibc's heap (planner.RSS_OVERHEAD, 512 MiB)."""
+    import transformers
+
+    from hf_zero.hf.trainer import PlanCheck
+    from hf_zero.runtime.memory import start_measuring
+    from tests.trainer_helpers import said_by
+
+    check = PlanCheck(auto.PlannedFor(planned_mib * 2**20, "input_ids", 8, "the first samples"), torch.device("cpu"),
+                      start_measuring(torch.device("cpu")), rank=0)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_info()
+    try:
+        with said_by(["transformers.trainer"]) as said:
+            check.after_step(1)
+            step = torch.ones(640 * 2**20, dtype=torch.uint8)  # the step's memory, every page written
+            del step
+            check.after_step(2)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    (line,) = said
+    measured = float(re.search(r"the step took ([\d.]+) GB at its peak", line).group(1))
+    assert 0.999 * 640 * 2**20 / 1e9 <= measured < 1.2 * 640 * 2**20 / 1e9, line  # said to 3 digits
+    assert f"the plan's {planned_mib * 2**20 / 1e9:.3g} GB" in line or f"the plan {planned_mib * 2**20 / 1e9:.3g} GB" \
+        in line, line
+    assert ("more than the plan's" in line) == warned, line
 
 
 @pytest.mark.parametrize("window", ["from a longer batch", "from the start of training"])
