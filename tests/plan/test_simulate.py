@@ -161,15 +161,18 @@ def test_offloaded_states_are_the_hosts():
                                               (Setting(1, micro_batch=4), "sgd"),
                                               (Setting(2, micro_batch=4), "adafactor"),
                                               (Setting(3, micro_batch=4), "lion"),
-                                              (Setting(2, micro_batch=4), "small buckets")],
+                                              (Setting(2, micro_batch=4), "small buckets"),
+                                              (Setting(3, micro_batch=4, gradient_checkpointing=True), None)],
                          ids=["stage 3", "stage 2, optimizer on cpu", "stage 2, a LoRA adapter",
                               "stage 1, SGD with momentum", "stage 2, Adafactor",
                               "stage 3, lion-pytorch's Lion",
-                              "stage 2, reduce buckets of 100,000 elements"])
+                              "stage 2, reduce buckets of 100,000 elements",
+                              "stage 3, activation checkpointing"])
 def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent(setting, variant, tmp_path):
     """One rank, real: the model built (with peft's LoRA around it, built by peft itself; or stepped by SGD or
     Adafactor, or by lion-pytorch's Lion, as users bring an optimizer of another library; or with the engine's reduce
-    buckets set smaller, 11% less at the peak) and two steps trained under
+    buckets set smaller, 11% less at the peak; or with transformers' activation checkpointing, which recomputes each
+    block's activations in backward) and two steps trained under
     torch's profiler, whose allocation events give the most bytes its CPU allocator handed out
     at once. The plan's figure for a CPU, device and host together at one moment (set-up included), is that within
     5%; device and host peaks added would count offload's host memory at a moment the device is not at its peak."""
@@ -196,13 +199,19 @@ def test_a_ranks_peak_is_torchs_allocator_peak_for_the_same_run_within_5_percent
     job = Job("gpt2-demo", 1, 1, "bf16", seq_len=128, adapter=str(tmp_path / "lora") if lora else None, **optimizer,
               **engine)
     planned = simulate_rank(job, setting, 0)
-    if engine:  # the premise: the setting changes the peak by more than the comparison's tolerance
+    # The premise: the setting changes the peak by more than the comparison's tolerance.
+    if engine:
         default = simulate_rank(replace(job, engine_settings="{}"), setting, 0).measured_peak(one_memory=True)
         assert planned.measured_peak(one_memory=True) < 0.95 * default
+    if setting.gradient_checkpointing:
+        kept = simulate_rank(job, replace(setting, gradient_checkpointing=False), 0).measured_peak(one_memory=True)
+        assert planned.measured_peak(one_memory=True) < 0.95 * kept
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         model = build_model(job.model)
         if lora:
             model = get_peft_model(model, PeftConfig.from_pretrained(job.adapter))
+        if setting.gradient_checkpointing:  # as the Trainer's --gradient_checkpointing turns it on
+            model.gradient_checkpointing_enable()
         trained = [p for p in model.parameters() if p.requires_grad]
         trained_count = sum(p.numel() for p in trained)  # stage 3 empties the parameters it partitions
         optimizer = optimizer_class(job.optimizer)(trained, **json.loads(job.optimizer_kwargs))
