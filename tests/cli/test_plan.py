@@ -70,6 +70,27 @@ def test_a_stage_that_keeps_the_states_whole_is_told_to_partition_them_not_to_ad
     assert "higher --zero_stage:" not in said and "more GPUs: " in said, said
 
 
+def test_activations_past_the_device_are_told_a_shorter_sequence_or_checkpointing_and_either_then_fits(capsys):
+    """gpt2-tiny at stage 3 over 128 tokens (its longest), 16 sequences a GPU, without checkpointing: activations are most of the
+    peak. With 5% too little memory the answer names a shorter sequence or checkpointing with the activations' bytes,
+    and taking either advice (half the sequence, or checkpointing) then fits that memory."""
+    def plan(*flags: str) -> dict:
+        assert main(["plan", "--model", "gpt2-tiny", "--gpus_per_node", "2", "--zero_stage", "3", "--offload_optimizer",
+                     "none", "--offload_param", "none", "--micro_batch", "16", "--json", *flags]) in (0, 1)
+        return json.loads(capsys.readouterr().out)
+
+    fitting = plan("--seq_len", "128", "--gradient_checkpointing", "false")
+    device = fitting["per_rank"]["device"]
+    assert device["activations"] > 0.5 * device["peak"]  # the premise
+    memory = f"{0.95 * device['peak'] / 1e9:.9f}GB"
+    short = plan("--seq_len", "128", "--gradient_checkpointing", "false", "--gpu_memory", memory)
+    assert short["fits"] is False
+    assert f"a shorter sequence or checkpointing: activations take {device['activations'] / 1e9:.3g} GB" \
+        in short["what_would"], short["what_would"]
+    assert plan("--seq_len", "64", "--gradient_checkpointing", "false", "--gpu_memory", memory)["fits"] is True
+    assert plan("--seq_len", "128", "--gradient_checkpointing", "true", "--gpu_memory", memory)["fits"] is True
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--model", "no-such-model"], "--model"),
     (["--model", "gpt2-tiny", "--gpu_memory", "80XB"], "--gpu_memory"),
