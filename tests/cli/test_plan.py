@@ -91,6 +91,28 @@ def test_activations_past_the_device_are_told_a_shorter_sequence_or_checkpointin
     assert plan("--seq_len", "128", "--gradient_checkpointing", "true", "--gpu_memory", memory)["fits"] is True
 
 
+def test_a_hub_model_in_the_local_cache_is_planned_offline(tmp_path, monkeypatch, capsys):
+    """`--model org/name` names a model in huggingface_hub's cache (its layout: refs/main naming the snapshot that holds
+    config.json), read without the network. huggingface_hub's own scan of the cache finds it, and the plan counts
+    the parameters of the model its config builds."""
+    import huggingface_hub
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=48, n_head=2, vocab_size=300, n_positions=64, architectures=["GPT2LMHeadModel"])
+    repo = tmp_path / "models--someone--gpt2-small-cached"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    config.save_pretrained(repo / "snapshots" / revision)
+    (cached,) = huggingface_hub.scan_cache_dir(tmp_path).repos
+    (snapshot,) = cached.revisions
+    assert cached.repo_id == "someone/gpt2-small-cached" and {f.file_name for f in snapshot.files} == {"config.json"}
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "--model", "someone/gpt2-small-cached", *TINY[2:], *FIXED, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--model", "no-such-model"], "--model"),
     (["--model", "gpt2-tiny", "--gpu_memory", "80XB"], "--gpu_memory"),
