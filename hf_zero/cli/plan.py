@@ -375,8 +375,9 @@ def _device_needs(job: Job, machine: Machine, least: Plan) -> str:
 
 def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates: list) -> None:
     """Each simulated candidate's device memory per GPU by kind at the step's peak, stacked, against the device's
-    capacity (the way the ZeRO paper's Figure 1 sets the stages side by side), its host memory per node, and its
-    speed."""
+    capacity (the way the ZeRO paper's Figure 1 sets the stages side by side), its host memory per node by kind
+    against the host's, and its modelled step time at its micro-batch (labelled with its tokens/s per GPU, by which
+    the plan chooses). An SVG keeps its text as text."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -391,24 +392,30 @@ def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates:
     labels = [str(setting).replace(", ", "\n") for setting, *_ in shown]
     figure, (memory, host, speed) = plt.subplots(1, 3, figsize=(6 + 1.6 * len(shown), 5.5),
                                                   gridspec_kw={"width_ratios": [3, 1.5, 1.5]})
-    bottom = [0.0] * len(shown)
+    device_bottom, host_bottom = [0.0] * len(shown), [0.0] * len(shown)
     for kind in KEYS:
         heights = [p.busiest.device[kind] / GB for _, p, *_ in shown]
-        memory.bar(labels, heights, bottom=bottom, label=kind.replace("_", " "))
-        bottom = [b + h for b, h in zip(bottom, heights)]
+        bars = memory.bar(labels, heights, bottom=device_bottom, label=kind.replace("_", " "))
+        device_bottom = [b + h for b, h in zip(device_bottom, heights)]
+        # a node's ranks, each holding what the simulated rank with the most host memory holds (Plan.host_per_node)
+        heights = [max(p.ranks, key=lambda r: r.host_peak).host[kind] * job.gpus_per_node / GB for _, p, *_ in shown]
+        host.bar(labels, heights, bottom=host_bottom, color=bars.patches[0].get_facecolor())
+        host_bottom = [b + h for b, h in zip(host_bottom, heights)]
     memory.axhline(machine.gpu_memory / GB, color="black", linestyle="--", label="device capacity")
     memory.set_ylabel("GB per GPU at the step's peak")
     memory.set_title(f"{job.model}, {job.nodes} x {job.gpus_per_node} GPUs")
     memory.legend(fontsize=7)
-    host.bar(labels, [p.host_per_node / GB for _, p, *_ in shown], color="tab:gray")
     host.axhline(machine.host_memory / GB, color="black", linestyle="--")
-    host.set_ylabel("host GB per node")
-    speed.bar(labels, [tokens for *_, tokens in shown],
-              color=["tab:green" if outcome == "chosen" else "tab:blue" for _, _, outcome, _ in shown])
-    speed.set_ylabel("tokens/s per GPU (modelled)")
+    host.set_ylabel("host GB per node at the step's peak")
+    seconds = [setting.micro_batch * job.seq_len / tokens if tokens else 0.0 for setting, _, _, tokens in shown]
+    steps = speed.bar(labels, seconds,
+                      color=["tab:green" if outcome == "chosen" else "tab:blue" for _, _, outcome, _ in shown])
+    speed.bar_label(steps, labels=[f"{tokens:,.0f} tokens/s" for *_, tokens in shown], fontsize=6)
+    speed.set_ylabel("step time, s (modelled, at its micro-batch)")
     for axis in (memory, host, speed):
         axis.tick_params(axis="x", labelsize=6, rotation=90)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    with plt.rc_context({"svg.fonttype": "none"}):
+        figure.savefig(path, dpi=120)
     plt.close(figure)
 

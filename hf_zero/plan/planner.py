@@ -456,7 +456,7 @@ def _without_hpz_over(candidates: list[Candidate], setting: Setting) -> str | No
 
 
 def _over(probe: Plan) -> str:
-    return (f"device memory: {probe.busiest.device_peak / GB:.1f} GB at micro-batch {probe.setting.micro_batch}, "
+    return (f"device memory: {probe.busiest.device_peak / GB:.3g} GB at micro-batch {probe.setting.micro_batch}, "
             f"more than {probe.machine.gpu_memory / GB:.3g} GB")
 
 

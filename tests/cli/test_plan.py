@@ -218,10 +218,25 @@ def test_nvme_is_not_a_candidate_for_an_optimizer_whose_states_it_cannot_stream(
     assert out["candidates"] and not any("nvme" in c["setting"] for c in out["candidates"])
 
 
-def test_plot_draws_the_candidates_as_a_png(tmp_path, capsys):
+def test_plot_draws_each_candidates_memory_by_kind_and_its_step(tmp_path, capsys):
+    """A PNG, and an SVG whose text is read back: the device's and the host's memory by kind, and each simulated
+    candidate's step labelled with the tokens/s the printed table gives it."""
+    import re
+
     drawn = tmp_path / "plan.png"
     assert main(["plan", *TINY, "--gpu_memory", "0.0025GB", "--max_micro_batch", "2", "--plot", str(drawn)]) == 0
     assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and drawn.stat().st_size > 10_000
+    table = capsys.readouterr().out
+    assert main(["plan", *TINY, "--gpu_memory", "0.0025GB", "--max_micro_batch", "2", "--plot",
+                 str(tmp_path / "plan.svg")]) == 0
+    texts = re.findall(r"<text[^>]*>([^<]*)</text>", (tmp_path / "plan.svg").read_text())
+    for label in ("GB per GPU at the step's peak", "host GB per node at the step's peak",
+                  "step time, s (modelled, at its micro-batch)", "device capacity", "parameters", "gradients",
+                  "optimizer states", "activations", "buffers", "other"):
+        assert label in texts, label
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table.splitlines() if row.startswith("| stage ")]
+    speeds = [cells[4] for cells in rows if cells[4]]  # the simulated candidates
+    assert speeds and [t for t in texts if t.endswith(" tokens/s")] == [f"{s} tokens/s" for s in speeds]
     with pytest.raises(SystemExit):
         main(["plan", *TINY, "--plot", str(tmp_path / "plan.txt")])
     assert "--plot must name a .png, .svg or .pdf file" in capsys.readouterr().err
