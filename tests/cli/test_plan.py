@@ -71,9 +71,9 @@ def test_a_stage_that_keeps_the_states_whole_is_told_to_partition_them_not_to_ad
 
 
 def test_activations_past_the_device_are_told_a_shorter_sequence_or_checkpointing_and_either_then_fits(capsys):
-    """gpt2-tiny at stage 3 over 128 tokens (its longest), 16 sequences a GPU, without checkpointing: activations are most of the
-    peak. With 5% too little memory the answer names a shorter sequence or checkpointing with the activations' bytes,
-    and taking either advice (half the sequence, or checkpointing) then fits that memory."""
+    """gpt2-tiny at stage 3 over 128 tokens (its longest), 16 sequences a GPU, without checkpointing: activations are
+    most of the peak. With 5% too little memory the answer names a shorter sequence or checkpointing with the
+    activations' bytes, and taking either advice (half the sequence, or checkpointing) then fits that memory."""
     def plan(*flags: str) -> dict:
         assert main(["plan", "--model", "gpt2-tiny", "--gpus_per_node", "2", "--zero_stage", "3", "--offload_optimizer",
                      "none", "--offload_param", "none", "--micro_batch", "16", "--json", *flags]) in (0, 1)
@@ -98,7 +98,8 @@ def test_a_hub_model_in_the_local_cache_is_planned_offline(tmp_path, monkeypatch
     import huggingface_hub
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=48, n_head=2, vocab_size=300, n_positions=64, architectures=["GPT2LMHeadModel"])
+    config = GPT2Config(n_layer=2, n_embd=48, n_head=2, vocab_size=300, n_positions=64,
+                        architectures=["GPT2LMHeadModel"])
     repo = tmp_path / "models--someone--gpt2-small-cached"
     revision = "0123456789abcdef0123456789abcdef01234567"
     (repo / "refs").mkdir(parents=True)
