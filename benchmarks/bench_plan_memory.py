@@ -1,6 +1,7 @@
 """`hf-zero plan`'s peak against a real run's: 2 and 4 gloo ranks on this CPU, stages 1-3, with and without the
-optimizer offloaded to the CPU, and at stage 3 with the optimizer and parameters on NVMe (in a temporary folder), a
-GPT-2 of `--layers` x `--width` (vocabulary 8192), micro-batch `--batch` x `--seq` tokens, bf16, AdamW, two steps.
+optimizer offloaded to the CPU, and at stage 3 with the optimizer and parameters in CPU memory or on NVMe (in a
+temporary folder), a GPT-2 of `--layers` x `--width` (vocabulary 8192), micro-batch `--batch` x `--seq` tokens, bf16,
+AdamW, two steps.
 
 Measured, each rank a fresh interpreter (a forked one inherits its parent's pages), over building the model and two
 steps:
@@ -18,6 +19,7 @@ set-up (the model built whole, as here), whichever is more.
 
   python -m benchmarks.bench_plan_memory
   python -m benchmarks.bench_plan_memory --layers 12 --width 1024 --ranks 2 4
+  python -m benchmarks.bench_plan_memory --ranks 2 --stages 3 --offload cpu+params
 """
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu"), (3, "nvme")]
+# A row's offload: where the optimizer's states and the parameters live; NVMe for both is ZeRO-Infinity.
+OFFLOADS = {"none": ("none", "none"), "cpu": ("cpu", "none"), "cpu+params": ("cpu", "cpu"), "nvme": ("nvme", "nvme")}
+SAID = {"none": "", "cpu": ", optimizer on cpu", "cpu+params": ", optimizer and parameters on cpu",
+        "nvme": ", optimizer and parameters on nvme"}
+SETTINGS = [(1, "none"), (2, "none"), (3, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu"), (3, "cpu+params"), (3, "nvme")]
 
 
 def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload: str,
@@ -59,7 +65,7 @@ def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload:
                                 attn_pdrop=0.0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = hf_zero.initialize(model, optimizer, {"zero_stage": stage, "dtype": "bf16",
-                                                       "offload_optimizer": offload, **nvme_of(offload)})
+                                                       **offload_settings(offload)})
         for step in range(2):
             started = time.perf_counter()
             ids = torch.randint(0, 8192, (batch, seq),
@@ -73,12 +79,14 @@ def measured(layers: int, width: int, batch: int, seq: int, stage: int, offload:
 NVME_FOLDER = Path(tempfile.gettempdir()) / "hf_zero_bench_plan_memory"
 
 
-def nvme_of(offload: str) -> dict[str, str]:
-    """With the optimizer on NVMe, the parameters too (ZeRO-Infinity), in a folder of this machine's temporary one."""
-    if offload != "nvme":
-        return {}
-    NVME_FOLDER.mkdir(exist_ok=True)
-    return {"offload_param": "nvme", "nvme_path": str(NVME_FOLDER)}
+def offload_settings(offload: str) -> dict[str, str]:
+    """The engine's offload settings of a row; NVMe's files in a folder of this machine's temporary one."""
+    optimizer, parameters = OFFLOADS[offload]
+    settings = {"offload_optimizer": optimizer, "offload_param": parameters}
+    if "nvme" in (optimizer, parameters):
+        NVME_FOLDER.mkdir(exist_ok=True)
+        settings["nvme_path"] = str(NVME_FOLDER)
+    return settings
 
 
 def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: str, ranks: int) -> int:
@@ -95,7 +103,7 @@ def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: 
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         job = Job(folder, 1, ranks, "bf16", seq, 10**15)
-        setting = Setting(stage, offload, nvme_of(offload).get("offload_param", "none"), micro_batch=batch)
+        setting = Setting(stage, *OFFLOADS[offload], micro_batch=batch)
         rank = plan(job, setting, Machine(10**15, 10**15, nvme_capacity=10**15), ranks=[0]).busiest
     return rank.measured_peak(one_memory=True)
 
@@ -112,8 +120,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--offload", nargs="+", choices=("none", "cpu", "nvme"), default=["none", "cpu", "nvme"],
-                        help="the rows whose optimizer offload is one of these (default: every row)")
+    parser.add_argument("--stages", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3],
+                        help="the rows of these stages (default: every row)")
+    parser.add_argument("--offload", nargs="+", choices=tuple(OFFLOADS), default=list(OFFLOADS),
+                        help="the rows of these offloads: cpu is the optimizer's, cpu+params the parameters' too "
+                             "(default: every row)")
     parser.add_argument("--mmap_thresholds", type=int, nargs="+", default=[MMAP_THRESHOLD, 1 << 20], metavar="BYTES",
                         help="glibc's mmap threshold in the ranks (MALLOC_MMAP_THRESHOLD_), a resident measurement at "
                              "each; the first is the allocator run's (default: hf-zero run's and train's, then 1 MiB)")
@@ -124,7 +135,8 @@ def main() -> None:
           + " | allocator's peak GB (each rank) | allocator's / planned |")
     print("|---|---|---|" + "---|---|---|" * len(mib) + "---|---|")
     for ranks in args.ranks:
-        for stage, offload in [(stage, offload) for stage, offload in SETTINGS if offload in args.offload]:
+        for stage, offload in [(stage, offload) for stage, offload in SETTINGS
+                               if stage in args.stages and offload in args.offload]:
             shape = (args.layers, args.width, args.batch, args.seq, stage, offload)
             want = planned(*shape, ranks)
             columns = []
@@ -136,8 +148,7 @@ def main() -> None:
                                f"| {max(seconds for _, seconds in runs):.2f}")
             os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_thresholds[0])
             allocated = [peak for peak, _ in spawn_gloo(measured, ranks, *shape, True, start_method="spawn")]
-            where = {"none": "", "cpu": ", optimizer on cpu", "nvme": ", optimizer and parameters on nvme"}[offload]
-            print(f"| {ranks} | stage {stage}{where} | {want / 1e9:.3f} | " + " | ".join(columns)
+            print(f"| {ranks} | stage {stage}{SAID[offload]} | {want / 1e9:.3f} | " + " | ".join(columns)
                   + f" | {', '.join(f'{g / 1e9:.3f}' for g in allocated)} | {max(allocated) / want:.2f} |", flush=True)
     shutil.rmtree(NVME_FOLDER, ignore_errors=True)
 
