@@ -376,8 +376,8 @@ def _device_needs(job: Job, machine: Machine, least: Plan) -> str:
 def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates: list) -> None:
     """Each simulated candidate's device memory per GPU by kind at the step's peak, stacked, against the device's
     capacity (the way the ZeRO paper's Figure 1 sets the stages side by side), its host memory per node by kind
-    against the host's, and its modelled step time at its micro-batch (labelled with its tokens/s per GPU, by which
-    the plan chooses). An SVG keeps its text as text."""
+    against the host's, and its modelled step time at its micro-batch (labelled with the tokens/s per GPU the
+    candidates table gives it). An SVG keeps its text as text."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -393,13 +393,13 @@ def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates:
     figure, (memory, host, speed) = plt.subplots(1, 3, figsize=(6 + 1.6 * len(shown), 5.5),
                                                   gridspec_kw={"width_ratios": [3, 1.5, 1.5]})
     device_bottom, host_bottom = [0.0] * len(shown), [0.0] * len(shown)
-    for kind in KEYS:
+    for number, kind in enumerate(KEYS):
         heights = [p.busiest.device[kind] / GB for _, p, *_ in shown]
-        bars = memory.bar(labels, heights, bottom=device_bottom, label=kind.replace("_", " "))
+        memory.bar(labels, heights, bottom=device_bottom, label=kind.replace("_", " "), color=f"C{number}")
         device_bottom = [b + h for b, h in zip(device_bottom, heights)]
         # a node's ranks, each holding what the simulated rank with the most host memory holds (Plan.host_per_node)
         heights = [max(p.ranks, key=lambda r: r.host_peak).host[kind] * job.gpus_per_node / GB for _, p, *_ in shown]
-        host.bar(labels, heights, bottom=host_bottom, color=bars.patches[0].get_facecolor())
+        host.bar(labels, heights, bottom=host_bottom, color=f"C{number}")
         host_bottom = [b + h for b, h in zip(host_bottom, heights)]
     memory.axhline(machine.gpu_memory / GB, color="black", linestyle="--", label="device capacity")
     memory.set_ylabel("GB per GPU at the step's peak")

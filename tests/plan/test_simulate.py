@@ -117,7 +117,8 @@ def test_bytes_per_link_are_the_rings(every_rank_2x8):
                 op = what.split(" #")[0]
                 if op in ("all_gather_object", "all_reduce (max)", "broadcast"):
                     continue  # control messages and the start-up's broadcast: the ledger counts model states' traffic
-                # One buffer each: a grouped all-gather ("of n tensors") is named by its first buffer alone.
+                # One buffer each: a grouped all-gather ("of n tensors") is named by its first buffer alone, so its
+                # bytes cannot be read from its name; this model's units have one flat buffer and issue none.
                 assert op in ("all_reduce", "reduce_scatter", "all_gather"), what
                 count, dtype = re.search(r"\(([\d,]+) (\w+) elements\)", what).groups()
                 buffer = int(count.replace(",", "")) * getattr(torch, dtype).itemsize
