@@ -398,7 +398,7 @@ def plot(path: str, job: Job, machine: Machine, chosen: Plan | None, candidates:
         memory.bar(labels, heights, bottom=device_bottom, label=kind.replace("_", " "), color=f"C{number}")
         device_bottom = [b + h for b, h in zip(device_bottom, heights)]
         # a node's ranks, each holding what the simulated rank with the most host memory holds (Plan.host_per_node)
-        heights = [max(p.ranks, key=lambda r: r.host_peak).host[kind] * job.gpus_per_node / GB for _, p, *_ in shown]
+        heights = [p.host_busiest.host[kind] * job.gpus_per_node / GB for _, p, *_ in shown]
         host.bar(labels, heights, bottom=host_bottom, color=f"C{number}")
         host_bottom = [b + h for b, h in zip(host_bottom, heights)]
     memory.axhline(machine.gpu_memory / GB, color="black", linestyle="--", label="device capacity")

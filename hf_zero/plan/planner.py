@@ -51,9 +51,14 @@ class Plan:
         return self.busiest.device_peak <= self.machine.gpu_memory
 
     @property
+    def host_busiest(self) -> RankStep:
+        """The simulated rank with the highest host peak: every rank of a node is counted as holding what it holds."""
+        return max(self.ranks, key=lambda r: r.host_peak)
+
+    @property
     def host_per_node(self) -> int:
         """The host memory a node's ranks take together, each at the most any simulated rank took."""
-        return max(r.host_peak for r in self.ranks) * self.job.gpus_per_node
+        return self.host_busiest.host_peak * self.job.gpus_per_node
 
     @property
     def fits_host(self) -> bool:
