@@ -46,9 +46,17 @@ def use_mmap_for_large_allocations() -> None:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    mmap_threshold_from_environment()
+
+
+def mmap_threshold_from_environment() -> None:
+    """For a process forked from one that started under another environment (a forkserver's rank): glibc's mmap
+    threshold as MALLOC_MMAP_THRESHOLD_ says, which glibc itself reads only when a process starts. Nothing without
+    the variable."""
+    value = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     libc = _glibc()
-    if libc is not None:
-        libc.mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
+    if value is not None and value.isdigit() and libc is not None:  # glibc, too, ignores another value
+        libc.mallopt(-3, int(value))  # -3: M_MMAP_THRESHOLD
 
 
 class HeapTrimmer:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_zero.runtime.device import has_accelerator, use_local_accelerator
+from hf_zero.runtime.host_memory import mmap_threshold_from_environment
 from hf_zero.settings import environment
 from hf_zero.settings.environment import DEFAULT_COLLECTIVE_TIMEOUT
 
@@ -323,6 +324,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     os.environ.clear()  # the caller's environment, not the one a forkserver started with
     os.environ.update(environ)
+    mmap_threshold_from_environment()  # which glibc reads from the environment only when a process starts
     # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again, so that the
     # caller's setting (DETAIL's checks of every collective across ranks, or none) is the one the ranks run under.
     dist.set_debug_level_from_env()
@@ -366,10 +368,10 @@ def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any, threads: int
                start_method: str = "forkserver") -> list[Any]:
     """Runs fn(*args) on `world_size` local CPU ranks over gloo on 127.0.0.1 and returns each rank's result.
     `fn` must be importable (defined at module level); results travel through torch.save; ranks get the
-    caller's environment.
+    caller's environment, glibc's MALLOC_MMAP_THRESHOLD_ included.
     By default ranks are forked from a forkserver (never from the caller, whose threads and accelerator
-    state a fork would copy). "spawn" starts fresh interpreters instead, for runs that measure a process's
-    own memory (a fork inherits the server's allocator state) or need a variable that a preloaded module
+    state a fork would copy). "spawn" starts fresh interpreters instead, for runs whose memory measurement
+    depends on the heap a fork inherits from the server, or that need a variable that a preloaded module
     reads when imported (HF_ENDPOINT, by huggingface_hub) set after the server started."""
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method is 'forkserver' or 'spawn', not {start_method!r}")

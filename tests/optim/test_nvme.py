@@ -188,7 +188,7 @@ def test_stages_2_and_3_accumulate_the_gradient_shard_in_the_files_not_in_memory
 
 def backward_and_step_memory(path: str, offload_optimizer: str) -> dict[str, int]:
     """Stage 2, 64 layers of 512 x 512: how much two backwards and steps grow the peak RSS over the built
-    engine (fresh process: allocator history moves peaks by MiB), against the gradient shard's size. The
+    engine (a new rank: allocator history moves peaks by MiB), against the gradient shard's size. The
     optimizer states are on the host already (cpu) or in files (nvme)."""
     model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(64)))
     config = {"zero_stage": 2, "offload_optimizer": offload_optimizer, "reduce_bucket_size": 65_536}
@@ -213,7 +213,7 @@ def backward_and_step_memory(path: str, offload_optimizer: str) -> dict[str, int
 def test_the_gradient_shard_on_nvme_takes_no_host_memory(tmp_path, copies, offload_optimizer):
     if copies != "immediate":
         pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
-    m = spawn_gloo(backward_and_step_memory, 1, str(tmp_path), offload_optimizer, start_method="spawn")[0]
+    m = spawn_gloo(backward_and_step_memory, 1, str(tmp_path), offload_optimizer)[0]
     print(f"{offload_optimizer}: backward + step grew RSS by {m['grown'] / 2**20:.1f} MiB; gradient shard "
           f"{m['shard_bytes'] / 2**20:.1f} MiB")
     if offload_optimizer == "cpu":  # the reference: the shard comes into memory during the backward
@@ -237,7 +237,7 @@ class Blocks(torch.nn.Module):
 
 def parameters_on_nvme_memory(path: str) -> dict[str, int | bool]:
     """Stage 3, 16 blocks of 1M parameters, one block of prefetch: what host memory holds, and how much a
-    forward + backward + step grows the peak. Run in a fresh process: in one that ran other tests, the
+    forward + backward + step grows the peak. Run in a new rank: in a process that ran other tests, the
     allocator's history (what glibc keeps mapped) moves the peak by several MiB."""
     model = Blocks(16, 1024)
     block_numel = 1024 * 1024 + 1024
@@ -268,14 +268,14 @@ def parameters_on_nvme_memory(path: str) -> dict[str, int | bool]:
 
 def test_parameters_on_nvme_hold_only_the_read_pool_in_host_memory(tmp_path, copies, monkeypatch):
     """The shard (67 MB in fp32) is in files; host memory holds the buffers of the chunks being gathered,
-    as many as prefetch_bucket_size lets run ahead. Freed blocks go back to the system at once (read by the
-    spawned rank's glibc at start), as in the other peak-memory tests: with glibc's own threshold, which rises
-    as large blocks are freed, the step grew 0-20 MiB run alone and 44-56 MiB in 3 of 4 full runs on two
+    as many as prefetch_bucket_size lets run ahead. Freed blocks go back to the system at once
+    (MALLOC_MMAP_THRESHOLD_, which spawn_gloo's ranks take from the environment), as in the other peak-memory
+    tests: with glibc's own threshold, which rises as large blocks are freed, the step grew 0-20 MiB run alone and 44-56 MiB in 3 of 4 full runs on two
     xdist workers, the freed 4 MiB blocks kept in the heap as the order of frees across threads fell."""
     if copies != "immediate":
         pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    m = spawn_gloo(parameters_on_nvme_memory, 1, str(tmp_path), start_method="spawn")[0]
+    m = spawn_gloo(parameters_on_nvme_memory, 1, str(tmp_path))[0]
     print(f"forward+backward+step grew RSS by {m['grown'] / 2**20:.1f} MiB; read pool {m['pool_bytes'] / 2**20:.1f} "
           f"MiB, parameter shard on NVMe {m['shard_bytes'] / 2**20:.1f} MiB")
     # Every chunk's memory was given back; the optimizer's placeholders have no storage.

@@ -75,6 +75,30 @@ def test_spawned_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, sta
     assert spawn_gloo(environment_variable, 2, "HF_ZERO_PROBE", start_method=start_method) == [start_method] * 2
 
 
+def mmapped_bytes_of_a_1_mib_block() -> int:
+    """How many bytes glibc serves a 1 MiB malloc from mmap (0: from its heap)."""
+    import ctypes
+
+    from hf_zero.runtime.host_memory import _glibc
+
+    libc = _glibc()
+    libc.malloc.restype = ctypes.c_void_p
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(1 << 20)
+    mmapped = libc.mallinfo2().hblkhd - before
+    libc.free(ctypes.c_void_p(block))
+    return mmapped
+
+
+def test_forked_ranks_take_glibcs_mmap_threshold_from_the_callers_environment(monkeypatch):
+    """glibc reads MALLOC_MMAP_THRESHOLD_ only when a process starts; a rank forked from a forkserver started before
+    the variable was set takes it too, as a fresh process would (the memory tests fix it)."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(16 << 20))
+    assert spawn_gloo(mmapped_bytes_of_a_1_mib_block, 2) == [0, 0]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
+    assert all(mmapped >= 1 << 20 for mmapped in spawn_gloo(mmapped_bytes_of_a_1_mib_block, 2))
+
+
 def debug_level() -> str:
     return dist.get_debug_level().name
 

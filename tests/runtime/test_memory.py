@@ -1,4 +1,4 @@
-"""What each stage saves is real memory: peak resident memory (VmHWM) of fresh processes, per stage, against
+"""What each stage saves is real memory: peak resident memory (VmHWM) of new ranks, per stage, against
 the paper's model-state formula, not against the engine's own bookkeeping (the ledger adds up the
 tensors the engine registered; a gradient it forgot to free would not be there)."""
 from __future__ import annotations
@@ -64,7 +64,7 @@ def measured(monkeypatch_module) -> dict[int, list[dict[str, int]]]:
     # Fixed: glibc's default threshold rises as large blocks are freed, after which freed memory stays in
     # the heap and the peak depends on allocation history rather than on what is live.
     monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    return {stage: spawn_gloo(peak_growth, WORLD, stage, start_method="spawn") for stage in (0, 1, 2, 3)}
+    return {stage: spawn_gloo(peak_growth, WORLD, stage) for stage in (0, 1, 2, 3)}
 
 
 LORA_LAYERS = 12  # a frozen base of 48 MiB in fp32: 24 MiB a rank partitioned, well clear of the overheads
@@ -99,7 +99,7 @@ def lora_held() -> dict[int, int]:
 @pytest.fixture(scope="module")
 def lora_measured(monkeypatch_module) -> list[dict[int, int]]:
     monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    return spawn_gloo(lora_held, WORLD, start_method="spawn")
+    return spawn_gloo(lora_held, WORLD)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Partitioned gradients (hf_zero/zero/stage2.py, stages 2 and 3): the gradient shards are real memory only
 from the first reduced chunk of a backward until the step has used them, measured in resident memory of
-fresh processes, not in the engine's bookkeeping."""
+new ranks, not in the engine's bookkeeping."""
 from __future__ import annotations
 
 import pytest
@@ -36,7 +36,7 @@ def test_gradient_shards_take_memory_from_the_first_reduced_chunk_until_the_step
     start of the next backward run without them; the ledger still counts them, as held at the step."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed large blocks go back to the system at once
     shard_bytes = 4 * LAYERS * WIDTH * WIDTH // WORLD
-    for rank in spawn_gloo(resident_around_the_step, WORLD, stage, start_method="spawn"):
+    for rank in spawn_gloo(resident_around_the_step, WORLD, stage):
         given_back = rank["after_backward"] - rank["after_step"]
         print(f"stage {stage}: the step gave back {given_back / 2**20:.1f} MiB; shard {shard_bytes / 2**20:.1f} MiB")
         assert rank["gradients"] == shard_bytes

@@ -215,7 +215,7 @@ def test_the_end_of_backward_makes_no_vocabulary_sized_gradient_for_a_tied_embed
     (measured: 1.14 vocabulary weights). A dense embedding gradient beside the bucket made it 2.1; autograd
     alone, summing the head's and the embedding's gradients, 3.6."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    for rank in spawn_gloo(end_of_backward_over_what_it_leaves, 2, start_method="spawn"):
+    for rank in spawn_gloo(end_of_backward_over_what_it_leaves, 2):
         print(f"risen {rank['risen'] / 2**20:.1f} MiB, vocabulary weight {rank['vocab_bytes'] / 2**20:.0f} MiB")
         assert rank["risen"] < 1.6 * rank["vocab_bytes"]
 
