@@ -53,10 +53,13 @@ def mmap_threshold_from_environment() -> None:
     """For a process forked from one that started under another environment (a forkserver's rank): glibc's mmap
     threshold as MALLOC_MMAP_THRESHOLD_ says, which glibc itself reads only when a process starts. Nothing without
     the variable."""
-    value = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     libc = _glibc()
-    if value is not None and value.isdigit() and libc is not None:  # glibc, too, ignores another value
-        libc.mallopt(-3, int(value))  # -3: M_MMAP_THRESHOLD
+    try:
+        threshold = int(os.environ["MALLOC_MMAP_THRESHOLD_"], 0)  # a number as glibc reads one (0x... too)
+    except (KeyError, ValueError):
+        return  # unset, or what glibc would ignore as well
+    if libc is not None and 0 <= threshold < 2**31:  # mallopt's int; glibc refuses a threshold above 32 MiB itself
+        libc.mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD
 
 
 class HeapTrimmer:

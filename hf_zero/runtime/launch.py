@@ -359,6 +359,19 @@ def _while_in_collective(error: BaseException) -> str:
     return ""
 
 
+def _forkserver_running() -> None:
+    """Starts the forkserver, unless it runs, without the caller's MALLOC_MMAP_THRESHOLD_: glibc would fix the
+    threshold in the server, and so in every rank it forks for a later caller without the variable."""
+    from multiprocessing import forkserver
+
+    threshold = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if threshold is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = threshold
+
+
 # Ranks are forked from one server process that imported these once: a spawned rank re-imports torch
 # and transformers, seconds per rank on a small machine, and a test suite starts ranks by the hundred.
 FORKSERVER_PRELOAD = ["torch", "transformers", "hf_zero.hf.trainer"]
@@ -377,6 +390,7 @@ def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any, threads: int
         raise ValueError(f"start_method is 'forkserver' or 'spawn', not {start_method!r}")
     if start_method == "forkserver":
         mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+        _forkserver_running()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, dict(os.environ)),
                            nprocs=world_size, start_method=start_method)

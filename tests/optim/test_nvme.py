@@ -210,9 +210,10 @@ def backward_and_step_memory(path: str, offload_optimizer: str) -> dict[str, int
 
 
 @pytest.mark.parametrize("offload_optimizer", ["cpu", "nvme"])
-def test_the_gradient_shard_on_nvme_takes_no_host_memory(tmp_path, copies, offload_optimizer):
+def test_the_gradient_shard_on_nvme_takes_no_host_memory(tmp_path, copies, offload_optimizer, monkeypatch):
     if copies != "immediate":
         pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed large blocks go back to the system at once
     m = spawn_gloo(backward_and_step_memory, 1, str(tmp_path), offload_optimizer)[0]
     print(f"{offload_optimizer}: backward + step grew RSS by {m['grown'] / 2**20:.1f} MiB; gradient shard "
           f"{m['shard_bytes'] / 2**20:.1f} MiB")
@@ -270,8 +271,9 @@ def test_parameters_on_nvme_hold_only_the_read_pool_in_host_memory(tmp_path, cop
     """The shard (67 MB in fp32) is in files; host memory holds the buffers of the chunks being gathered,
     as many as prefetch_bucket_size lets run ahead. Freed blocks go back to the system at once
     (MALLOC_MMAP_THRESHOLD_, which spawn_gloo's ranks take from the environment), as in the other peak-memory
-    tests: with glibc's own threshold, which rises as large blocks are freed, the step grew 0-20 MiB run alone and 44-56 MiB in 3 of 4 full runs on two
-    xdist workers, the freed 4 MiB blocks kept in the heap as the order of frees across threads fell."""
+    tests: with glibc's own threshold, which rises as large blocks are freed, the step grew 0-20 MiB run alone and
+    44-56 MiB in 3 of 4 full runs on two xdist workers, the freed 4 MiB blocks kept in the heap as the order of frees
+    across threads fell."""
     if copies != "immediate":
         pytest.skip("the simulation keeps a copy of every queued copy's values: memory is measured without it")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")

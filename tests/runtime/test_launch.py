@@ -92,11 +92,25 @@ def mmapped_bytes_of_a_1_mib_block() -> int:
 
 def test_forked_ranks_take_glibcs_mmap_threshold_from_the_callers_environment(monkeypatch):
     """glibc reads MALLOC_MMAP_THRESHOLD_ only when a process starts; a rank forked from a forkserver started before
-    the variable was set takes it too, as a fresh process would (the memory tests fix it)."""
+    the variable was set takes it too, as a fresh process would (the memory tests fix it). 16 MiB tells the two apart
+    (the server's own threshold is below it); 64 KiB checks the other way."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(16 << 20))
     assert spawn_gloo(mmapped_bytes_of_a_1_mib_block, 2) == [0, 0]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     assert all(mmapped >= 1 << 20 for mmapped in spawn_gloo(mmapped_bytes_of_a_1_mib_block, 2))
+
+
+def test_the_forkserver_starts_without_the_callers_mmap_threshold(monkeypatch):
+    """A server started under the variable would keep its threshold for the ranks of every later caller."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # the next call starts the server, under the variable
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
+    assert all(mmapped >= 1 << 20 for mmapped in spawn_gloo(mmapped_bytes_of_a_1_mib_block, 1))
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    # glibc's own threshold, which the server's imports (torch, transformers) raised above 1 MiB by freeing larger
+    # blocks, not the 64 KiB of the caller that started it
+    assert spawn_gloo(mmapped_bytes_of_a_1_mib_block, 1) == [0]
 
 
 def debug_level() -> str:

@@ -17,7 +17,8 @@ BUCKET = WIDTH * WIDTH  # C_B, the all-gather bucket and stage 3's prefetch budg
 # What a rank holds besides the model states, whatever Ψ: 43 MiB measured at every stage with a 1-layer,
 # 64-wide model (torch's and gloo's first allocations, autograd), plus bucket-sized buffers: gradient
 # buckets filling and in flight, gathered and prefetched layers, a layer's gradient and optimizer
-# temporaries. Measured above the formula with this model: 57, 59, 75 and 85 MiB at stages 0-3.
+# temporaries. Measured above the formula with this model: 57, 59, 75 and 85 MiB at stages 0-3 in fresh
+# interpreters, 31-45 MiB in ranks forked from the forkserver (its heap serves some small allocations).
 FIXED_OVERHEAD = 48 * MIB + 10 * 4 * BUCKET
 
 
