@@ -1,12 +1,15 @@
 """The ZeRO paper's Table 1 (model states per device for 7.5B, 128B and 1T over 1 to 1024 GPUs, mixed-precision
 Adam, K = 12) beside what `hf-zero plan` measures: each stage's parameters, gradients and optimizer states held on
 rank 0's device between steps (gradients at the end of backward), the engine's own code run as one rank of each
-world; and beside both, DeepSpeed's estimators for the same model and world (`estimate_zero2_model_states_mem_needs`
-and `estimate_zero3_model_states_mem_needs`, no offload; DeepSpeed has none for stage 1), where DeepSpeed is
+world; rank 0's peak in the step (gathered units, activations and temporaries besides), and the step's time as the
+plan models it on its default machine (A100s of 80 GB, hf_zero.plan.machine.Machine); and beside both, DeepSpeed's
+estimators for the same model and world (`estimate_zero2_model_states_mem_needs` and
+`estimate_zero3_model_states_mem_needs`, no offload; DeepSpeed has none for stage 1), where DeepSpeed is
 installed (`pip install 'hf_zero[bench]'`).
 
-Models: the zoo's configurations of the paper's Table 4, and "1t", a GPT-2 of 128 layers x 25600 (1.007T; Table 1's
-1T row gives no shape).
+Models: the zoo's configurations of the paper's Table 4, "7.5b", a GPT-2 of 51 layers x 3456 (7.49B) for Figure 1's
+7.5B, and "1t", a GPT-2 of 128 layers x 25600 (1.007T; Table 1's 1T row gives no shape). Where the paper prints its
+own figure for a row (Figure 1's 7.5B over 64 GPUs, 1T over 1024 at stage 3), it stands beside the plan's.
 
   python -m benchmarks.bench_plan_scale
   python -m benchmarks.bench_plan_scale --models zero-72x3072 --gpus 4 64 1024
@@ -22,7 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TRILLION_SHAPE = dict(n_layer=128, n_embd=25600, n_head=200)
+# GPT-2 shapes for sizes the paper names without a shape: Figure 1's 7.5B (51 x 3456: 7.49B) and Table 1's 1T.
+SHAPES = {"7.5b": dict(n_layer=51, n_embd=3456, n_head=27), "1t": dict(n_layer=128, n_embd=25600, n_head=200)}
+# The paper's own figures, GB per device by stage: Figure 1's 7.5B over 64 GPUs (sections 5.1-5.3), and 16 GB for
+# 1T over 1024 GPUs at stage 3 (section 1: "16TB divided by 1024 is 16GB").
+PAPER_FIGURES = {("7.5b", 64): {1: 31.4, 2: 16.6, 3: 1.9}, ("1t", 1024): {3: 16.0}}
 
 
 def paper(psi: float, stage: int, nd: int) -> float:
@@ -64,12 +71,12 @@ def _sizes(model: str) -> tuple[int, int]:
     return psi, largest
 
 
-def trillion_folder(scratch: str) -> str:
+def shape_folder(scratch: str, name: str) -> str:
     from transformers import GPT2Config
 
-    folder = Path(scratch, "gpt2-1t")
+    folder = Path(scratch, f"gpt2-{name}")
     folder.mkdir()
-    config = GPT2Config(**TRILLION_SHAPE, vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(**SHAPES[name], vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0)
     config.architectures = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(config.to_json_string())
     return str(folder)
@@ -77,16 +84,16 @@ def trillion_folder(scratch: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["zero-48x1600", "zero-72x3072", "zero-212x8192", "1t"])
+    parser.add_argument("--models", nargs="+", default=["zero-48x1600", "7.5b", "zero-72x3072", "zero-212x8192", "1t"])
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
-    print("| model | Ψ | GPUs | stage | planned GB | paper's formula GB | planned / formula | DeepSpeed's estimator GB "
-          "| seconds |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | Ψ | GPUs | stage | planned GB | paper's formula GB | planned / formula | the paper's figure GB "
+          "| DeepSpeed's estimator GB | planned peak GB | planned step s | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
-            _rows(name, trillion_folder(scratch) if name == "1t" else name, args.gpus, args.seq)
+            _rows(name, shape_folder(scratch, name) if name in SHAPES else name, args.gpus, args.seq)
 
 
 def _rows(name: str, model: str, gpus: list[int], seq: int) -> None:
@@ -99,13 +106,16 @@ def _rows(name: str, model: str, gpus: list[int], seq: int) -> None:
         for stage in (1, 2, 3):
             job = Job(model, nd // per_node, per_node, "bf16", seq, 10**15)
             start = time.perf_counter()
-            rank = plan(job, Setting(stage, gradient_checkpointing=True), Machine(10**15), ranks=[0]).busiest
+            planned = plan(job, Setting(stage, gradient_checkpointing=True), Machine(10**15), ranks=[0])
             seconds = time.perf_counter() - start
+            rank = planned.busiest
             states = rank.model_states / 1e9
             formula = paper(rank.params, stage, nd)
             deepspeed = deepspeed_estimate(model, stage, nd, per_node)
             print(f"| {name} | {rank.params / 1e9:.1f}B | {nd} | {stage} | {states:,.2f} | {formula:,.2f} | "
-                  f"{states / formula:.3f} | {'' if deepspeed is None else f'{deepspeed:,.2f}'} | {seconds:.0f} |",
+                  f"{states / formula:.3f} | {PAPER_FIGURES.get((name, nd), {}).get(stage, '')} | "
+                  f"{'' if deepspeed is None else f'{deepspeed:,.2f}'} | "
+                  f"{rank.device_peak / 1e9:,.2f} | {planned.step_seconds['total']:.3g} | {seconds:.0f} |",
                   flush=True)
 
 
