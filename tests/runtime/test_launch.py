@@ -92,8 +92,8 @@ def mmapped_bytes_of_a_1_mib_block() -> int:
 
 def test_forked_ranks_take_glibcs_mmap_threshold_from_the_callers_environment(monkeypatch):
     """glibc reads MALLOC_MMAP_THRESHOLD_ only when a process starts; a rank forked from a forkserver started before
-    the variable was set takes it too, as a fresh process would (the memory tests fix it). 16 MiB tells the two apart
-    (the server's own threshold is below it); 64 KiB checks the other way."""
+    the variable was set takes it too, as a fresh process would (the memory tests fix it). 64 KiB tells the two apart
+    (the server's imports raised its own threshold above 1 MiB); 16 MiB checks the other way."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(16 << 20))
     assert spawn_gloo(mmapped_bytes_of_a_1_mib_block, 2) == [0, 0]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
