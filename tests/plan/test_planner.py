@@ -123,3 +123,40 @@ def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only
     outcomes = {str(c.setting): c.outcome for c in candidates}
     for on_nvme in ("optimizer on nvme", "optimizer on nvme, parameters on nvme"):
         assert outcomes[f"stage 3, {on_nvme}, micro-batch 1"].startswith("NVMe: "), outcomes
+
+
+def test_hpz_is_chosen_where_the_inter_node_link_is_slow_and_its_secondary_copy_fits(tmp_path):
+    """ZeRO++'s hpZ over 2 nodes of 2 GPUs: a device too small for stages 1 and 2 takes stage 3, where hpZ keeps a secondary
+    copy of the parameters within each node so that the backward's all-gather stays off the inter-node link. Over a
+    slow link that is chosen; on a device with no room for the secondary copy, plain stage 3 is, saying why hpZ
+    lost."""
+    from transformers import GPT2Config
+
+    # Model states rather than activations decide which stages fit: 256 wide, 16 tokens.
+    GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=256, n_positions=16, bos_token_id=0, eos_token_id=0,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    job = Job(str(tmp_path), 2, 2, seq_len=16)
+    fixed = {"micro_batch": 1, "gradient_checkpointing": False, "offload_optimizer": "none", "offload_param": "none"}
+    big = Machine(10**12)
+    plans = {(stage, hpz): plan(job, Setting(stage, hpz_partition_size=hpz), big)
+             for stage, hpz in [(1, 1), (2, 1), (3, 1), (3, 2)]}
+    measured = {key: planned.busiest for key, planned in plans.items()}
+    # The premise: hpZ's secondary copy costs device memory, less than stages 1 and 2 take, and saves inter-node bytes.
+    lower_stages = min(measured[1, 1].device_peak, measured[2, 1].device_peak)
+    assert measured[3, 1].device_peak < measured[3, 2].device_peak < lower_stages
+    assert plans[3, 2].traffic()["inter-node"] < plans[3, 1].traffic()["inter-node"]
+    slow_link = {"inter_node_gbps": 1e-3}
+
+    def choice(device: int) -> tuple:
+        chosen, candidates = choose(job, Machine(device, **slow_link), fixed)
+        return chosen, {(c.setting.zero_stage, c.setting.hpz_partition_size): c.outcome for c in candidates}
+
+    chosen, outcomes = choice((measured[3, 2].device_peak + lower_stages) // 2)
+    assert chosen is not None and (chosen.setting.zero_stage, chosen.setting.hpz_partition_size) == (3, 2), outcomes
+    assert all(outcomes[stage, 1].startswith("device memory:") for stage in (0, 1, 2)), outcomes
+    assert outcomes[3, 1].startswith("slower: "), outcomes
+    assert chosen.traffic() == plans[3, 2].traffic()
+
+    chosen, outcomes = choice((measured[3, 1].device_peak + measured[3, 2].device_peak) // 2)
+    assert chosen is not None and (chosen.setting.zero_stage, chosen.setting.hpz_partition_size) == (3, 1), outcomes
+    assert outcomes[3, 2].startswith("device memory:"), outcomes
