@@ -126,10 +126,10 @@ def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only
 
 
 def test_hpz_is_chosen_where_the_inter_node_link_is_slow_and_its_secondary_copy_fits(tmp_path):
-    """ZeRO++'s hpZ over 2 nodes of 2 GPUs: a device too small for stages 1 and 2 takes stage 3, where hpZ keeps a secondary
-    copy of the parameters within each node so that the backward's all-gather stays off the inter-node link. Over a
-    slow link that is chosen; on a device with no room for the secondary copy, plain stage 3 is, saying why hpZ
-    lost."""
+    """ZeRO++'s hpZ over 2 nodes of 2 GPUs: a device too small for stages 1 and 2 takes stage 3, where hpZ keeps a
+    secondary copy of the parameters within each node so that the backward's all-gather stays off the inter-node
+    link. Over a slow link that is chosen; on a device with no room for the secondary copy, plain stage 3 is, saying
+    why hpZ lost."""
     from transformers import GPT2Config
 
     # Model states rather than activations decide which stages fit: 256 wide, 16 tokens.
