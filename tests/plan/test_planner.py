@@ -1,7 +1,7 @@
 """Choosing among settings (hf_zero.plan.planner.choose): what may be skipped without simulation, against the
 simulated settings themselves."""
 from hf_zero.plan.machine import Machine
-from hf_zero.plan.planner import choose, plan, probe_rank
+from hf_zero.plan.planner import choose, distinct_ranks, plan, probe_rank
 from hf_zero.plan.simulate import Job, Setting
 
 MICRO = 16
@@ -126,10 +126,11 @@ def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only
 
 
 def test_hpz_is_chosen_where_the_inter_node_link_is_slow_and_its_secondary_copy_fits(tmp_path):
-    """ZeRO++'s hpZ over 2 nodes of 2 GPUs: a device too small for stages 1 and 2 takes stage 3, where hpZ keeps a
+    """ZeRO++'s hpZ over 2 nodes of 2 GPUs: a device too small for stages 0-2 takes stage 3, where hpZ keeps a
     secondary copy of the parameters within each node so that the backward's all-gather stays off the inter-node
-    link. Over a slow link that is chosen; on a device with no room for the secondary copy, plain stage 3 is, saying
-    why hpZ lost."""
+    link. Over a slow link that is chosen; over links fast enough that the step is all compute the two tie and plain
+    stage 3, the smaller, is; on a device with no room for the secondary copy plain stage 3 is, saying why hpZ lost;
+    and on one too small for plain stage 3, hpZ is not even simulated."""
     from transformers import GPT2Config
 
     # Model states rather than activations decide which stages fit: 256 wide, 16 tokens.
@@ -145,18 +146,28 @@ def test_hpz_is_chosen_where_the_inter_node_link_is_slow_and_its_secondary_copy_
     lower_stages = min(measured[1, 1].device_peak, measured[2, 1].device_peak)
     assert measured[3, 1].device_peak < measured[3, 2].device_peak < lower_stages
     assert plans[3, 2].traffic()["inter-node"] < plans[3, 1].traffic()["inter-node"]
-    slow_link = {"inter_node_gbps": 1e-3}
+    between_hpz_and_lower_stages = (measured[3, 2].device_peak + lower_stages) // 2
 
-    def choice(device: int) -> tuple:
-        chosen, candidates = choose(job, Machine(device, **slow_link), fixed)
-        return chosen, {(c.setting.zero_stage, c.setting.hpz_partition_size): c.outcome for c in candidates}
+    def choice(device: int, **links: float) -> tuple:
+        chosen, candidates = choose(job, Machine(device, **links), fixed)
+        outcomes = {(c.setting.zero_stage, c.setting.hpz_partition_size): c.outcome for c in candidates}
+        assert len(outcomes) == len(candidates) == 5, outcomes  # stages 0-3, and stage 3 with hpZ
+        return chosen, outcomes
 
-    chosen, outcomes = choice((measured[3, 2].device_peak + lower_stages) // 2)
+    chosen, outcomes = choice(between_hpz_and_lower_stages, inter_node_gbps=1e-3)
     assert chosen is not None and (chosen.setting.zero_stage, chosen.setting.hpz_partition_size) == (3, 2), outcomes
+    assert outcomes[3, 2] == "chosen" and outcomes[3, 1].startswith("slower: "), outcomes
     assert all(outcomes[stage, 1].startswith("device memory:") for stage in (0, 1, 2)), outcomes
-    assert outcomes[3, 1].startswith("slower: "), outcomes
-    assert chosen.traffic() == plans[3, 2].traffic()
+    assert [r.rank for r in chosen.ranks] == distinct_ranks(job)
+    assert chosen.traffic()["inter-node"] < plans[3, 1].traffic()["inter-node"]
 
-    chosen, outcomes = choice((measured[3, 1].device_peak + measured[3, 2].device_peak) // 2)
+    chosen, outcomes = choice(between_hpz_and_lower_stages, inter_node_gbps=1e9, intra_node_gbps=1e9)
+    assert chosen is not None and (chosen.setting.zero_stage, chosen.setting.hpz_partition_size) == (3, 1), outcomes
+    assert outcomes[3, 2] == "as fast, at more device memory", outcomes
+
+    chosen, outcomes = choice((measured[3, 1].device_peak + measured[3, 2].device_peak) // 2, inter_node_gbps=1e-3)
     assert chosen is not None and (chosen.setting.zero_stage, chosen.setting.hpz_partition_size) == (3, 1), outcomes
     assert outcomes[3, 2].startswith("device memory:"), outcomes
+
+    chosen, outcomes = choice(measured[3, 1].device_peak - 1, inter_node_gbps=1e-3)
+    assert chosen is None and outcomes[3, 2].startswith("not simulated: without hpZ it takes"), outcomes
