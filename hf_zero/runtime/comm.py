@@ -31,6 +31,7 @@ from hf_zero.runtime.ledger import SPANS, Ledger, link_bytes
 from hf_zero.runtime.sequence_check import (
     CollectiveError,
     CollectiveMismatch,
+    finished,
     issued_for,
     named,
     purpose_now,
@@ -72,7 +73,7 @@ class _Named:
         return finished
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return finished(self.work)
 
 
 class _Pieces:
@@ -93,7 +94,7 @@ class _Pieces:
         return True
 
     def is_completed(self) -> bool:
-        return self.done or all(work.is_completed() for work in self.works)
+        return self.done or all(finished(work) for work in self.works)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

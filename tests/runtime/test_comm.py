@@ -1,6 +1,7 @@
 """The ledger counts what the paper counts: 2Ψ per step for stages 0-2, 3Ψ for stage 3, and
 model-state bytes per rank equal to the paper's formulas, within padding. The Communicator's collectives equal
-torch's, and one rank's work longer than the collective timeout reaches every rank."""
+torch's, a handle polled under a profiler never deadlocks, and one rank's work longer than the collective timeout
+reaches every rank."""
 from __future__ import annotations
 
 import time
@@ -8,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.launch import spawn_gloo
@@ -140,6 +142,36 @@ def test_gloo_collectives_equal_torchs_and_copy_no_unit_sized_temporary(world):
         growth = result["growth"]
         assert growth["torch"] > 0.5 * unit_bytes and growth["torch_reduce"] > 0.5 * unit_bytes  # why we avoid them
         assert growth["ours"] < 0.1 * unit_bytes and growth["ours_reduce"] < 0.1 * unit_bytes
+
+
+def polled_under_a_profiler_in_saved_tensor_hooks(rounds: int) -> list[bool]:
+    """Each round all-reduces and all-gathers through the Communicator, polling each handle's is_completed() in a
+    tight loop, as the reducer polls its buckets', under a profiler and inside saved-tensor hooks, as a profiled
+    stage-3 forward runs (its hooks count the root's saves). Whether each round's results are torch's sums."""
+    import torch.distributed as dist
+
+    comm, rank, world = Communicator(Ledger()), dist.get_rank(), dist.get_world_size()
+    right = []
+    with profile(activities=[ProfilerActivity.CPU]), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        for turn in range(rounds):
+            summed, gathered = torch.full((1000,), float(rank + turn)), torch.zeros(2 * world)
+            for handle in (comm.all_reduce_(summed, async_op=True),
+                           comm.all_gather_(gathered, torch.tensor([rank, turn], dtype=torch.float), async_op=True)):
+                while not handle.is_completed():
+                    pass
+                handle.wait()
+            expected_gather = torch.tensor([[r, turn] for r in range(world)], dtype=torch.float).flatten()
+            right.append(bool((summed == sum(r + turn for r in range(world))).all())
+                         and torch.equal(gathered, expected_gather))
+    return right
+
+
+def test_a_collective_polled_under_a_profiler_completes(monkeypatch):
+    """torch's Work.is_completed() waits for the work's lock holding the GIL, and under a profiler gloo's thread
+    holds that lock while it waits for the GIL, in saved-tensor hooks: polled with it, a rank hung in the first
+    round every time and its partner's collective timed out (sequence_check.finished reads the work's future)."""
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "20")
+    assert spawn_gloo(polled_under_a_profiler_in_saved_tensor_hooks, 2, 5) == [[True] * 5] * 2
 
 
 def sends_by_hand(op: str, nbytes: int, ranks: list[int]) -> list[tuple[int, int, int]]:
