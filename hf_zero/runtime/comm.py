@@ -31,7 +31,7 @@ from hf_zero.runtime.ledger import SPANS, Ledger, link_bytes
 from hf_zero.runtime.sequence_check import (
     CollectiveError,
     CollectiveMismatch,
-    finished,
+    has_finished,
     issued_for,
     named,
     purpose_now,
@@ -63,8 +63,9 @@ class _Named:
     a partner stopped before a different one). As NCCL's, its wait() makes the stream the caller queues on wait
     for the collective's end (`done`), not the host."""
 
-    def __init__(self, work: Any, what: Callable[[], str], parted: Callable[[], None], done: Event) -> None:
-        self.work, self.what, self.parted, self.done = work, what, parted, done
+    def __init__(self, work: Any, what: Callable[[], str], parted: Callable[[], None], done: Event,
+                 on_gloo: bool) -> None:
+        self.work, self.what, self.parted, self.done, self.on_gloo = work, what, parted, done, on_gloo
 
     def wait(self) -> bool:
         with quiet():
@@ -73,7 +74,7 @@ class _Named:
         return finished
 
     def is_completed(self) -> bool:
-        return finished(self.work)
+        return has_finished(self.work) if self.on_gloo else self.work.is_completed()
 
 
 class _Pieces:
@@ -94,7 +95,7 @@ class _Pieces:
         return True
 
     def is_completed(self) -> bool:
-        return self.done or all(finished(work) for work in self.works)
+        return self.done or all(has_finished(work) for work in self.works)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -146,6 +147,9 @@ class Communicator:
         # rank's slice in place and reducing each chunk to its owner in place move the same bytes with none
         # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
         self.per_rank_pieces = backend == "gloo"
+        # gloo's works say they have finished through their futures (has_finished); NCCL's and the fake group's
+        # futures are done once issued, so theirs answer through is_completed().
+        self.on_gloo = backend == "gloo"
         # torch's fake process group (a plan's simulated world) moves nothing: every rank is taken to have sent
         # what this one sends.
         self.simulated = backend == "fake"
@@ -188,14 +192,14 @@ class Communicator:
         if async_op and line.late:  # launched at its wait, as late as a GPU may run it
             with quiet():
                 held = line.held_back(launch, list(reads), list(writes), what)
-                return _Named(held, what, sequence.raise_if_parted, done)
+                return _Named(held, what, sequence.raise_if_parted, done, self.on_gloo)
         with quiet():
             work = named(what, launch, sequence.raise_if_parted)
             if async_op and line.early:
                 named(what, work.wait, sequence.raise_if_parted)
         if not async_op:
             done.wait()
-        return None if work is None else _Named(work, what, sequence.raise_if_parted, done)
+        return None if work is None else _Named(work, what, sequence.raise_if_parted, done, self.on_gloo)
 
     def all_reduce_(self, tensor: torch.Tensor, async_op: bool = False):
         if self.world_size == 1:

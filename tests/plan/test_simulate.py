@@ -285,3 +285,18 @@ def test_the_optimizers_states_are_the_ones_it_keeps():
     assert states["SGD"] == pytest.approx(8, rel=0.02)
     assert states["Adafactor"] == pytest.approx(8, rel=0.02)
     assert states["Lion"] == pytest.approx(8, rel=0.02)
+
+
+def test_a_simulated_collective_counts_as_running_until_it_is_waited_on():
+    """Nothing runs in a simulated world, so nothing says when a collective ends: the plan takes a GPU's worst case,
+    a handle that reads as running until it is waited on, so that stage 2's reducer holds MAX_IN_FLIGHT reductions'
+    buffers as a GPU may. The fake group's futures are done at once: read as gloo's are (has_finished), they
+    counted none in flight, and GPT-2 over 4 GPUs at stage 2 planned a peak 20 MB lower."""
+    from hf_zero.plan.simulate import simulated_world
+    from hf_zero.runtime.comm import Communicator
+    from hf_zero.runtime.ledger import Ledger
+
+    with simulated_world(8, 3):
+        handle = Communicator(Ledger()).all_reduce_(torch.ones(4), async_op=True)
+        assert not handle.is_completed()
+        handle.wait()

@@ -147,7 +147,7 @@ def test_gloo_collectives_equal_torchs_and_copy_no_unit_sized_temporary(world):
 def polled_under_a_profiler_in_saved_tensor_hooks(rounds: int) -> list[bool]:
     """Each round all-reduces and all-gathers through the Communicator, polling each handle's is_completed() in a
     tight loop, as the reducer polls its buckets', under a profiler and inside saved-tensor hooks, as a profiled
-    stage-3 forward runs (its hooks count the root's saves). Whether each round's results are torch's sums."""
+    stage-3 forward runs (its hooks count the root's saves). Whether each round's sum and gather are right."""
     import torch.distributed as dist
 
     comm, rank, world = Communicator(Ledger()), dist.get_rank(), dist.get_world_size()
@@ -169,7 +169,7 @@ def polled_under_a_profiler_in_saved_tensor_hooks(rounds: int) -> list[bool]:
 def test_a_collective_polled_under_a_profiler_completes(monkeypatch):
     """torch's Work.is_completed() waits for the work's lock holding the GIL, and under a profiler gloo's thread
     holds that lock while it waits for the GIL, in saved-tensor hooks: polled with it, a rank hung in the first
-    round every time and its partner's collective timed out (sequence_check.finished reads the work's future)."""
+    round every time and its partner's collective timed out (sequence_check.has_finished reads the work's future)."""
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "20")
     assert spawn_gloo(polled_under_a_profiler_in_saved_tensor_hooks, 2, 5) == [[True] * 5] * 2
 
