@@ -79,10 +79,10 @@ class _Named:
 
 class _Pieces:
     """One collective made of one per rank (Communicator.per_rank_pieces): waits on all of them, then runs
-    `finish`. Without async_op it has already waited."""
+    `finish`. Without async_op it has already waited. `on_gloo`: the works are gloo's (see Communicator.on_gloo)."""
 
-    def __init__(self, works: list, finish: Callable[[], Any], async_op: bool) -> None:
-        self.works, self.finish, self.done = works, finish, False
+    def __init__(self, works: list, finish: Callable[[], Any], async_op: bool, on_gloo: bool = False) -> None:
+        self.works, self.finish, self.done, self.on_gloo = works, finish, False, on_gloo
         if not async_op:
             self.wait()
 
@@ -95,7 +95,8 @@ class _Pieces:
         return True
 
     def is_completed(self) -> bool:
-        return self.done or all(has_finished(work) for work in self.works)
+        return self.done or all(has_finished(work) if self.on_gloo else work.is_completed()
+                                for work in self.works)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -223,7 +224,8 @@ class Communicator:
         def launch() -> _Pieces:
             works = [dist.reduce(input[r * n:(r + 1) * n], group_dst=r, group=self.group, async_op=True)
                      for r in range(self.world_size)]
-            return _Pieces(works, lambda: None if _same_memory(output, mine) else output.copy_(mine), async_op)
+            return _Pieces(works, lambda: None if _same_memory(output, mine) else output.copy_(mine), async_op,
+                           self.on_gloo)
 
         return self._launch("reduce_scatter", input, launch, async_op, reads=[input], writes=[output])
 
@@ -249,11 +251,11 @@ class Communicator:
             def launch_grouped() -> _Pieces:
                 if self.simulated:  # the fake group has no coalesced all-gather; the bytes sent are the same
                     return _Pieces([dist.all_gather_single(output, input, group=self.group, async_op=True)
-                                    for output, input in zip(outputs, inputs)], lambda: None, async_op)
+                                    for output, input in zip(outputs, inputs)], lambda: None, async_op, self.on_gloo)
                 with dist._coalescing_manager(self.group, async_ops=async_op) as grouped:
                     for output, input in zip(outputs, inputs):
                         dist.all_gather_single(output, input, group=self.group)
-                return _Pieces(grouped.works, lambda: None, async_op)
+                return _Pieces(grouped.works, lambda: None, async_op, self.on_gloo)
 
             return self._launch(op, outputs[0], launch_grouped, async_op, inputs, outputs)
 
@@ -266,7 +268,7 @@ class Communicator:
                                     group=self.group, async_op=True)
                      for output, input in zip(outputs, inputs) for r in range(self.world_size)]
             self.ledger.count("all-gather launches", len(works))
-            return _Pieces(works, lambda: None, async_op)
+            return _Pieces(works, lambda: None, async_op, self.on_gloo)
 
         return self._launch(op, outputs[0], launch_pieces, async_op, inputs, outputs)
 

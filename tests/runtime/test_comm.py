@@ -168,8 +168,8 @@ def polled_under_a_profiler_in_saved_tensor_hooks(rounds: int) -> list[bool]:
 
 def test_a_collective_polled_under_a_profiler_completes(monkeypatch):
     """torch's Work.is_completed() waits for the work's lock holding the GIL, and under a profiler gloo's thread
-    holds that lock while it waits for the GIL, in saved-tensor hooks: polled with it, a rank hung in the first
-    round every time and its partner's collective timed out (sequence_check.has_finished reads the work's future)."""
+    holds that lock while it waits for the GIL, in saved-tensor hooks: polled with it, a rank hangs in the first
+    round and its partner's collective times out. sequence_check.has_finished reads the work's future instead."""
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "20")
     assert spawn_gloo(polled_under_a_profiler_in_saved_tensor_hooks, 2, 5) == [[True] * 5] * 2
 
