@@ -74,7 +74,7 @@ class _Named:
         return finished
 
     def is_completed(self) -> bool:
-        return has_finished(self.work) if self.on_gloo else self.work.is_completed()
+        return has_finished(self.work, self.on_gloo)
 
 
 class _Pieces:
@@ -95,8 +95,7 @@ class _Pieces:
         return True
 
     def is_completed(self) -> bool:
-        return self.done or all(has_finished(work) if self.on_gloo else work.is_completed()
-                                for work in self.works)
+        return self.done or all(has_finished(work, self.on_gloo) for work in self.works)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

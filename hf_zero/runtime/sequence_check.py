@@ -40,17 +40,17 @@ def named(what: Callable[[], str], call: Callable[[], Any], parted: Callable[[],
                               f"{FORWARD_ON_SOME_RANKS if 'forward gather of' in described else ''}") from e
 
 
-def has_finished(work: Any) -> bool:
-    """Whether a gloo collective's `work` has finished, without waiting for it: whether its future is done. gloo's
-    `Work.is_completed()` waits for the work's lock holding the GIL, and under a profiler gloo's worker thread ends
-    the work's span holding that lock, in the state of the thread that issued it: saved-tensor hooks (stage 3's
-    forward counts the root's saves with them) and torch-function modes are Python objects there, which it needs
-    the GIL to copy, so each thread would wait for the other forever. The worker marks the future done first
-    (ProcessGroupGloo's finishWorkGloo), under the future's own lock. hf_zero's own handles answer themselves, and
-    so does gloo's reduce_scatter_single, which has no future (hf_zero issues it on gloo only where tests take
-    NCCL's single calls). NCCL's and the fake group's futures are done once issued: the Communicator asks
-    is_completed() of theirs."""
-    if isinstance(work, dist.Work):
+def has_finished(work: Any, on_gloo: bool) -> bool:
+    """Whether a collective's `work` has finished, without waiting for it. On gloo (`on_gloo`), whether its future
+    is done: gloo's `Work.is_completed()` waits for the work's lock holding the GIL, and under a profiler gloo's
+    worker thread ends the work's span holding that lock, in the state of the thread that issued it: saved-tensor
+    hooks (stage 3's forward counts the root's saves with them) and torch-function modes are Python objects there,
+    which it needs the GIL to copy, so each thread would wait for the other forever. The worker marks the future
+    done first (ProcessGroupGloo's finishWorkGloo), under the future's own lock. NCCL's and the fake group's
+    futures are done once issued, so their is_completed() answers; so do hf_zero's own handles, and gloo's
+    reduce_scatter_single, which has no future (hf_zero issues it on gloo only where tests take NCCL's single
+    calls)."""
+    if on_gloo and isinstance(work, dist.Work):
         try:
             return work.get_future().done()
         except RuntimeError:  # "Work::getFuture not implemented"
@@ -159,7 +159,7 @@ class CollectiveSequence:
 
     def _compare_arrived(self) -> None:
         """Compares the exchanges whose hashes have all arrived, in order, without waiting."""
-        while self.exchanges and has_finished(self.exchanges[0][1]):
+        while self.exchanges and has_finished(self.exchanges[0][1], on_gloo=True):
             self._take(self.exchanges.popleft())
 
     def confirm(self, number: int) -> None:
