@@ -231,11 +231,12 @@ def read_sample(path: str) -> tuple[tuple[str, tuple[int, ...], str, int], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_zero.plan.models import model_config
+    from hf_zero.plan.models import model_class, model_config
     from hf_zero.plan.planner import choose, distinct_ranks, plan
     from hf_zero.plan.simulate import Job, Setting
 
     config = model_config(args.model)
+    model_class(args.model)  # a class transformers has, before anything is simulated
     longest = next((getattr(c, k) for c in (config, config.get_text_config()) for k in
                     ("n_positions", "max_position_embeddings") if getattr(c, k, None)), 1024)
     sample_length = next((shape[-1] for name, shape, *_ in args.sample or () if name == "input_ids" and shape), None)

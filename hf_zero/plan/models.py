@@ -81,6 +81,26 @@ def _base_model(model: str) -> torch.nn.Module:
     if is_zoo_model(model) and model != model_zoo.MINILM:
         return model_zoo.build(model, **no_attention_dropout)
     config.update(no_attention_dropout)
+    named = model_class(model)
+    return named._from_config(config) if named else transformers.AutoModelForCausalLM.from_config(config)
+
+
+def model_class(model: str) -> type | None:
+    """The transformers class the config of `model` names first in `architectures`, or None where it names none (then
+    transformers' causal language model for its type is built, as AutoModelForCausalLM.from_config builds it).
+    ValueError where it names a class transformers does not have, or names none and its type has no causal language
+    model: a plan runs no code from a model's folder."""
+    import transformers
+
+    config = model_config(model)
     names = getattr(config, "architectures", None) or []
-    model_class = getattr(transformers, names[0], None) if names else None
-    return (model_class or transformers.AutoModelForCausalLM)._from_config(config)
+    if names:
+        named = getattr(transformers, names[0], None)
+        if not isinstance(named, type):
+            raise ValueError(f"{model}'s config.json names the architecture {names[0]}, which transformers "
+                             f"{transformers.__version__} does not have (a plan runs no code from a model's folder)")
+        return named
+    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+        raise ValueError(f"{model}'s config.json names no architecture, and {type(config).__name__} has no causal "
+                         f"language model in transformers: name the class to build in its \"architectures\"")
+    return None

@@ -114,6 +114,43 @@ def test_a_hub_model_in_the_local_cache_is_planned_offline(tmp_path, monkeypatch
     assert json.loads(capsys.readouterr().out)["params"] == sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
 
 
+def test_a_folder_whose_config_names_no_architecture_is_planned_as_transformers_builds_it(tmp_path, capsys):
+    """A config saved on its own (GPT2Config().save_pretrained) names no class in "architectures": the plan builds
+    what AutoModelForCausalLM.from_config builds from it."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=48, n_head=2, vocab_size=300, n_positions=64)
+    config.save_pretrained(tmp_path)
+    assert not json.loads((tmp_path / "config.json").read_text()).get("architectures")
+    assert main(["plan", "--model", str(tmp_path), *TINY[2:], *FIXED, "--json"]) == 0
+    built = AutoModelForCausalLM.from_config(config)
+    assert json.loads(capsys.readouterr().out)["params"] == sum(p.numel() for p in built.parameters())
+
+
+@pytest.mark.parametrize("config_class, architectures, said", [
+    ("GPT2Config", ["GPT2WithOurOwnHead"], "names the architecture GPT2WithOurOwnHead, which transformers"),
+    ("ViTConfig", None, "names no architecture, and ViTConfig has no causal language model"),
+])
+def test_a_model_transformers_cannot_build_is_one_line_before_anything_is_simulated(config_class, architectures, said,
+                                                                                  tmp_path, monkeypatch, capsys):
+    """A class of the model's own code (a plan runs none from its folder), or none named where the config's type has
+    no causal language model: refused naming --model and the class, before any rank is simulated."""
+    import transformers
+
+    from hf_zero.plan import planner
+
+    def simulated(*args, **kwargs):
+        raise AssertionError("a rank was simulated")
+
+    monkeypatch.setattr(planner, "simulate_rank", simulated)
+    getattr(transformers, config_class)(architectures=architectures).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--model", str(tmp_path), "--seq_len", "16"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model" in err and said in err, err
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--model", "no-such-model"], "--model"),
     (["--model", "gpt2-tiny", "--gpu_memory", "80XB"], "--gpu_memory"),
