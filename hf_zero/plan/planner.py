@@ -128,14 +128,26 @@ def probe_rank(job: Job) -> int:
     return job.gpus_per_node - 1
 
 
-def _side_by_side(job: Job, setting: Setting, ranks: list[int], flops: int | None) -> list[RankStep]:
-    """`ranks` simulated at once: the first here, the others in fresh interpreters (spawned: this process has torch's
-    thread pools, which a fork would copy mid-state), as many at a time as the machine has cores besides this one."""
-    workers = min(len(ranks) - 1, _cores() - 1)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        elsewhere = [pool.submit(simulate_rank, job, setting, r, flops) for r in ranks[1:]]
-        here = simulate_rank(job, setting, ranks[0], flops)
-        return [here, *(future.result() for future in elsewhere)]
+def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankStep]:
+    """`runs` ((setting, rank) pairs) simulated at once: the first here, the others in fresh interpreters (spawned:
+    this process has torch's thread pools, which a fork would copy mid-state), as many at a time as the machine has
+    cores besides this one."""
+    flops = [_counted_flops.get(_flops_key(job, setting)) for setting, _ in runs]
+    if len(runs) == 1:
+        steps = [simulate_rank(job, *runs[0], flops[0])]
+    else:
+        workers = min(len(runs) - 1, _cores() - 1)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            elsewhere = [pool.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
+            steps = [simulate_rank(job, *runs[0], flops[0]), *(future.result() for future in elsewhere)]
+    for (setting, _), step in zip(runs, steps):
+        if step.flops:
+            _counted_flops[_flops_key(job, setting)] = step.flops
+    return steps
+
+
+def _flops_key(job: Job, setting: Setting) -> tuple:
+    return job, setting.micro_batch, setting.gradient_checkpointing
 
 
 def _cores() -> int:
@@ -161,20 +173,17 @@ PARALLEL_AFTER_S = 10.0
 
 
 def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None = None,
-         known: list[RankStep] = ()) -> Plan:
+         known: list[RankStep] = (), at_once: bool = False) -> Plan:
     """`setting` simulated at each distinct rank of `job` (or at `ranks`); `known` ranks are not simulated again.
-    Once a simulation of it has taken PARALLEL_AFTER_S, the rest run side by side on the machine's cores."""
+    Once a simulation of it has taken PARALLEL_AFTER_S (or from the start: `at_once`), the rest run side by side on
+    the machine's cores."""
     wanted = ranks if ranks is not None else distinct_ranks(job)
     done = {r.rank: r for r in known}
-    flops_key = (job, setting.micro_batch, setting.gradient_checkpointing)
     while left := [r for r in wanted if r not in done]:
-        counted = _counted_flops.get(flops_key)
-        if len(left) > 1 and _cores() > 1 and any(s.seconds >= PARALLEL_AFTER_S for s in done.values()):
-            done |= {s.rank: s for s in _side_by_side(job, setting, left, counted)}
+        if len(left) > 1 and _cores() > 1 and (at_once or any(s.seconds >= PARALLEL_AFTER_S for s in done.values())):
+            done |= {s.rank: s for s in _simulated_at_once(job, [(setting, r) for r in left])}
         else:
-            done[left[0]] = simulate_rank(job, setting, left[0], counted)
-        if done[left[0]].flops:
-            _counted_flops[flops_key] = done[left[0]].flops
+            done[left[0]] = _simulated_at_once(job, [(setting, left[0])])[0]
     simulated = [done[r] for r in wanted]
     result = Plan(job, setting, machine, simulated)
     result.step_seconds = max((step_seconds(job, setting, machine, r) for r in simulated),
@@ -288,43 +297,42 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     already fits, unless the memory offloading frees could make room for a larger micro-batch that may be faster
     (`_more_offload_skipped`), or where what offload leaves on the device already overflows it
     (`_staying_on_device`); checkpointing where the setting's model states alone (measured) exceed the device; hpZ
-    where the setting without it does not fit (`_without_hpz_over`)."""
+    where the setting without it does not fit (`_without_hpz_over`). Once a simulation of the job has taken
+    PARALLEL_AFTER_S, the next candidate the rules would simulate runs beside the current one (`_next_simulated`)."""
     candidates: list[Candidate] = []
     fixed_micro = fixed.get("micro_batch")
     checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
+    choosing_checkpointing = len(checkpointing) > 1
     fits_with_less_offload: dict[tuple, Plan] = {}  # the least offloaded setting that fits
-    for base in _bases(job, fixed, machine.nvme_capacity > 0):
-        for ckpt in checkpointing:
-            setting = replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
-            candidate = Candidate(setting)
-            candidates.append(candidate)
-            key = (base.zero_stage, base.hpz_partition_size, ckpt)
-            if base.offload_optimizer != "none" and key in fits_with_less_offload:
-                skipped = _more_offload_skipped(fits_with_less_offload[key], base, machine, max_micro_batch,
-                                                fixed_micro, candidates)
-                if skipped:
-                    candidate.outcome = f"not simulated: {skipped}"
-                    continue
-            twin = _twin_decided_by_model_states(candidates, setting, ckpt and len(checkpointing) > 1)
-            if twin is not None:
-                candidate.outcome, candidate.model_states_decide = twin.outcome, True
-                continue
-            staying, by_model_states = _staying_on_device(candidates, setting, machine)
-            staying = staying or _without_hpz_over(candidates, setting)
-            if staying:
-                candidate.outcome, candidate.model_states_decide = f"not simulated: {staying}", by_model_states
-                continue
-            if ckpt and len(checkpointing) > 1:
-                uncheckpointed = next(c for c in candidates if c.setting == replace(setting,
-                                                                                    gradient_checkpointing=False))
-                if uncheckpointed.plan is not None and uncheckpointed.plan.busiest.model_states > machine.gpu_memory:
-                    candidate.outcome = "not simulated: its model states alone exceed the device"
-                    candidate.model_states_decide = True
-                    continue
-            say(f"simulating {setting}")
-            candidate.plan = plan(job, setting, machine, ranks=[probe_rank(job)])
-            if candidate.plan.fits:
-                fits_with_less_offload.setdefault(key, candidate.plan)
+    settings = [replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
+                for base in _bases(job, fixed, machine.nvme_capacity > 0) for ckpt in checkpointing]
+    ahead: dict[Setting, RankStep] = {}  # simulated beside an earlier candidate, before its turn
+
+    def not_simulated(setting: Setting, considered: list[Candidate]) -> tuple[str, bool] | None:
+        return _not_simulated(setting, considered, fits_with_less_offload, machine, max_micro_batch, fixed_micro,
+                              choosing_checkpointing)
+
+    for i, setting in enumerate(settings):
+        candidate = Candidate(setting)
+        candidates.append(candidate)
+        skipped = not_simulated(setting, candidates)
+        if skipped:
+            candidate.outcome, candidate.model_states_decide = skipped
+            continue
+        at = [probe_rank(job)]
+        if setting in ahead:
+            candidate.plan = plan(job, setting, machine, ranks=at, known=[ahead.pop(setting)])
+        else:
+            beside = _next_simulated(settings[i + 1:], candidates, not_simulated) if _slow(candidates) else None
+            say(f"simulating {setting}" + (f", and {beside} beside it" if beside else ""))
+            if beside is None:
+                candidate.plan = plan(job, setting, machine, ranks=at)
+            else:
+                here, there = _simulated_at_once(job, [(setting, at[0]), (beside, at[0])])
+                candidate.plan, ahead[beside] = plan(job, setting, machine, ranks=at, known=[here]), there
+        if candidate.plan.fits:
+            key = (setting.zero_stage, setting.hpz_partition_size, setting.gradient_checkpointing)
+            fits_with_less_offload.setdefault(key, candidate.plan)
     for candidate in candidates:
         if candidate.plan is None:
             continue
@@ -370,6 +378,53 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     return result, candidates
 
 
+def _not_simulated(setting: Setting, candidates: list[Candidate], fits_with_less_offload: dict[tuple, Plan],
+                   machine: Machine, max_micro_batch: int, fixed_micro: int | None, choosing_checkpointing: bool
+                   ) -> tuple[str, bool] | None:
+    """Why `setting` need not be simulated, from the candidates considered before it, and whether its model states
+    decide that; None where it must be (`choose`'s rules)."""
+    key = (setting.zero_stage, setting.hpz_partition_size, setting.gradient_checkpointing)
+    if setting.offload_optimizer != "none" and key in fits_with_less_offload:
+        skipped = _more_offload_skipped(fits_with_less_offload[key], setting, machine, max_micro_batch, fixed_micro,
+                                        candidates)
+        if skipped:
+            return f"not simulated: {skipped}", False
+    checkpointed = setting.gradient_checkpointing and choosing_checkpointing
+    twin = _twin_decided_by_model_states(candidates, setting, checkpointed)
+    if twin is not None:
+        return twin.outcome, True
+    staying, by_model_states = _staying_on_device(candidates, setting, machine)
+    staying = staying or _without_hpz_over(candidates, setting)
+    if staying:
+        return f"not simulated: {staying}", by_model_states
+    if checkpointed:
+        uncheckpointed = next((c for c in candidates if c.setting == replace(setting, gradient_checkpointing=False)),
+                              None)
+        if uncheckpointed is not None and uncheckpointed.plan is not None \
+                and uncheckpointed.plan.busiest.model_states > machine.gpu_memory:
+            return "not simulated: its model states alone exceed the device", True
+    return None
+
+
+def _slow(candidates: list[Candidate]) -> bool:
+    """Whether a simulation of the job so far took PARALLEL_AFTER_S, on a machine with a core to spare."""
+    return _cores() > 1 and any(r.seconds >= PARALLEL_AFTER_S for c in candidates if c.plan for r in c.plan.ranks)
+
+
+def _next_simulated(later: list[Setting], candidates: list[Candidate],
+                    not_simulated: callable) -> Setting | None:
+    """The first of `later` the rules would simulate if the candidate now being simulated told them nothing: worth
+    simulating beside it, on a core that would otherwise wait. Where its result does rule it out, the work is lost
+    and the choice the same."""
+    considered = list(candidates)
+    for setting in later:
+        skipped = not_simulated(setting, considered)
+        if skipped is None:
+            return setting
+        considered.append(Candidate(setting, outcome=skipped[0], model_states_decide=skipped[1]))
+    return None
+
+
 def _speed(candidate: Candidate, verified: dict[int, Plan]) -> float:
     """Tokens per second per GPU: planned at every distinct rank where checked, else projected from the probe."""
     checked = verified.get(id(candidate))
@@ -380,15 +435,23 @@ def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: cal
     """`setting` planned at every distinct rank, the probe's rank first. Where that rank does not fit and the
     micro-batch is open (`search`), the next micro-batch tried is the largest that fits on the line through the two
     peaks it measured (the probe's and this one: activations grow linearly with the micro-batch); where another rank
-    does not, half."""
+    does not, half. Where the probe's simulation took PARALLEL_AFTER_S and the machine has a core for each distinct
+    rank, the other ranks are simulated beside the probe's rank rather than after it, on cores that would otherwise
+    wait: their work is lost only where it does not fit. (With fewer cores, some would run after the others in any
+    case: on two, three 175B ranks at once took 2.4 times one's time, and one then two side by side 2.1.)"""
     low = probe.ranks[0]  # the probe's rank at the probe's micro-batch
+    every = distinct_ranks(job)
+    at_once = low.seconds >= PARALLEL_AFTER_S and _cores() >= len(every) > 1
     while setting.micro_batch >= 1:
-        say(f"checking {setting} at rank {low.rank}")
-        first = plan(job, setting, machine, ranks=[low.rank],
-                     known=probe.ranks if probe.setting == setting else [])
+        at = [low.rank] + ([r for r in every if r != low.rank] if at_once else [])
+        say(f"checking {setting} at rank{'s' if at_once else ''} {at if at_once else low.rank}")
+        checked = plan(job, setting, machine, ranks=at, known=probe.ranks if probe.setting == setting else [],
+                       at_once=at_once)
+        first = Plan(job, setting, machine, checked.ranks[:1])
         if first.fits:
-            say(f"checking {setting} at ranks {distinct_ranks(job)}")
-            result = plan(job, setting, machine, known=first.ranks)
+            if not at_once:
+                say(f"checking {setting} at ranks {distinct_ranks(job)}")
+            result = plan(job, setting, machine, known=checked.ranks)
             if result.fits:
                 return result
             next_micro = setting.micro_batch // 2

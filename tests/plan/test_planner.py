@@ -68,19 +68,54 @@ def test_offload_is_weighed_where_the_memory_it_frees_makes_room_for_a_larger_mi
                                          "(1); offloading more adds host time and copies")
 
 
-def test_ranks_simulated_side_by_side_in_other_processes_are_the_ranks_simulated_here():
-    """A large model's remaining ranks run in spawned interpreters at once (planner._side_by_side): each holds and
-    sends exactly what the same rank simulated in this process does."""
+def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at_a_time_does(monkeypatch):
+    """Where a simulation of the job was slow (planner.PARALLEL_AFTER_S), the next candidate the rules would simulate
+    runs beside the current one, and the winner's check simulates every distinct rank at once, in spawned
+    interpreters beside this one (planner._simulated_at_once). Every candidate's outcome, and each rank of the chosen
+    plan, is what the same choice made one simulation at a time finds: where the candidate simulated beside turns
+    out ruled out by the current one's result (hpZ, where plain stage 3 does not fit), its result is dropped."""
     from dataclasses import asdict
 
-    from hf_zero.plan.planner import _side_by_side
+    from hf_zero.plan import planner
     from hf_zero.plan.simulate import simulate_rank
 
-    job, setting = Job("gpt2-tiny", 2, 2, seq_len=32), Setting(3, micro_batch=2, hpz_partition_size=2)
-    apart = _side_by_side(job, setting, [1, 3], None)
-    here = [simulate_rank(job, setting, rank) for rank in (1, 3)]
-    assert [{**asdict(s), "seconds": 0} for s in apart] == [{**asdict(s), "seconds": 0} for s in here]
-    assert apart[1].sent["inter-node"] > 0  # rank 3's ring crosses to node 0
+    job = Job("gpt2-tiny", 2, 2, seq_len=32)
+    fixed = {"zero_stage": 3, "offload_optimizer": "none", "offload_param": "none"}
+
+    def choice(machine: Machine) -> tuple[list[dict], dict[str, str], list[str]]:
+        said = []
+        chosen, candidates = choose(job, machine, fixed, max_micro_batch=2, say=said.append)
+        ranks = [{**asdict(rank), "seconds": 0} for rank in chosen.ranks] if chosen else []
+        return ranks, {str(c.setting): c.outcome for c in candidates}, said
+
+    big = Machine(10**12)
+    one_at_a_time, outcomes, said = choice(big)
+    assert said[:2] == ["simulating stage 3, micro-batch 1", "simulating stage 3, micro-batch 1, checkpointing"]
+    winner = said[-1].removeprefix("checking ").removesuffix(" at ranks [0, 1, 3]")
+    assert winner.endswith("micro-batch 2") and said[-2] == f"checking {winner} at rank 1"
+    plain_checkpointed = plan(job, Setting(3, gradient_checkpointing=True), big, [probe_rank(job)]).busiest
+    small = Machine(plain_checkpointed.device_peak - 1)  # plain stage 3 fits with neither, so hpZ is not simulated
+    small_outcomes = choice(small)[1]
+
+    at_once = []
+    simulated_at_once = planner._simulated_at_once
+    monkeypatch.setattr(planner, "_simulated_at_once",
+                        lambda job, runs: at_once.append([str(s) for s, _ in runs]) or simulated_at_once(job, runs))
+    monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 0.0)
+    monkeypatch.setattr(planner, "_cores", lambda: 3)
+    beside, beside_outcomes, said = choice(big)
+    assert beside == one_at_a_time and beside_outcomes == outcomes
+    assert said[1] == "simulating stage 3, micro-batch 1, checkpointing, and stage 3, hpZ 2, micro-batch 1 beside it"
+    assert said[-1] == f"checking {winner} at ranks [1, 0, 3]" and len(at_once[-1]) == 3
+    assert beside[-1]["sent"]["inter-node"] > 0  # rank 3's ring crosses to node 0
+
+    # Whether a result simulated beside is dropped does not depend on where it ran: here, one after the other.
+    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: [simulate_rank(job, *run) for run in runs])
+    ranks, beside_outcomes, said = choice(small)
+    assert ranks == [] and beside_outcomes == small_outcomes
+    assert "simulating stage 3, micro-batch 1, checkpointing, and stage 3, hpZ 2, micro-batch 1, checkpointing " \
+           "beside it" in said
+    assert small_outcomes["stage 3, hpZ 2, micro-batch 1, checkpointing"].startswith("not simulated: without hpZ")
 
 
 def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only_where_the_machine_has_it(tmp_path):
