@@ -96,9 +96,9 @@ def model_class(model: str) -> type | None:
     names = getattr(config, "architectures", None) or []
     if names:
         named = getattr(transformers, names[0], None)
-        if not isinstance(named, type):
-            raise ValueError(f"{model}'s config.json names the architecture {names[0]}, which transformers "
-                             f"{transformers.__version__} does not have (a plan runs no code from a model's folder)")
+        if not (isinstance(named, type) and issubclass(named, transformers.PreTrainedModel)):
+            raise ValueError(f"{model}'s config.json names the architecture {names[0]}, which is not a model class "
+                             f"of transformers {transformers.__version__} (a plan runs no code from a model's folder)")
         return named
     if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
         raise ValueError(f"{model}'s config.json names no architecture, and {type(config).__name__} has no causal "

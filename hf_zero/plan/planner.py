@@ -128,10 +128,11 @@ def probe_rank(job: Job) -> int:
     return job.gpus_per_node - 1
 
 
-def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankStep]:
+def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankStep | Exception]:
     """`runs` ((setting, rank) pairs) simulated at once: the first here, the others in fresh interpreters (spawned:
     this process has torch's thread pools, which a fork would copy mid-state), as many at a time as the machine has
-    cores besides this one."""
+    cores besides this one. A spawned simulation's error is returned in its place, raised where its result is used
+    (`_used`): a candidate simulated ahead of its turn may never be needed."""
     flops = [_counted_flops.get(_flops_key(job, setting)) for setting, _ in runs]
     if len(runs) == 1:
         steps = [simulate_rank(job, *runs[0], flops[0])]
@@ -139,14 +140,22 @@ def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankSt
         workers = min(len(runs) - 1, _cores() - 1)
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             elsewhere = [pool.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
-            steps = [simulate_rank(job, *runs[0], flops[0]), *(future.result() for future in elsewhere)]
+            steps = [simulate_rank(job, *runs[0], flops[0]), *(f.exception() or f.result() for f in elsewhere)]
     for (setting, _), step in zip(runs, steps):
-        if step.flops:
+        if isinstance(step, RankStep) and step.flops:  # 0: said without running the engine (stages 0-2)
             _counted_flops[_flops_key(job, setting)] = step.flops
     return steps
 
 
-def _flops_key(job: Job, setting: Setting) -> tuple:
+def _used(step: RankStep | Exception) -> RankStep:
+    """A simulated rank, or the error its simulation raised, raised now."""
+    if isinstance(step, Exception):
+        raise step
+    return step
+
+
+def _flops_key(job: Job, setting: Setting) -> tuple[Job, int, bool]:
+    """What a step's FLOPs depend on: the model and its input, not the ZeRO setting or the rank."""
     return job, setting.micro_batch, setting.gradient_checkpointing
 
 
@@ -181,9 +190,9 @@ def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None =
     done = {r.rank: r for r in known}
     while left := [r for r in wanted if r not in done]:
         if len(left) > 1 and _cores() > 1 and (at_once or any(s.seconds >= PARALLEL_AFTER_S for s in done.values())):
-            done |= {s.rank: s for s in _simulated_at_once(job, [(setting, r) for r in left])}
+            done |= {s.rank: s for s in map(_used, _simulated_at_once(job, [(setting, r) for r in left]))}
         else:
-            done[left[0]] = _simulated_at_once(job, [(setting, left[0])])[0]
+            done[left[0]] = _used(_simulated_at_once(job, [(setting, left[0])])[0])
     simulated = [done[r] for r in wanted]
     result = Plan(job, setting, machine, simulated)
     result.step_seconds = max((step_seconds(job, setting, machine, r) for r in simulated),
@@ -245,12 +254,12 @@ def _largest_micro_batch(probe: Plan, machine: Machine, limit: int, freed: int =
     return best
 
 
-def _more_offload_skipped(less: Plan, base: Setting, machine: Machine, limit: int, fixed_micro: int | None,
+def _more_offload_skipped(less: Plan, setting: Setting, machine: Machine, limit: int, fixed_micro: int | None,
                          candidates: list[Candidate]) -> str | None:
-    """Why offloading as `base` does is not worth simulating where `less` (the same stage with less offload) fits, or
+    """Why offloading as `setting` does is not worth simulating where `less` (the same stage with less offload) fits, or
     None. Offloading more adds host time and copies; what it can buy is a larger micro-batch, and at most it frees
     what `less` holds on the device at its peak of the optimizer's states and the gradients (and of the parameters'
-    shards, where `base` offloads them too). With that freed, the larger micro-batch is weighed at `less`'s compute
+    shards, where `setting` offloads them too). With that freed, the larger micro-batch is weighed at `less`'s compute
     per sample and traffic per step plus the host's step, nothing for the copies: where even that is no faster than
     the fastest projection among `candidates` simulated so far, it is skipped."""
     if fixed_micro is not None:
@@ -258,14 +267,14 @@ def _more_offload_skipped(less: Plan, base: Setting, machine: Machine, limit: in
     micro = _largest_micro_batch(less, machine, limit)
     held, shards = less.busiest.device, less.busiest.at_rest["device"]
     # The parameters at the peak are also the units gathered there, which stay: only their shards move.
-    params = min(held["parameters"], shards["parameters"]) if base.offload_param != "none" else 0
+    params = min(held["parameters"], shards["parameters"]) if setting.offload_param != "none" else 0
     larger = _largest_micro_batch(less, machine, limit, held["optimizer_states"] + held["gradients"] + params)
     if larger <= micro:
         return (f"fits with less offload, at the largest micro-batch allowed ({micro})" if micro >= limit else
                 f"fits with less offload, and could not fit a larger micro-batch than its {micro}") + \
             "; offloading more adds host time and copies"
     seconds = less.step_seconds
-    host = step_seconds(less.job, base, machine, less.busiest)["host"]
+    host = step_seconds(less.job, setting, machine, less.busiest)["host"]
     at_most = _tokens_per_second_at(less, larger, {"compute": seconds["compute"],
                                                    "total": seconds["compute"] + seconds["network"] + host})
     fastest = _fastest_projection(candidates, machine, limit)
@@ -306,7 +315,7 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     fits_with_less_offload: dict[tuple, Plan] = {}  # the least offloaded setting that fits
     settings = [replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
                 for base in _bases(job, fixed, machine.nvme_capacity > 0) for ckpt in checkpointing]
-    ahead: dict[Setting, RankStep] = {}  # simulated beside an earlier candidate, before its turn
+    ahead: dict[Setting, RankStep | Exception] = {}  # simulated beside an earlier candidate, before its turn
 
     def not_simulated(setting: Setting, considered: list[Candidate]) -> tuple[str, bool] | None:
         return _not_simulated(setting, considered, fits_with_less_offload, machine, max_micro_batch, fixed_micro,
@@ -319,17 +328,17 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
         if skipped:
             candidate.outcome, candidate.model_states_decide = skipped
             continue
-        at = [probe_rank(job)]
+        rank = probe_rank(job)
         if setting in ahead:
-            candidate.plan = plan(job, setting, machine, ranks=at, known=[ahead.pop(setting)])
+            candidate.plan = plan(job, setting, machine, ranks=[rank], known=[_used(ahead.pop(setting))])
         else:
             beside = _next_simulated(settings[i + 1:], candidates, not_simulated) if _slow(candidates) else None
             say(f"simulating {setting}" + (f", and {beside} beside it" if beside else ""))
             if beside is None:
-                candidate.plan = plan(job, setting, machine, ranks=at)
+                candidate.plan = plan(job, setting, machine, ranks=[rank])
             else:
-                here, there = _simulated_at_once(job, [(setting, at[0]), (beside, at[0])])
-                candidate.plan, ahead[beside] = plan(job, setting, machine, ranks=at, known=[here]), there
+                here, there = _simulated_at_once(job, [(setting, rank), (beside, rank)])
+                candidate.plan, ahead[beside] = plan(job, setting, machine, ranks=[rank], known=[_used(here)]), there
         if candidate.plan.fits:
             key = (setting.zero_stage, setting.hpz_partition_size, setting.gradient_checkpointing)
             fits_with_less_offload.setdefault(key, candidate.plan)
@@ -398,10 +407,8 @@ def _not_simulated(setting: Setting, candidates: list[Candidate], fits_with_less
     if staying:
         return f"not simulated: {staying}", by_model_states
     if checkpointed:
-        uncheckpointed = next((c for c in candidates if c.setting == replace(setting, gradient_checkpointing=False)),
-                              None)
-        if uncheckpointed is not None and uncheckpointed.plan is not None \
-                and uncheckpointed.plan.busiest.model_states > machine.gpu_memory:
+        uncheckpointed = next(c for c in candidates if c.setting == replace(setting, gradient_checkpointing=False))
+        if uncheckpointed.plan is not None and uncheckpointed.plan.busiest.model_states > machine.gpu_memory:
             return "not simulated: its model states alone exceed the device", True
     return None
 
@@ -411,11 +418,11 @@ def _slow(candidates: list[Candidate]) -> bool:
     return _cores() > 1 and any(r.seconds >= PARALLEL_AFTER_S for c in candidates if c.plan for r in c.plan.ranks)
 
 
-def _next_simulated(later: list[Setting], candidates: list[Candidate],
-                    not_simulated: callable) -> Setting | None:
+def _next_simulated(later: list[Setting], candidates: list[Candidate], not_simulated: callable) -> Setting | None:
     """The first of `later` the rules would simulate if the candidate now being simulated told them nothing: worth
-    simulating beside it, on a core that would otherwise wait. Where its result does rule it out, the work is lost
-    and the choice the same."""
+    simulating beside it, on a core that would otherwise wait. A result can only add reasons to skip, so the
+    candidates between are skipped in any case; where the current candidate's result rules this one out too, its
+    work is lost and the choice the same."""
     considered = list(candidates)
     for setting in later:
         skipped = not_simulated(setting, considered)

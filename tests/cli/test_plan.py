@@ -128,7 +128,8 @@ def test_a_folder_whose_config_names_no_architecture_is_planned_as_transformers_
 
 
 @pytest.mark.parametrize("config_class, architectures, said", [
-    ("GPT2Config", ["GPT2WithOurOwnHead"], "names the architecture GPT2WithOurOwnHead, which transformers"),
+    ("GPT2Config", ["GPT2WithOurOwnHead"], "names the architecture GPT2WithOurOwnHead, which is not a model class"),
+    ("GPT2Config", ["GPT2Config"], "names the architecture GPT2Config, which is not a model class"),
     ("ViTConfig", None, "names no architecture, and ViTConfig has no causal language model"),
 ])
 def test_a_model_transformers_cannot_build_is_one_line_before_anything_is_simulated(config_class, architectures, said,

@@ -103,9 +103,12 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
                         lambda job, runs: at_once.append([str(s) for s, _ in runs]) or simulated_at_once(job, runs))
     monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 0.0)
     monkeypatch.setattr(planner, "_cores", lambda: 3)
+    monkeypatch.setattr(planner, "_counted_flops", {})  # counted again, in the runs side by side
     beside, beside_outcomes, said = choice(big)
     assert beside == one_at_a_time and beside_outcomes == outcomes
     assert said[1] == "simulating stage 3, micro-batch 1, checkpointing, and stage 3, hpZ 2, micro-batch 1 beside it"
+    # the result simulated beside is the one used: that setting is simulated once
+    assert sum(runs.count("stage 3, hpZ 2, micro-batch 1") for runs in at_once) == 1
     assert said[-1] == f"checking {winner} at ranks [1, 0, 3]" and len(at_once[-1]) == 3
     assert beside[-1]["sent"]["inter-node"] > 0  # rank 3's ring crosses to node 0
 

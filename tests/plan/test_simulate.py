@@ -287,6 +287,26 @@ def test_the_optimizers_states_are_the_ones_it_keeps():
     assert states["Lion"] == pytest.approx(8, rel=0.02)
 
 
+def test_counting_a_steps_flops_gives_torchs_count_and_changes_nothing_the_rank_holds(monkeypatch):
+    """A checkpointed GPT-2 at stage 3 on 2 ranks, its activations past its model states: the FLOPs a simulation
+    counts are those torch's FlopCounterMode counts in the same run, and every figure of the rank, its set-up's
+    peak included, is what a simulation given the count finds. torch's counter as it is, with its count by module,
+    holds each module's outputs through backward, which checkpointing would free: the set-up's peak it leaves is
+    larger."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_zero.plan import simulate
+
+    job, setting = Job("gpt2-tiny", 1, 2, seq_len=128), Setting(3, micro_batch=16, gradient_checkpointing=True)
+    counted = simulate_rank(job, setting, 1)
+    given = simulate_rank(job, setting, 1, counted.flops)
+    assert {**vars(counted), "seconds": 0} == {**vars(given), "seconds": 0}
+    monkeypatch.setattr(simulate, "_FlopsCounted", FlopCounterMode)
+    by_torch = simulate_rank(job, setting, 1)
+    assert by_torch.flops == counted.flops > 0
+    assert by_torch.setup_peak["device"] > 1.5 * counted.setup_peak["device"]
+
+
 def test_a_simulated_collective_counts_as_running_until_it_is_waited_on(monkeypatch):
     """Nothing runs in a simulated world, so nothing says when a collective ends: the plan takes a GPU's worst case,
     a handle that reads as running until it is waited on, so that stage 2's reducer holds MAX_IN_FLIGHT reductions'
