@@ -165,8 +165,8 @@ class _FakeReads(FakeTensorMode):
 
 class _FlopsCounted(FlopCounterMode):
     """torch's FLOP counter without its count by module, whose hooks on each module's outputs keep them alive through
-    backward: activations a checkpointed model frees. With them the set-up's peak of a checkpointed GPT-2 was 1.6x its
-    own (tests/plan/test_simulate.py). The count is the same."""
+    backward: activations a checkpointed model frees. With them the set-up's peak of a checkpointed GPT-2 was
+    1.6-1.9x its own (tests/plan/test_simulate.py). The count is the same."""
 
     def __enter__(self) -> FlopCounterMode:
         self.flop_counts.clear()
