@@ -457,7 +457,7 @@ def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: cal
         first = Plan(job, setting, machine, checked.ranks[:1])
         if first.fits:
             if not at_once:
-                say(f"checking {setting} at ranks {distinct_ranks(job)}")
+                say(f"checking {setting} at ranks {every}")
             result = plan(job, setting, machine, known=checked.ranks)
             if result.fits:
                 return result
