@@ -12,22 +12,25 @@ MICRO = 16
 
 
 @pytest.fixture
-def each_simulation_once(monkeypatch):
-    """A test's choices over one job on several machines simulate each (job, setting, rank) once: a simulation
-    depends on nothing else (the machine only judges it), and the FLOPs a later call is given are the ones it
-    counted."""
+def each_simulation_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test's choices over one job on several machines simulate each (job, setting, rank) once, which halves these
+    tests' time: a simulation depends on nothing else (the machine only judges it), and the FLOPs a later call is
+    given, counted for another setting of the same model, micro-batch and checkpointing, are the same (they do not
+    depend on the stage, offload, hpZ or rank). One simulation at a time: side by side is
+    test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at_a_time_does's."""
     from hf_zero.plan import planner
 
     simulated: dict[tuple[Job, Setting, int], RankStep] = {}
-    simulate = planner.simulate_rank
+    simulate_really = planner.simulate_rank
 
     def once(job: Job, setting: Setting, rank: int, flops: int | None = None) -> RankStep:
         if (job, setting, rank) not in simulated:
-            simulated[job, setting, rank] = simulate(job, setting, rank, flops)
+            simulated[job, setting, rank] = simulate_really(job, setting, rank, flops)
         step = simulated[job, setting, rank]
         assert flops is None or flops == step.flops, (setting, flops, step.flops)
         return copy.deepcopy(step)
 
+    monkeypatch.setattr(planner, "_cores", lambda: 1)  # a slow machine would otherwise spawn, which `once` cannot
     monkeypatch.setattr(planner, "simulate_rank", once)
 
 
@@ -52,7 +55,8 @@ def test_an_offloaded_checkpointed_setting_is_simulated_where_only_activations_r
         "not simulated: its activations and temporaries alone")
 
 
-def test_offload_is_weighed_where_the_memory_it_frees_makes_room_for_a_larger_micro_batch(each_simulation_once):
+@pytest.mark.usefixtures("each_simulation_once")
+def test_offload_is_weighed_where_the_memory_it_frees_makes_room_for_a_larger_micro_batch():
     """A device on which stage 3 fits micro-batch 1 but not 2 on each of 2 ranks, its activations the limit:
     offloading the optimizer frees its states and gradients, room for a larger micro-batch. That offloaded setting is
     simulated, not skipped for fitting with less offload, and its larger micro-batch, over which a slow link's
@@ -145,8 +149,8 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
     assert small_outcomes["stage 3, hpZ 2, micro-batch 1, checkpointing"].startswith("not simulated: without hpZ")
 
 
-def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only_where_the_machine_has_it(
-        tmp_path, each_simulation_once):
+@pytest.mark.usefixtures("each_simulation_once")
+def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only_where_the_machine_has_it(tmp_path):
     """ZeRO-Infinity: a GPT-2 of 51M on one GPU too small for stage 3 unoffloaded, whose host cannot hold the
     optimizer's states offloaded to it (12 bytes a parameter), trains with them on NVMe; without NVMe nothing fits
     and the answer says NVMe would help; with too little, NVMe's candidates lose for it."""
@@ -188,8 +192,8 @@ def test_nvme_is_chosen_where_the_host_cannot_hold_the_offloaded_states_and_only
         assert outcomes[f"stage 3, {on_nvme}, micro-batch 1"].startswith("NVMe: "), outcomes
 
 
-def test_hpz_is_chosen_where_the_inter_node_link_is_slow_and_its_secondary_copy_fits(tmp_path,
-                                                                                     each_simulation_once):
+@pytest.mark.usefixtures("each_simulation_once")
+def test_hpz_is_chosen_where_the_inter_node_link_is_slow_and_its_secondary_copy_fits(tmp_path):
     """ZeRO++'s hpZ over 2 nodes of 2 GPUs: a device too small for stages 0-2 takes stage 3, where hpZ keeps a
     secondary copy of the parameters within each node so that the backward's all-gather stays off the inter-node
     link. Over a slow link that is chosen; over links fast enough that the step is all compute the two tie and plain
