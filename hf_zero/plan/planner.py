@@ -8,7 +8,7 @@ and the last of the world; every other rank holds and sends what one of them doe
 
 The step time, per rank, with nothing overlapped (an upper bound; overlap is what the engine's streams buy back):
 
-    compute   the forward's and backward's FLOPs, counted by torch's FlopCounterMode on the first step (the same
+    compute   the forward's and backward's FLOPs, counted by FlopCounterMode's formulas on the first step (the same
               shapes; recomputation included), at gpu_tflops x mfu
     network   the bytes this rank sent over intra-node and inter-node links (the ledger's), at each link's bandwidth
     copies    the bytes copied between the device and the host (offload), at the PCIe bandwidth
@@ -19,13 +19,19 @@ The constants are `Machine`'s defaults, each a flag of `hf-zero plan`.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import math
 import multiprocessing
 import os
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from hf_zero.optim.optimizer import check_optimizer
 from hf_zero.plan.machine import GB, KEYS, Machine
@@ -128,19 +134,97 @@ def probe_rank(job: Job) -> int:
     return job.gpus_per_node - 1
 
 
+class _Workers:
+    """The interpreters that run simulations beside this process's, `count()` of them, spawned (this process has
+    torch's thread pools, which a fork would copy mid-state). They start once a simulation here has run
+    PARALLEL_AFTER_S (`started_if_slow`), on the cores it leaves waiting, so that their imports (~5 s) are over when
+    the next simulations side by side need them; and they are kept until the outermost plan or choice is made (the
+    object as a context) rather than spawned again for each: a 175B plan's two rounds side by side each took ~6 s
+    longer with workers spawned for the round."""
+
+    def __init__(self) -> None:
+        self.pool: ProcessPoolExecutor | None = None
+        self.users = 0
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self.users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.drop()
+
+    def kept(self, function: Callable) -> Callable:
+        """`function`, the workers kept through it."""
+        @functools.wraps(function)
+        def with_workers(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return function(*args, **kwargs)
+        return with_workers
+
+    def drop(self) -> None:
+        with self.lock:
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def count() -> int:
+        """One for each core besides this one, up to the two ranks checked beside the probe's (`distinct_ranks`)."""
+        return min(_cores() - 1, 2)
+
+    def get(self) -> ProcessPoolExecutor:
+        with self.lock:
+            if self.pool is None:
+                self.pool = ProcessPoolExecutor(self.count(), mp_context=multiprocessing.get_context("spawn"))
+            return self.pool
+
+    def start(self) -> None:
+        pool = self.get()
+        for _ in range(self.count()):
+            pool.submit(_imported)
+
+    @contextlib.contextmanager
+    def started_if_slow(self) -> Iterator[None]:
+        """Inside, a simulation here: the workers start if it runs PARALLEL_AFTER_S."""
+        if _cores() < 2 or self.pool is not None:
+            yield
+            return
+        timer = threading.Timer(PARALLEL_AFTER_S, self.start)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            timer.join()  # where it fired: the workers it starts are the ones `drop` shuts down
+
+
+def _imported() -> None:
+    """What a simulation imports besides this module, imported in a worker before it is needed."""
+    import transformers.modeling_utils  # noqa: F401
+
+    import hf_zero.engine  # noqa: F401
+
+
+_workers = _Workers()
+
+
 def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankStep | Exception]:
-    """`runs` ((setting, rank) pairs) simulated at once: the first here, the others in fresh interpreters (spawned:
-    this process has torch's thread pools, which a fork would copy mid-state), as many at a time as the machine has
-    cores besides this one. A spawned simulation's error is returned in its place, raised where its result is used
-    (`_used`): a candidate simulated ahead of its turn may never be needed."""
+    """`runs` ((setting, rank) pairs) simulated at once: the first here, the others in `_workers`. A spawned
+    simulation's error is returned in its place, raised where its result is used (`_used`): a candidate simulated
+    ahead of its turn may never be needed."""
     flops = [_counted_flops.get(_flops_key(job, setting)) for setting, _ in runs]
     if len(runs) == 1:
-        steps = [simulate_rank(job, *runs[0], flops[0])]
+        with _workers.started_if_slow():
+            steps = [simulate_rank(job, *runs[0], flops[0])]
     else:
-        workers = min(len(runs) - 1, _cores() - 1)
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            elsewhere = [pool.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
-            steps = [simulate_rank(job, *runs[0], flops[0]), *(f.exception() or f.result() for f in elsewhere)]
+        pool = _workers.get()
+        elsewhere = [pool.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
+        steps = [simulate_rank(job, *runs[0], flops[0]), *(f.exception() or f.result() for f in elsewhere)]
+        if any(isinstance(step, BrokenProcessPool) for step in steps):
+            _workers.drop()  # a worker died: the next simulations side by side get new ones
     for (setting, _), step in zip(runs, steps):
         if isinstance(step, RankStep) and step.flops:  # 0: said without running the engine (stages 0-2)
             _counted_flops[_flops_key(job, setting)] = step.flops
@@ -176,11 +260,12 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
             "total": compute + network + copies + host + nvme}
 
 
-# A simulation this long makes the next ranks worth simulating side by side, in processes of their own (each pays
-# ~5 s of imports): 175B over 1024 GPUs takes ~20 s a rank on one core.
+# A simulation this long makes the next ranks worth simulating side by side, in processes of their own (`_Workers`):
+# 175B over 1024 GPUs takes ~20 s a rank on one core.
 PARALLEL_AFTER_S = 10.0
 
 
+@_workers.kept
 def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None = None,
          known: list[RankStep] = (), at_once: bool = False) -> Plan:
     """`setting` simulated at each distinct rank of `job` (or at `ranks`); `known` ranks are not simulated again.
@@ -296,6 +381,7 @@ def _fastest_projection(candidates: list[Candidate], machine: Machine, limit: in
     return max(speeds)
 
 
+@_workers.kept
 def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
            say: callable = lambda line: None) -> tuple[Plan | None, list[Candidate]]:
     """The fastest setting (tokens per second per GPU) that fits, among stages, offloads, hpZ, checkpointing and

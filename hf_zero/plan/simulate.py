@@ -15,6 +15,7 @@ optimizer step) run as one rank of a world of any size, on one CPU, holding no m
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from hf_zero.plan.memory import KINDS, PLACES, MemoryCount
 from hf_zero.plan.models import build_model
@@ -163,20 +164,54 @@ class _FakeReads(FakeTensorMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _FlopsCounted(FlopCounterMode):
-    """torch's FLOP counter without its count by module, whose hooks on each module's outputs keep them alive through
-    backward: activations a checkpointed model frees. With them the set-up's peak of a checkpointed GPT-2 was
-    1.6-1.9x its own (tests/plan/test_simulate.py). The count is the same."""
+class _StepCount(MemoryCount):
+    """MemoryCount that also counts the FLOPs of what runs while `counting` (`_FlopsOf`), as torch's FlopCounterMode
+    does (its formulas, `flop_registry`; an op with a composite decomposition counted as its parts) without its
+    count by module, whose hooks on each module's outputs keep them alive through backward: activations a
+    checkpointed model frees (the set-up's peak of a checkpointed GPT-2 came out 1.6-1.9x its own,
+    tests/plan/test_simulate.py). One dispatch mode, not two: torch's counter above this one took 13% of a 175B
+    simulation."""
 
-    def __enter__(self) -> FlopCounterMode:
-        self.flop_counts.clear()
-        self.mode = _FlopCounterMode(self)  # what FlopCounterMode enters besides its module tracker
-        self.mode.__enter__()
-        return self
+    def __init__(self) -> None:
+        super().__init__()
+        self.counting = False
+        self.flops = 0
 
-    def __exit__(self, *args: object) -> None:
-        self.mode.__exit__(*args)
-        self.mode = None
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.counting or func is torch.ops.prim.device.default:  # as torch's counter: not decomposed
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        kwargs = kwargs or {}
+        if _decomposes(func):
+            with self:
+                return func.decompose(*args, **kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+@functools.cache
+def _decomposes(func: torch._ops.OpOverload) -> bool:
+    """Whether `func` has a composite decomposition (what OpOverload.decompose runs)."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    return key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+
+
+class _FlopsOf:
+    """The FLOPs `count` counts of what runs inside, as torch's FlopCounterMode gives them (`get_total_flops`)."""
+
+    def __init__(self, count: _StepCount) -> None:
+        self.count = count
+
+    def __enter__(self) -> None:
+        self.count.flops, self.count.counting = 0, True
+
+    def __exit__(self, *exc: object) -> None:
+        self.count.counting = False
+
+    def get_total_flops(self) -> int:
+        return self.count.flops
 
 
 @contextlib.contextmanager
@@ -282,7 +317,7 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     """Rank `rank` of `job` trained with `setting`: its memory at the second step's peak and what it sent then.
     `flops`: the step's, known from another simulation of the same model, micro-batch and checkpointing (the ZeRO
     setting does not change them), so not counted again."""
-    count = MemoryCount()
+    count = _StepCount()
     line = PlanTimeline(count, job.gpu_memory)
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -293,7 +328,7 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     return step
 
 
-def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: PlanTimeline,
+def _simulate(job: Job, setting: Setting, rank: int, count: _StepCount, line: PlanTimeline,
               known_flops: int | None) -> RankStep:
     from hf_zero.engine import initialize
 
@@ -325,7 +360,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: MemoryCount, line: P
         optimizer = optimizer_class(job.optimizer, job.optimizer_folder)(
             [p for p in model.parameters() if p.requires_grad], **json.loads(job.optimizer_kwargs))
         engine = initialize(model, optimizer, setting.engine_config(job))
-        flops = _FlopsCounted(display=False) if known_flops is None else contextlib.nullcontext()
+        flops = _FlopsOf(count) if known_flops is None else contextlib.nullcontext()
         for step in range(2):
             if step == 1:
                 # building the model whole, set-up and the first step

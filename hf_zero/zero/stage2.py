@@ -140,7 +140,9 @@ class PartitionedGradients(GradientReducer):
 
     def _add_to_bucket(self, key: BucketKey, piece: Piece, grad: torch.Tensor) -> None:
         """Adds `piece` of a parameter's gradient `grad` into its bucket."""
-        grad = grad.reshape(-1)[piece.param_lo:piece.param_hi]
+        grad = grad.reshape(-1)
+        if piece.param_hi - piece.param_lo < grad.numel():  # the parameter spans buckets
+            grad = grad[piece.param_lo:piece.param_hi]
         n = grad.numel()
         if key not in self.bucket_buffers:
             # A bucket's first small pieces are kept aside until its pieces would fill 1/EARLY_SHARE of it: a

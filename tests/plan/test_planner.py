@@ -104,6 +104,8 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
     out ruled out by the current one's result (hpZ, where plain stage 3 does not fit), its result is dropped."""
     from dataclasses import asdict
 
+    import psutil
+
     from hf_zero.plan import planner
     from hf_zero.plan.simulate import simulate_rank
 
@@ -139,6 +141,10 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
     assert sum(runs.count("stage 3, hpZ 2, micro-batch 1") for runs in at_once) == 1
     assert said[-1] == f"checking {winner} at ranks [1, 0, 3]" and len(at_once[-1]) == 3
     assert beside[-1]["sent"]["inter-node"] > 0  # rank 3's ring crosses to node 0
+    # The interpreters started for it go once the choice is made: a run planned by --zero_stage auto trains without.
+    assert planner._workers.pool is None
+    spawned = [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
+    assert not psutil.wait_procs(spawned, timeout=30)[1]
 
     # Whether a result simulated beside is dropped does not depend on where it ran: here, one after the other.
     monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: [simulate_rank(job, *run) for run in runs])

@@ -33,12 +33,14 @@ def test_buckets_have_the_configured_size_and_params_may_straddle_them():
     assert straddling and straddling[0].param_hi == 35  # p0's tail lands in bucket 3 with p1's head
 
 
-def test_pack_and_bind_makes_params_views_of_one_buffer_with_their_values():
+def test_pack_and_bind_makes_params_views_of_one_buffer_with_their_values_and_zero_padding():
     named = params((4, 3), (5,))
     expected = torch.cat([p.detach().reshape(-1).clone() for _, p in named])
-    flat = FlatParamBuffer(named, 2, torch.float32)
+    flat = FlatParamBuffer(named, 4, torch.float32)
+    flat.data.fill_(9.0)  # the buffer is allocated uninitialised
     flat.pack_and_bind()
     assert torch.equal(flat.data[:flat.numel], expected)
+    assert flat.padded_numel == 20 and torch.equal(flat.data[flat.numel:], torch.zeros(3))
     named[1][1].data.add_(1)
     assert torch.equal(flat.data[12:17], expected[12:17] + 1), "parameters are views into the buffer"
 
