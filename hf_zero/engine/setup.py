@@ -148,9 +148,8 @@ def sync_module_states(model: nn.Module, comm: Communicator, init_from: Any) -> 
     if init_from is not None:
         init_from.fill_rest(model)
         return compute_device()
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            comm.broadcast_(local(t))
+    for t in [*model.parameters(), *model.buffers()]:
+        comm.broadcast_(local(t))
     return None
 
 

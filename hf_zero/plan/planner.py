@@ -28,10 +28,10 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from hf_zero.optim.optimizer import check_optimizer
 from hf_zero.plan.machine import GB, KEYS, Machine
@@ -134,36 +134,40 @@ def probe_rank(job: Job) -> int:
     return job.gpus_per_node - 1
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
 class _Workers:
     """The interpreters that run simulations beside this process's, `count()` of them, spawned (this process has
     torch's thread pools, which a fork would copy mid-state). They start once a simulation here has run
     PARALLEL_AFTER_S (`started_if_slow`), on the cores it leaves waiting, so that their imports (~5 s) are over when
     the next simulations side by side need them; and they are kept until the outermost plan or choice is made (the
-    object as a context) rather than spawned again for each: a 175B plan's two rounds side by side each took ~6 s
-    longer with workers spawned for the round."""
+    object as a context) rather than spawned again for each round, which paid those imports every time."""
 
     def __init__(self) -> None:
         self.pool: ProcessPoolExecutor | None = None
-        self.users = 0
-        self.lock = threading.Lock()
+        self.depth = 0  # plans and choices being made, one inside another (planning runs in one thread)
+        self.lock = threading.Lock()  # the Timer's thread starts the pool
 
     def __enter__(self) -> None:
-        self.users += 1
+        self.depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        self.users -= 1
-        if self.users == 0:
+        self.depth -= 1
+        if self.depth == 0:
             self.drop()
 
-    def kept(self, function: Callable) -> Callable:
+    def kept(self, function: Callable[P, R]) -> Callable[P, R]:
         """`function`, the workers kept through it."""
         @functools.wraps(function)
-        def with_workers(*args: Any, **kwargs: Any) -> Any:
+        def with_workers(*args: P.args, **kwargs: P.kwargs) -> R:
             with self:
                 return function(*args, **kwargs)
         return with_workers
 
     def drop(self) -> None:
+        """Shuts the workers down: each exits once its task, if it has one, is done."""
         with self.lock:
             pool, self.pool = self.pool, None
         if pool is not None:
@@ -180,10 +184,17 @@ class _Workers:
                 self.pool = ProcessPoolExecutor(self.count(), mp_context=multiprocessing.get_context("spawn"))
             return self.pool
 
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """`fn(*args)` in a worker; in new workers where one has died since it last ran (killed for memory)."""
+        try:
+            return self.get().submit(fn, *args)
+        except BrokenProcessPool:
+            self.drop()
+            return self.get().submit(fn, *args)
+
     def start(self) -> None:
-        pool = self.get()
         for _ in range(self.count()):
-            pool.submit(_imported)
+            self.submit(_imported)
 
     @contextlib.contextmanager
     def started_if_slow(self) -> Iterator[None]:
@@ -202,7 +213,8 @@ class _Workers:
 
 
 def _imported() -> None:
-    """What a simulation imports besides this module, imported in a worker before it is needed."""
+    """Most of what a simulation imports besides this module (torch, transformers, the engine), imported in a worker
+    before it is needed."""
     import transformers.modeling_utils  # noqa: F401
 
     import hf_zero.engine  # noqa: F401
@@ -220,11 +232,8 @@ def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankSt
         with _workers.started_if_slow():
             steps = [simulate_rank(job, *runs[0], flops[0])]
     else:
-        pool = _workers.get()
-        elsewhere = [pool.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
+        elsewhere = [_workers.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
         steps = [simulate_rank(job, *runs[0], flops[0]), *(f.exception() or f.result() for f in elsewhere)]
-        if any(isinstance(step, BrokenProcessPool) for step in steps):
-            _workers.drop()  # a worker died: the next simulations side by side get new ones
     for (setting, _), step in zip(runs, steps):
         if isinstance(step, RankStep) and step.flops:  # 0: said without running the engine (stages 0-2)
             _counted_flops[_flops_key(job, setting)] = step.flops

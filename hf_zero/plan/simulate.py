@@ -164,10 +164,10 @@ class _FakeReads(FakeTensorMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class _StepCount(MemoryCount):
-    """MemoryCount that also counts the FLOPs of what runs while `counting` (`_FlopsOf`), as torch's FlopCounterMode
-    does (its formulas, `flop_registry`; an op with a composite decomposition counted as its parts) without its
-    count by module, whose hooks on each module's outputs keep them alive through backward: activations a
+class _MemoryAndFlopCount(MemoryCount):
+    """MemoryCount that also counts the FLOPs of what runs while `counting` (`_FlopsCounted`), as torch's
+    FlopCounterMode does (its formulas, `flop_registry`; an op with a composite decomposition counted as its parts)
+    without its count by module, whose hooks on each module's outputs keep them alive through backward: activations a
     checkpointed model frees (the set-up's peak of a checkpointed GPT-2 came out 1.6-1.9x its own,
     tests/plan/test_simulate.py). One dispatch mode, not two: torch's counter above this one took 13% of a 175B
     simulation."""
@@ -198,10 +198,10 @@ def _decomposes(func: torch._ops.OpOverload) -> bool:
     return key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
 
 
-class _FlopsOf:
+class _FlopsCounted:
     """The FLOPs `count` counts of what runs inside, as torch's FlopCounterMode gives them (`get_total_flops`)."""
 
-    def __init__(self, count: _StepCount) -> None:
+    def __init__(self, count: _MemoryAndFlopCount) -> None:
         self.count = count
 
     def __enter__(self) -> None:
@@ -317,7 +317,7 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     """Rank `rank` of `job` trained with `setting`: its memory at the second step's peak and what it sent then.
     `flops`: the step's, known from another simulation of the same model, micro-batch and checkpointing (the ZeRO
     setting does not change them), so not counted again."""
-    count = _StepCount()
+    count = _MemoryAndFlopCount()
     line = PlanTimeline(count, job.gpu_memory)
     start = time.perf_counter()
     with warnings.catch_warnings():
@@ -328,7 +328,7 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     return step
 
 
-def _simulate(job: Job, setting: Setting, rank: int, count: _StepCount, line: PlanTimeline,
+def _simulate(job: Job, setting: Setting, rank: int, count: _MemoryAndFlopCount, line: PlanTimeline,
               known_flops: int | None) -> RankStep:
     from hf_zero.engine import initialize
 
@@ -360,7 +360,7 @@ def _simulate(job: Job, setting: Setting, rank: int, count: _StepCount, line: Pl
         optimizer = optimizer_class(job.optimizer, job.optimizer_folder)(
             [p for p in model.parameters() if p.requires_grad], **json.loads(job.optimizer_kwargs))
         engine = initialize(model, optimizer, setting.engine_config(job))
-        flops = _FlopsOf(count) if known_flops is None else contextlib.nullcontext()
+        flops = _FlopsCounted(count) if known_flops is None else contextlib.nullcontext()
         for step in range(2):
             if step == 1:
                 # building the model whole, set-up and the first step

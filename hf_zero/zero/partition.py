@@ -194,8 +194,8 @@ class FlatParamBuffer:
     @torch.no_grad()
     def pack_and_bind(self) -> None:
         """Copies the parameters into the buffer and makes each parameter a view of it (M_D: one allocation).
-        Each is copied into the view it is then bound to: three ops a parameter, where reading the buffer whole and
-        binding after took seven."""
+        Each is copied into the view it is then bound to: three ops a parameter, which a GPU's launch queue and a
+        simulated 175B set-up both pay."""
         self.data[self.numel:].zero_()  # the padding
         for s in self.slices:
             view = self.view_of(s)

@@ -143,8 +143,7 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
     assert beside[-1]["sent"]["inter-node"] > 0  # rank 3's ring crosses to node 0
     # The interpreters started for it go once the choice is made: a run planned by --zero_stage auto trains without.
     assert planner._workers.pool is None
-    spawned = [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
-    assert not psutil.wait_procs(spawned, timeout=30)[1]
+    assert not psutil.wait_procs(_spawned_interpreters(), timeout=30)[1]
 
     # Whether a result simulated beside is dropped does not depend on where it ran: here, one after the other.
     monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: [simulate_rank(job, *run) for run in runs])
@@ -245,3 +244,34 @@ def test_hpz_is_chosen_where_the_inter_node_link_is_slow_and_its_secondary_copy_
 
     chosen, outcomes = choice(measured[3, 1].device_peak - 1, inter_node_gbps=1e-3)
     assert chosen is None and outcomes[3, 2].startswith("not simulated: without hpZ it takes"), outcomes
+
+
+def _spawned_interpreters() -> list:
+    """This process's children that multiprocessing spawned, as far as they have not exited."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:  # exited since it was listed
+            pass
+    return found
+
+
+def test_a_worker_that_died_is_replaced_for_the_next_simulation_beside():
+    """A worker that dies between rounds (killed for memory, say) breaks its pool: the next simulation side by side
+    runs in new workers rather than failing the plan."""
+    import os
+    from concurrent.futures.process import BrokenProcessPool
+
+    from hf_zero.plan.planner import _Workers
+
+    workers = _Workers()
+    with workers:
+        died = workers.submit(os._exit, 1)
+        with pytest.raises(BrokenProcessPool):
+            died.result(timeout=60)
+        assert workers.submit(abs, -3).result(timeout=60) == 3
+    assert workers.pool is None

@@ -301,7 +301,7 @@ def test_counting_a_steps_flops_gives_torchs_count_and_changes_nothing_the_rank_
     counted = simulate_rank(job, setting, 1)
     given = simulate_rank(job, setting, 1, counted.flops)
     assert {**vars(counted), "seconds": 0} == {**vars(given), "seconds": 0}
-    monkeypatch.setattr(simulate, "_FlopsOf", lambda count: FlopCounterMode(display=False))
+    monkeypatch.setattr(simulate, "_FlopsCounted", lambda count: FlopCounterMode(display=False))
     by_torch = simulate_rank(job, setting, 1)
     assert by_torch.flops == counted.flops > 0
     assert by_torch.setup_peak["device"] > 1.5 * counted.setup_peak["device"]
