@@ -194,13 +194,12 @@ class FlatParamBuffer:
     @torch.no_grad()
     def pack_and_bind(self) -> None:
         """Copies the parameters into the buffer and makes each parameter a view of it (M_D: one allocation).
-        Each is copied into the view it is then bound to: three ops a parameter, which a GPU's launch queue and a
-        simulated 175B set-up both pay."""
+        Each is copied into the view it is then bound to (`view_of` keeps it): three ops a parameter, which a GPU's
+        launch queue and a simulated 175B set-up both pay."""
         self.data[self.numel:].zero_()  # the padding
         for s in self.slices:
-            view = self.view_of(s)
-            view.copy_(local(s.param))
-            set_data(s.param, view)
+            self.view_of(s).copy_(local(s.param))
+        self.bind()
 
     def bind(self) -> None:
         """Makes each parameter a view of the buffer as it is."""
