@@ -2,6 +2,7 @@
 downloaded: a plan runs before any machine is rented, possibly offline)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import lru_cache
 from typing import Any
@@ -31,13 +32,16 @@ def model_config(model: str) -> Any:
 
 
 def build_model(model: str, adapter: str | None = None, frozen: tuple[str, ...] | None = None,
-                adapter_name: str = "default") -> torch.nn.Module:
+                adapter_name: str = "default", initialised: bool = True) -> torch.nn.Module:
     """The model to train, built from its config (random weights: a plan needs sizes only), with the peft adapter
     saved in folder `adapter` (its adapter_config.json) around it under `adapter_name`, and, where `frozen` names
     the parameters that do not train, every other one trained (else what the class and the adapter train). Attention
     dropout is 0: a GPU's fused attention (flash) keeps no sequence x sequence matrices with or without dropout, and
-    the CPU's fused kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form."""
-    built = _base_model(model) if adapter is None else _with_adapter(model, adapter, adapter_name)
+    the CPU's fused kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form.
+    Not `initialised`: built without drawing its initial values, as transformers' from_pretrained builds a model it
+    then loads, for a plan's fake tensors, which hold none (a 175B GPT-2 then builds in 0.7 s, not 1.2); an
+    adapter's model is built on the meta device, never initialised."""
+    built = _base_model(model, initialised) if adapter is None else _with_adapter(model, adapter, adapter_name)
     if frozen is not None:
         names = {name for name, _ in built.named_parameters()}
         unknown = sorted(set(frozen) - names)
@@ -72,17 +76,25 @@ def _with_adapter(model: str, adapter: str, adapter_name: str) -> torch.nn.Modul
     return built
 
 
-def _base_model(model: str) -> torch.nn.Module:
+def _base_model(model: str, initialised: bool = True) -> torch.nn.Module:
+    """Not `initialised`, its weights are tied as post_init ties them, which no_init_weights skips with the rest of
+    init_weights."""
     import transformers
+    from transformers.initialization import no_init_weights
 
     config = copy.deepcopy(model_config(model))  # the cached one serves the next plan and `hf-zero estimate` as it is
     no_attention_dropout = {name: 0.0 for name, value in config.to_dict().items()
                             if "drop" in name and ("attn" in name or "attention" in name) and isinstance(value, float)}
-    if is_zoo_model(model) and model != model_zoo.MINILM:
-        return model_zoo.build(model, **no_attention_dropout)
-    config.update(no_attention_dropout)
-    named = model_class(model)
-    return named._from_config(config) if named else transformers.AutoModelForCausalLM.from_config(config)
+    with contextlib.nullcontext() if initialised else no_init_weights():
+        if is_zoo_model(model) and model != model_zoo.MINILM:
+            built = model_zoo.build(model, **no_attention_dropout)
+        else:
+            config.update(no_attention_dropout)
+            named = model_class(model)
+            built = named._from_config(config) if named else transformers.AutoModelForCausalLM.from_config(config)
+    if not initialised:
+        built.tie_weights()
+    return built
 
 
 def model_class(model: str) -> type | None:

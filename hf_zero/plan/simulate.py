@@ -328,22 +328,42 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     return step
 
 
+# (model, adapter, frozen, adapter_name) -> (parameters, trained parameters): a model too large for stages 0-2 is
+# built once for its count, not once a stage (a 175B GPT-2's first build takes 1.5-2 s).
+_PARAMETERS_COUNTED: dict[tuple, tuple[int, int]] = {}
+
+
+def _whole_model_over_the_device(job: Job, setting: Setting, rank: int, params: int, trained: int
+                                 ) -> RankStep | None:
+    """At stages 0-2, where every rank would hold the whole model in the compute dtype and that alone exceeds the
+    device: the step said without running the engine, whose buckets, cut to the little memory left, would number
+    in the millions. None otherwise."""
+    whole = params * BYTES_PER_ELEMENT[job.dtype]
+    if setting.zero_stage == 3 or whole <= job.gpu_memory:
+        return None
+    held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
+    return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
+                    {}, {}, 0, {}, 0, params, together_peak=whole, trained_params=trained)
+
+
 def _simulate(job: Job, setting: Setting, rank: int, count: _MemoryAndFlopCount, line: PlanTimeline,
               known_flops: int | None) -> RankStep:
     from hf_zero.engine import initialize
 
+    built = (job.model, job.adapter, job.frozen, job.adapter_name)
+    if built in _PARAMETERS_COUNTED:
+        over = _whole_model_over_the_device(job, setting, rank, *_PARAMETERS_COUNTED[built])
+        if over is not None:
+            return over
     with simulated_world(job.world_size, rank), _FakeReads(allow_non_fake_inputs=True), count, \
             timeline_in_force(line), watching_spans(count.span), _forwards_counted(count):
-        model = build_model(job.model, job.adapter, job.frozen, job.adapter_name)
+        model = build_model(*built, initialised=False)
         params = sum(p.numel() for p in model.parameters())
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        whole = params * BYTES_PER_ELEMENT[job.dtype]
-        if setting.zero_stage < 3 and whole > job.gpu_memory:
-            # Every rank would hold the whole model in the compute dtype: it cannot fit, and the engine's buckets,
-            # cut to the little memory left, would number in the millions. Said without running the engine.
-            held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
-            return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
-                            {}, {}, 0, {}, 0, params, together_peak=whole, trained_params=trained)
+        _PARAMETERS_COUNTED[built] = params, trained
+        over = _whole_model_over_the_device(job, setting, rank, params, trained)
+        if over is not None:
+            return over
         for p in model.parameters():
             count.track(p, "parameters")
             if p.requires_grad:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import model_zoo
 from hf_zero.plan.planner import distinct_ranks
 from hf_zero.plan.simulate import Job, Setting, simulate_rank
 
@@ -305,6 +306,52 @@ def test_counting_a_steps_flops_gives_torchs_count_and_changes_nothing_the_rank_
     by_torch = simulate_rank(job, setting, 1)
     assert by_torch.flops == counted.flops > 0
     assert by_torch.setup_peak["device"] > 1.5 * counted.setup_peak["device"]
+
+
+def test_a_plans_model_is_built_without_drawing_values_and_plans_as_the_initialised_one(tmp_path, monkeypatch):
+    """A plan's tensors hold no values, so its model is built as transformers' from_pretrained builds one it then
+    loads: transformers initialises none of it. Its weights are still tied as post_init ties them (a GPT-2's head is its
+    embedding; a Llama that ties too), and every figure of the rank is what the same model initialised gives."""
+    from transformers import LlamaConfig, PreTrainedModel
+
+    from hf_zero.plan import simulate
+    from hf_zero.plan.models import build_model
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=100, tie_word_embeddings=True, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    drawn = []  # the models transformers initialised
+    initialize_weights = PreTrainedModel.initialize_weights
+    monkeypatch.setattr(PreTrainedModel, "initialize_weights",
+                        lambda model: drawn.append(type(model)) or initialize_weights(model))
+    for model in ("gpt2-tiny", str(tmp_path)):
+        initialised_count = sum(p.numel() for p in build_model(model).parameters())  # each tied weight once
+        drawn.clear()
+        job, setting = Job(model, 1, 2, seq_len=16), Setting(3)
+        planned = simulate_rank(job, setting, 1)
+        assert drawn == [] and planned.params == initialised_count
+        with monkeypatch.context() as initialised:
+            initialised.setattr(simulate, "build_model",
+                                lambda *args, **kwargs: build_model(*args, **{**kwargs, "initialised": True}))
+            reference = simulate_rank(job, setting, 1, planned.flops)
+        assert drawn, "the reference's initialisation ran"
+        assert {**vars(planned), "seconds": 0} == {**vars(reference), "seconds": 0}
+
+
+def test_a_model_too_large_for_stages_0_to_2_is_built_once_for_them(monkeypatch):
+    """Every rank of stages 0-2 would hold the whole model: where that alone exceeds the device, the plan says so
+    without running the engine, and counting the model's parameters for it takes one build for the three stages."""
+    from hf_zero.plan import simulate
+
+    builds = []
+    build = simulate.build_model
+    monkeypatch.setattr(simulate, "_PARAMETERS_COUNTED", {})
+    monkeypatch.setattr(simulate, "build_model", lambda *args, **kwargs: builds.append(args) or build(*args, **kwargs))
+    psi = model_zoo.parameter_count("gpt2-tiny")
+    job = Job("gpt2-tiny", 1, 2, "bf16", gpu_memory=2 * psi - 1)
+    ranks = [simulate_rank(job, Setting(stage), 1) for stage in (0, 1, 2)]
+    assert len(builds) == 1
+    for rank in ranks:
+        assert rank.params == psi and rank.device_peak == rank.device["parameters"] == 2 * psi
 
 
 def test_a_simulated_collective_counts_as_running_until_it_is_waited_on(monkeypatch):
