@@ -38,9 +38,10 @@ def build_model(model: str, adapter: str | None = None, frozen: tuple[str, ...] 
     the parameters that do not train, every other one trained (else what the class and the adapter train). Attention
     dropout is 0: a GPU's fused attention (flash) keeps no sequence x sequence matrices with or without dropout, and
     the CPU's fused kernel, which the plan runs, takes none; with it the CPU would fall back to the unfused form.
-    Not `initialised`: built without drawing its initial values, as transformers' from_pretrained builds a model it
-    then loads, for a plan's fake tensors, which hold none (a 175B GPT-2 then builds in 0.7 s, not 1.2); an
-    adapter's model is built on the meta device, never initialised."""
+    Not `initialised`: built without drawing initial values, for a plan's fake tensors, which hold none, as
+    transformers' _from_config builds a model under DeepSpeed ZeRO-3 (no_init_weights, then tie_weights). That
+    context patches torch's init functions process-wide while it builds: a plan's simulation has its process to
+    itself. An adapter's model is built on the meta device, never initialised."""
     built = _base_model(model, initialised) if adapter is None else _with_adapter(model, adapter, adapter_name)
     if frozen is not None:
         names = {name for name, _ in built.named_parameters()}

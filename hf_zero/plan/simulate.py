@@ -329,7 +329,8 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
 
 
 # (model, adapter, frozen, adapter_name) -> (parameters, trained parameters): a model too large for stages 0-2 is
-# built once for its count, not once a stage (a 175B GPT-2's first build takes 1.5-2 s).
+# built once for its count, not once a stage. Kept for the process's life: a folder whose config or adapter changes
+# on disk meanwhile keeps its first count (model_config keeps the configs of the last 8 models read so too).
 _PARAMETERS_COUNTED: dict[tuple, tuple[int, int]] = {}
 
 
@@ -350,17 +351,17 @@ def _simulate(job: Job, setting: Setting, rank: int, count: _MemoryAndFlopCount,
               known_flops: int | None) -> RankStep:
     from hf_zero.engine import initialize
 
-    built = (job.model, job.adapter, job.frozen, job.adapter_name)
-    if built in _PARAMETERS_COUNTED:
-        over = _whole_model_over_the_device(job, setting, rank, *_PARAMETERS_COUNTED[built])
+    model_key = (job.model, job.adapter, job.frozen, job.adapter_name)
+    if model_key in _PARAMETERS_COUNTED:
+        over = _whole_model_over_the_device(job, setting, rank, *_PARAMETERS_COUNTED[model_key])
         if over is not None:
             return over
     with simulated_world(job.world_size, rank), _FakeReads(allow_non_fake_inputs=True), count, \
             timeline_in_force(line), watching_spans(count.span), _forwards_counted(count):
-        model = build_model(*built, initialised=False)
+        model = build_model(*model_key, initialised=False)
         params = sum(p.numel() for p in model.parameters())
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        _PARAMETERS_COUNTED[built] = params, trained
+        _PARAMETERS_COUNTED[model_key] = params, trained
         over = _whole_model_over_the_device(job, setting, rank, params, trained)
         if over is not None:
             return over
