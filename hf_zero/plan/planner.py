@@ -235,7 +235,7 @@ def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankSt
         elsewhere = [_workers.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
         steps = [simulate_rank(job, *runs[0], flops[0]), *(f.exception() or f.result() for f in elsewhere)]
     for (setting, _), step in zip(runs, steps):
-        if isinstance(step, RankStep) and step.flops:  # 0: said without running the engine (stages 0-2)
+        if isinstance(step, RankStep) and not step.said_without_engine:
             _counted_flops[_flops_key(job, setting)] = step.flops
     return steps
 
@@ -272,6 +272,10 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
 # A simulation this long makes the next ranks worth simulating side by side, in processes of their own (`_Workers`):
 # 175B over 1024 GPUs takes ~20 s a rank on one core.
 PARALLEL_AFTER_S = 10.0
+# What a simulation takes for each of the model's parameter tensors, one core's time, for a model whose steps at
+# stages 0-2 were said without running the engine (too large for the device whole): measured 9-11 ms for a stage-3
+# step with checkpointing, from a 2-layer GPT-2 to a 175B one of 212 layers.
+SECONDS_PER_PARAM_TENSOR = 0.01
 
 
 @_workers.kept
@@ -402,7 +406,8 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     (`_more_offload_skipped`), or where what offload leaves on the device already overflows it
     (`_staying_on_device`); checkpointing where the setting's model states alone (measured) exceed the device; hpZ
     where the setting without it does not fit (`_without_hpz_over`). Once a simulation of the job has taken
-    PARALLEL_AFTER_S, the next candidate the rules would simulate runs beside the current one (`_next_simulated`)."""
+    PARALLEL_AFTER_S, the next candidate the rules would simulate runs beside the current one (`_next_simulated`), and
+    beside the last one, the first ranks of the check the winner so far would get (`_checks_to_come`)."""
     candidates: list[Candidate] = []
     fixed_micro = fixed.get("micro_batch")
     checkpointing = [fixed["gradient_checkpointing"]] if "gradient_checkpointing" in fixed else [False, True]
@@ -410,11 +415,17 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     fits_with_less_offload: dict[tuple, Plan] = {}  # the least offloaded setting that fits
     settings = [replace(base, gradient_checkpointing=ckpt, micro_batch=fixed_micro or 1)
                 for base in _bases(job, fixed, machine.nvme_capacity > 0) for ckpt in checkpointing]
-    ahead: dict[Setting, RankStep | Exception] = {}  # simulated beside an earlier candidate, before its turn
+    # (setting, rank) -> its simulation, run beside an earlier one before its turn: the next candidate, or the first
+    # ranks of the winner's check
+    ahead: dict[tuple[Setting, int], RankStep | Exception] = {}
+    rank = probe_rank(job)
 
     def not_simulated(setting: Setting, considered: list[Candidate]) -> tuple[str, bool] | None:
         return _not_simulated(setting, considered, fits_with_less_offload, machine, max_micro_batch, fixed_micro,
                               choosing_checkpointing)
+
+    def judged(candidate: Candidate) -> Candidate:
+        return _judged(candidate.plan, machine, fixed_micro, max_micro_batch)
 
     for i, setting in enumerate(settings):
         candidate = Candidate(setting)
@@ -423,48 +434,38 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
         if skipped:
             candidate.outcome, candidate.model_states_decide = skipped
             continue
-        rank = probe_rank(job)
-        if setting in ahead:
-            candidate.plan = plan(job, setting, machine, ranks=[rank], known=[_used(ahead.pop(setting))])
+        if (setting, rank) in ahead:
+            candidate.plan = plan(job, setting, machine, ranks=[rank], known=[_used(ahead.pop((setting, rank)))])
         else:
-            beside = _next_simulated(settings[i + 1:], candidates, not_simulated) if _slow(candidates) else None
-            say(f"simulating {setting}" + (f", and {beside} beside it" if beside else ""))
-            if beside is None:
-                candidate.plan = plan(job, setting, machine, ranks=[rank])
-            else:
-                here, there = _simulated_at_once(job, [(setting, rank), (beside, rank)])
-                candidate.plan, ahead[beside] = plan(job, setting, machine, ranks=[rank], known=[_used(here)]), there
+            beside, what = [], ""
+            if _slow(candidates) and not _said_without_engine(setting, candidates):
+                following = _next_simulated(settings[i + 1:], candidates, not_simulated)
+                checks = _checks_to_come(job, [judged(c) for c in candidates if c.plan is not None])
+                # A more offloaded twin is simulated only where this setting does not fit (or frees room for a
+                # larger micro-batch that may be faster): the winner's check is likelier to be needed.
+                if following is not None and not (checks and _offload_free(following) == _offload_free(setting)):
+                    beside, what = [(following, rank)], str(following)
+                elif beside := checks:
+                    what = _checking(checks[0][0], [r for _, r in checks])
+            say(f"simulating {setting}" + (f", and {what} beside it" if beside else ""))
+            here, *there = _simulated_at_once(job, [(setting, rank), *beside])
+            candidate.plan = plan(job, setting, machine, ranks=[rank], known=[_used(here)])
+            ahead |= dict(zip(beside, there))
         if candidate.plan.fits:
-            key = (setting.zero_stage, setting.hpz_partition_size, setting.gradient_checkpointing)
-            fits_with_less_offload.setdefault(key, candidate.plan)
+            fits_with_less_offload.setdefault(_offload_free(setting), candidate.plan)
     for candidate in candidates:
-        if candidate.plan is None:
-            continue
-        probe = candidate.plan
-        if not probe.fits_host:
-            candidate.outcome = (f"host memory: {probe.host_per_node / GB:.1f} GB a node, "
-                                 f"more than {machine.host_memory / GB:.0f} GB")
-        elif not probe.fits_nvme:
-            candidate.outcome = (f"NVMe: {probe.nvme_per_node / GB:.1f} GB a node, "
-                                 f"more than {machine.nvme_capacity / GB:.0f} GB")
-        elif fixed_micro is None:
-            m = _largest_micro_batch(probe, machine, max_micro_batch)
-            if m == 0:
-                candidate.outcome = _over(probe)
-            else:
-                candidate.setting = replace(candidate.setting, micro_batch=m)
-        elif not probe.fits_device:
-            candidate.outcome = _over(probe)
+        if candidate.plan is not None:
+            outcome = judged(candidate)
+            candidate.setting, candidate.outcome = outcome.setting, outcome.outcome
     viable = [c for c in candidates if c.plan is not None and not c.outcome]
     verified: dict[int, Plan] = {}  # id(candidate) -> its plan at every distinct rank, once checked
     chosen: Candidate | None = None
     while viable:
-        # Speeds within 0.1% are a tie, which the smaller device peak wins.
-        best = max(viable, key=lambda c: (round(math.log(_speed(c, verified)), 3), -c.plan.busiest.device_peak))
+        best = _fastest(viable, verified)
         if id(best) in verified:  # checked, and still the fastest
             chosen = best
             break
-        fitting = _verify(job, best.setting, machine, fixed_micro is None, say, best.plan)
+        fitting = _verify(job, best.setting, machine, fixed_micro is None, say, best.plan, ahead)
         if fitting is None:
             best.outcome = "does not fit at every distinct rank, even at micro-batch 1"
             viable.remove(best)
@@ -482,12 +483,67 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
     return result, candidates
 
 
+def _offload_free(setting: Setting) -> tuple:
+    """`setting` but for its offload: a setting with less offload that fits decides whether one with more is
+    simulated (`_more_offload_skipped`)."""
+    return setting.zero_stage, setting.hpz_partition_size, setting.gradient_checkpointing
+
+
+def _said_without_engine(setting: Setting, candidates: list[Candidate]) -> bool:
+    """Whether `setting`'s step will be said without running the engine, as an earlier candidate's was: stages 0-2
+    of a model too large for the device whole."""
+    return setting.zero_stage < 3 and any(r.said_without_engine for c in candidates if c.plan for r in c.plan.ranks)
+
+
+def _judged(probe: Plan, machine: Machine, fixed_micro: int | None, max_micro_batch: int) -> Candidate:
+    """A simulated candidate at the micro-batch its check would take, or with why it cannot fit (its `outcome`)."""
+    judged = Candidate(probe.setting, probe)
+    if not probe.fits_host:
+        judged.outcome = (f"host memory: {probe.host_per_node / GB:.1f} GB a node, "
+                          f"more than {machine.host_memory / GB:.0f} GB")
+    elif not probe.fits_nvme:
+        judged.outcome = (f"NVMe: {probe.nvme_per_node / GB:.1f} GB a node, "
+                          f"more than {machine.nvme_capacity / GB:.0f} GB")
+    elif fixed_micro is None:
+        m = _largest_micro_batch(probe, machine, max_micro_batch)
+        if m == 0:
+            judged.outcome = _over(probe)
+        else:
+            judged.setting = replace(probe.setting, micro_batch=m)
+    elif not probe.fits_device:
+        judged.outcome = _over(probe)
+    return judged
+
+
+def _fastest(viable: list[Candidate], verified: dict[int, Plan]) -> Candidate:
+    """The fastest of `viable`; speeds within 0.1% are a tie, which the smaller device peak wins."""
+    return max(viable, key=lambda c: (round(math.log(_speed(c, verified)), 3), -c.plan.busiest.device_peak))
+
+
+def _checks_to_come(job: Job, judged: list[Candidate]) -> list[tuple[Setting, int]]:
+    """The first simulations of the winner's check (`_verify`) were the `judged` candidates (those simulated so far)
+    all there are, one for each worker: worth simulating beside the last candidate, on cores that would otherwise
+    wait. Its setting at its micro-batch, at its distinct ranks not yet simulated, the probe's rank first. Where a
+    later candidate wins instead, or the micro-batch does not fit, their work is lost and the choice the same."""
+    viable = [c for c in judged if not c.outcome]
+    if not viable:
+        return []
+    best = _fastest(viable, {})
+    ranks = [probe_rank(job)] + [r for r in distinct_ranks(job) if r != probe_rank(job)]
+    known = {r.rank for r in best.plan.ranks} if best.setting == best.plan.setting else set()
+    return [(best.setting, r) for r in ranks if r not in known][:_workers.count()]
+
+
+def _checking(setting: Setting, ranks: list[int]) -> str:
+    return f"checking {setting} at rank {ranks[0]}" if len(ranks) == 1 else f"checking {setting} at ranks {ranks}"
+
+
 def _not_simulated(setting: Setting, candidates: list[Candidate], fits_with_less_offload: dict[tuple, Plan],
                    machine: Machine, max_micro_batch: int, fixed_micro: int | None, choosing_checkpointing: bool
                    ) -> tuple[str, bool] | None:
     """Why `setting` need not be simulated, from the candidates considered before it, and whether its model states
     decide that; None where it must be (`choose`'s rules)."""
-    key = (setting.zero_stage, setting.hpz_partition_size, setting.gradient_checkpointing)
+    key = _offload_free(setting)
     if setting.offload_optimizer != "none" and key in fits_with_less_offload:
         skipped = _more_offload_skipped(fits_with_less_offload[key], setting, machine, max_micro_batch, fixed_micro,
                                         candidates)
@@ -509,8 +565,17 @@ def _not_simulated(setting: Setting, candidates: list[Candidate], fits_with_less
 
 
 def _slow(candidates: list[Candidate]) -> bool:
-    """Whether a simulation of the job so far took PARALLEL_AFTER_S, on a machine with a core to spare."""
-    return _cores() > 1 and any(r.seconds >= PARALLEL_AFTER_S for c in candidates if c.plan for r in c.plan.ranks)
+    """Whether a simulation of the job so far took PARALLEL_AFTER_S, or would have where its step was said without
+    running the engine (`_simulation_seconds`), on a machine with a core to spare."""
+    return _cores() > 1 and any(_simulation_seconds(r) >= PARALLEL_AFTER_S
+                                for c in candidates if c.plan for r in c.plan.ranks)
+
+
+def _simulation_seconds(rank: RankStep) -> float:
+    """What simulating `rank` took; for a step said without running the engine (no FLOPs counted: a model too large
+    for the device whole, at stages 0-2), what running it would take, so that the first candidate simulated runs
+    beside the next."""
+    return rank.param_tensors * SECONDS_PER_PARAM_TENSOR if rank.said_without_engine else rank.seconds
 
 
 def _next_simulated(later: list[Setting], candidates: list[Candidate], not_simulated: callable) -> Setting | None:
@@ -533,27 +598,31 @@ def _speed(candidate: Candidate, verified: dict[int, Plan]) -> float:
     return checked.tokens_per_second if checked is not None else projected_tokens_per_second(candidate)
 
 
-def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: callable, probe: Plan) -> Plan | None:
+def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: callable, probe: Plan,
+            ahead: dict[tuple[Setting, int], RankStep | Exception]) -> Plan | None:
     """`setting` planned at every distinct rank, the probe's rank first. Where that rank does not fit and the
     micro-batch is open (`search`), the next micro-batch tried is the largest that fits on the line through the two
     peaks it measured (the probe's and this one: activations grow linearly with the micro-batch); where another rank
     does not, half. Where the probe's simulation took PARALLEL_AFTER_S and the machine has a core for each distinct
     rank, the other ranks are simulated beside the probe's rank rather than after it, on cores that would otherwise
     wait: their work is lost only where it does not fit. (With fewer cores, some would run after the others in any
-    case: on two, three 175B ranks at once took 2.4 times one's time, and one then two side by side 2.1.)"""
+    case: on two, three 175B ranks at once took 2.4 times one's time, and one then two side by side 2.1.) Ranks
+    simulated `ahead`, beside the last candidate (`_checks_to_come`), are not simulated again."""
     low = probe.ranks[0]  # the probe's rank at the probe's micro-batch
     every = distinct_ranks(job)
     at_once = low.seconds >= PARALLEL_AFTER_S and _cores() >= len(every) > 1
     while setting.micro_batch >= 1:
         at = [low.rank] + ([r for r in every if r != low.rank] if at_once else [])
-        say(f"checking {setting} at rank{'s' if at_once else ''} {at if at_once else low.rank}")
-        checked = plan(job, setting, machine, ranks=at, known=probe.ranks if probe.setting == setting else [],
-                       at_once=at_once)
+        known = [_used(ahead.pop((setting, r))) for r in every if (setting, r) in ahead]
+        if probe.setting == setting:
+            known += probe.ranks
+        say(_checking(setting, at))
+        checked = plan(job, setting, machine, ranks=at, known=known, at_once=at_once)
         first = Plan(job, setting, machine, checked.ranks[:1])
         if first.fits:
             if not at_once:
-                say(f"checking {setting} at ranks {every}")
-            result = plan(job, setting, machine, known=checked.ranks)
+                say(_checking(setting, every))
+            result = plan(job, setting, machine, known=known + checked.ranks)
             if result.fits:
                 return result
             next_micro = setting.micro_batch // 2

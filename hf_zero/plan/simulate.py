@@ -124,11 +124,17 @@ class RankStep:
     nvme_moved: int = 0  # bytes the step read from and wrote to them
     trained_params: int = 0  # the parameters that train (the optimizer steps)
     seconds: float = 0.0  # what simulating it took
+    param_tensors: int = 0  # the model's parameter tensors, which a simulation's time grows with
     step_collectives_from: int = 0  # collectives[step_collectives_from:] are the measured step's (`sent`)
 
     @property
     def device_peak(self) -> int:
         return sum(self.device.values())
+
+    @property
+    def said_without_engine(self) -> bool:
+        """A step at stages 0-2 of a model too large for the device whole (`_whole_model_over_the_device`)."""
+        return not self.flops
 
     @property
     def host_peak(self) -> int:
@@ -328,14 +334,14 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     return step
 
 
-# (model, adapter, frozen, adapter_name) -> (parameters, trained parameters): a model too large for stages 0-2 is
-# built once for its count, not once a stage. Kept for the process's life: a folder whose config or adapter changes
+# (model, adapter, frozen, adapter_name) -> (parameters, trained parameters, parameter tensors): a model too large
+# for stages 0-2 is built once for its count, not once a stage. Kept for the process's life: a folder whose config or adapter changes
 # on disk meanwhile keeps its first count (model_config keeps the configs of the last 8 models read so too).
-_PARAMETERS_COUNTED: dict[tuple, tuple[int, int]] = {}
+_PARAMETERS_COUNTED: dict[tuple, tuple[int, int, int]] = {}
 
 
-def _whole_model_over_the_device(job: Job, setting: Setting, rank: int, params: int, trained: int
-                                 ) -> RankStep | None:
+def _whole_model_over_the_device(job: Job, setting: Setting, rank: int, params: int, trained: int,
+                                 tensors: int) -> RankStep | None:
     """At stages 0-2, where every rank would hold the whole model in the compute dtype and that alone exceeds the
     device: the step said without running the engine, whose buckets, cut to the little memory left, would number
     in the millions. None otherwise."""
@@ -344,7 +350,7 @@ def _whole_model_over_the_device(job: Job, setting: Setting, rank: int, params: 
         return None
     held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
     return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
-                    {}, {}, 0, {}, 0, params, together_peak=whole, trained_params=trained)
+                    {}, {}, 0, {}, 0, params, together_peak=whole, trained_params=trained, param_tensors=tensors)
 
 
 def _simulate(job: Job, setting: Setting, rank: int, count: _MemoryAndFlopCount, line: PlanTimeline,
@@ -361,8 +367,9 @@ def _simulate(job: Job, setting: Setting, rank: int, count: _MemoryAndFlopCount,
         model = build_model(*model_key, initialised=False)
         params = sum(p.numel() for p in model.parameters())
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        _PARAMETERS_COUNTED[model_key] = params, trained
-        over = _whole_model_over_the_device(job, setting, rank, params, trained)
+        tensors = len(list(model.parameters()))
+        _PARAMETERS_COUNTED[model_key] = params, trained, tensors
+        over = _whole_model_over_the_device(job, setting, rank, params, trained, tensors)
         if over is not None:
             return over
         for p in model.parameters():
@@ -400,4 +407,4 @@ def _simulate(job: Job, setting: Setting, rank: int, count: _MemoryAndFlopCount,
                         flops.get_total_flops() if known_flops is None else known_flops, params,
                         list(line.collectives), setup_peak, count.peak_together, setup_together_peak,
                         line.counted_files.held, line.counted_files.read + line.counted_files.written, trained,
-                        step_collectives_from=line.window_collectives_from)
+                        step_collectives_from=line.window_collectives_from, param_tensors=tensors)

@@ -98,8 +98,9 @@ def test_offload_is_weighed_where_the_memory_it_frees_makes_room_for_a_larger_mi
 
 def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at_a_time_does(monkeypatch):
     """Where a simulation of the job was slow (planner.PARALLEL_AFTER_S), the next candidate the rules would simulate
-    runs beside the current one, and the winner's check simulates every distinct rank at once, in spawned
-    interpreters beside this one (planner._simulated_at_once). Every candidate's outcome, and each rank of the chosen
+    runs beside the current one, beside the last one the first ranks of the check the fastest so far would get, and
+    the winner's check simulates its other distinct ranks at once, in spawned interpreters beside this one
+    (planner._simulated_at_once), each (setting, rank) once. Every candidate's outcome, and each rank of the chosen
     plan, is what the same choice made one simulation at a time finds: where the candidate simulated beside turns
     out ruled out by the current one's result (hpZ, where plain stage 3 does not fit), its result is dropped."""
     from dataclasses import asdict
@@ -129,17 +130,21 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
 
     at_once = []
     simulated_at_once = planner._simulated_at_once
-    monkeypatch.setattr(planner, "_simulated_at_once",
-                        lambda job, runs: at_once.append([str(s) for s, _ in runs]) or simulated_at_once(job, runs))
+    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: at_once.append(
+        [(str(setting), rank) for setting, rank in runs]) or simulated_at_once(job, runs))
     monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 0.0)
     monkeypatch.setattr(planner, "_cores", lambda: 3)
     monkeypatch.setattr(planner, "_counted_flops", {})  # counted again, in the runs side by side
     beside, beside_outcomes, said = choice(big)
     assert beside == one_at_a_time and beside_outcomes == outcomes
     assert said[1] == "simulating stage 3, micro-batch 1, checkpointing, and stage 3, hpZ 2, micro-batch 1 beside it"
-    # the result simulated beside is the one used: that setting is simulated once
-    assert sum(runs.count("stage 3, hpZ 2, micro-batch 1") for runs in at_once) == 1
-    assert said[-1] == f"checking {winner} at ranks [1, 0, 3]" and len(at_once[-1]) == 3
+    # one for each worker: two, on three cores
+    assert said[2] == (f"simulating stage 3, hpZ 2, micro-batch 1, checkpointing, and checking {winner} at ranks "
+                       "[1, 0] beside it")
+    assert said[-1] == f"checking {winner} at ranks [1, 0, 3]" and at_once[-1] == [(winner, 3)]
+    # the results simulated beside are the ones used: each (setting, rank) is simulated once
+    simulated = [run for runs in at_once for run in runs]
+    assert len(simulated) == len(set(simulated)) == 7
     assert beside[-1]["sent"]["inter-node"] > 0  # rank 3's ring crosses to node 0
     # The interpreters started for it go once the choice is made: a run planned by --zero_stage auto trains without.
     assert planner._workers.pool is None
@@ -152,6 +157,74 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
     assert "simulating stage 3, micro-batch 1, checkpointing, and stage 3, hpZ 2, micro-batch 1, checkpointing " \
            "beside it" in said
     assert small_outcomes["stage 3, hpZ 2, micro-batch 1, checkpointing"].startswith("not simulated: without hpZ")
+
+
+@pytest.mark.usefixtures("each_simulation_once")
+def test_a_check_simulated_beside_the_last_candidate_is_dropped_where_that_candidate_wins(monkeypatch):
+    """Beside the last candidate simulated runs the first rank of the check the fastest candidate so far would get
+    (planner._checks_to_come); where the last turns out faster, that work is lost and the choice is what one
+    simulation at a time finds. Here offloading the optimizer makes room for a larger micro-batch, which wins (as in
+    test_offload_is_weighed_where_the_memory_it_frees_makes_room_for_a_larger_micro_batch)."""
+    from hf_zero.plan import planner
+
+    job = Job("gpt2-tiny", 1, 2, seq_len=64)
+    kept = plan(job, Setting(3), Machine(10**12)).busiest
+    machine = Machine(kept.device_peak + kept.transient // 4, cpu_adam_ns=1e-3, intra_node_gbps=1e-3, pcie_gbps=1e6)
+    fixed = {"zero_stage": 3, "gradient_checkpointing": False, "offload_param": "none"}
+
+    def choice() -> tuple[Setting, dict[str, str], list[dict], list[str]]:
+        said = []
+        chosen, candidates = choose(job, machine, fixed, max_micro_batch=8, say=said.append)
+        ranks = [{**vars(rank), "seconds": 0} for rank in chosen.ranks]
+        return chosen.setting, {str(c.setting): c.outcome for c in candidates}, ranks, said
+
+    one_at_a_time = choice()
+    simulated = []
+    monkeypatch.setattr(planner, "_cores", lambda: 2)
+    monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 0.0)
+    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: simulated.extend(runs) or [
+        planner.simulate_rank(job, *run) for run in runs])  # one after the other, here: where is not the claim
+    beside = choice()
+    assert beside[:3] == one_at_a_time[:3]
+    assert beside[0].offload_optimizer == "cpu" and beside[0].micro_batch > 1
+    assert beside[3][1] == ("simulating stage 3, optimizer on cpu, micro-batch 1, and checking stage 3, "
+                            "micro-batch 1 at rank 0 beside it")
+    assert (Setting(3), 0) in simulated  # simulated beside, then not needed
+
+
+@pytest.mark.usefixtures("each_simulation_once")
+def test_a_model_too_large_for_stages_0_to_2_runs_its_first_simulation_beside_the_next(monkeypatch):
+    """Stages 0-2 of a model too large for the device whole are said without running the engine, at once
+    (simulate._whole_model_over_the_device): no core waits on them. The first simulation, stage 3's, runs beside the
+    next candidate where the model's parameter tensors say it will be slow (planner.SECONDS_PER_PARAM_TENSOR each),
+    and alone where they do not; the choice is the same either way, and one simulation at a time."""
+    import model_zoo
+    from hf_zero.plan import planner
+
+    psi = model_zoo.parameter_count("gpt2-tiny")
+    job = Job("gpt2-tiny", 1, 2, "bf16", seq_len=32, gpu_memory=2 * psi - 1)
+
+    def choice() -> tuple[dict[str, str], list[str]]:
+        said = []
+        _, candidates = choose(job, Machine(job.gpu_memory), {}, max_micro_batch=2, say=said.append)
+        stage_0 = candidates[0].plan.busiest
+        assert stage_0.said_without_engine
+        assert stage_0.param_tensors == len(list(model_zoo.build(job.model).parameters()))
+        return {str(c.setting): c.outcome for c in candidates}, said
+
+    one_at_a_time, _ = choice()
+    monkeypatch.setattr(planner, "_cores", lambda: 2)
+    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: [planner.simulate_rank(job, *r) for r in runs])
+    monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 1e6)  # slow by the prediction alone, not by a real simulation
+    monkeypatch.setattr(planner, "SECONDS_PER_PARAM_TENSOR", planner.PARALLEL_AFTER_S)
+    beside, said = choice()
+    assert beside == one_at_a_time
+    assert said[:4] == ["simulating stage 0, micro-batch 1", "simulating stage 1, micro-batch 1",
+                        "simulating stage 2, micro-batch 1",
+                        "simulating stage 3, micro-batch 1, and stage 3, micro-batch 1, checkpointing beside it"]
+    monkeypatch.setattr(planner, "SECONDS_PER_PARAM_TENSOR", planner.PARALLEL_AFTER_S / 1000)
+    alone, said = choice()
+    assert alone == one_at_a_time and said[3] == "simulating stage 3, micro-batch 1"
 
 
 @pytest.mark.usefixtures("each_simulation_once")
