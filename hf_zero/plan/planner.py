@@ -440,13 +440,13 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
             beside, what = [], ""
             if _slow(candidates) and not _said_without_engine(setting, candidates):
                 following = _next_simulated(settings[i + 1:], candidates, not_simulated)
-                checks = _checks_to_come(job, [judged(c) for c in candidates if c.plan is not None])
+                checks = _checks_to_come(job, [judged(c) for c in candidates if c.plan is not None], ahead)
                 # A more offloaded twin is simulated only where this setting does not fit (or frees room for a
                 # larger micro-batch that may be faster): the winner's check is likelier to be needed.
                 if following is not None and not (checks and _offload_free(following) == _offload_free(setting)):
                     beside, what = [(following, rank)], str(following)
-                elif beside := checks:
-                    what = _checking(checks[0][0], [r for _, r in checks])
+                elif checks:
+                    beside, what = checks, _checking(checks[0][0], [r for _, r in checks])
             say(f"simulating {setting}" + (f", and {what} beside it" if beside else ""))
             here, *there = _simulated_at_once(job, [(setting, rank), *beside])
             candidate.plan = plan(job, setting, machine, ranks=[rank], known=[_used(here)])
@@ -455,8 +455,8 @@ def choose(job: Job, machine: Machine, fixed: dict, max_micro_batch: int = 64,
             fits_with_less_offload.setdefault(_offload_free(setting), candidate.plan)
     for candidate in candidates:
         if candidate.plan is not None:
-            outcome = judged(candidate)
-            candidate.setting, candidate.outcome = outcome.setting, outcome.outcome
+            at_its_micro_batch = judged(candidate)
+            candidate.setting, candidate.outcome = at_its_micro_batch.setting, at_its_micro_batch.outcome
     viable = [c for c in candidates if c.plan is not None and not c.outcome]
     verified: dict[int, Plan] = {}  # id(candidate) -> its plan at every distinct rank, once checked
     chosen: Candidate | None = None
@@ -520,18 +520,20 @@ def _fastest(viable: list[Candidate], verified: dict[int, Plan]) -> Candidate:
     return max(viable, key=lambda c: (round(math.log(_speed(c, verified)), 3), -c.plan.busiest.device_peak))
 
 
-def _checks_to_come(job: Job, judged: list[Candidate]) -> list[tuple[Setting, int]]:
-    """The first simulations of the winner's check (`_verify`) were the `judged` candidates (those simulated so far)
-    all there are, one for each worker: worth simulating beside the last candidate, on cores that would otherwise
-    wait. Its setting at its micro-batch, at its distinct ranks not yet simulated, the probe's rank first. Where a
-    later candidate wins instead, or the micro-batch does not fit, their work is lost and the choice the same."""
+def _checks_to_come(job: Job, judged: list[Candidate], ahead: dict[tuple[Setting, int], RankStep | Exception]
+                    ) -> list[tuple[Setting, int]]:
+    """The first simulations `_verify` would run for the fastest of `judged` (the candidates simulated so far), were
+    they the only candidates, one for each worker: worth simulating beside the last candidate, on cores that would
+    otherwise wait. Its setting at its micro-batch, at its distinct ranks neither its probe nor `ahead` holds, the
+    probe's rank first. Where a later candidate wins instead, or that micro-batch does not fit, their work is lost
+    and the choice the same."""
     viable = [c for c in judged if not c.outcome]
     if not viable:
         return []
     best = _fastest(viable, {})
     ranks = [probe_rank(job)] + [r for r in distinct_ranks(job) if r != probe_rank(job)]
-    known = {r.rank for r in best.plan.ranks} if best.setting == best.plan.setting else set()
-    return [(best.setting, r) for r in ranks if r not in known][:_workers.count()]
+    probed = {r.rank for r in best.plan.ranks} if best.setting == best.plan.setting else set()
+    return [(best.setting, r) for r in ranks if r not in probed and (best.setting, r) not in ahead][:_workers.count()]
 
 
 def _checking(setting: Setting, ranks: list[int]) -> str:
@@ -613,7 +615,8 @@ def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: cal
     at_once = low.seconds >= PARALLEL_AFTER_S and _cores() >= len(every) > 1
     while setting.micro_batch >= 1:
         at = [low.rank] + ([r for r in every if r != low.rank] if at_once else [])
-        known = [_used(ahead.pop((setting, r))) for r in every if (setting, r) in ahead]
+        # A rank simulated ahead is used (and its error raised) only where one at a time would simulate it.
+        known = [_used(ahead.pop((setting, r))) for r in at if (setting, r) in ahead]
         if probe.setting == setting:
             known += probe.ranks
         say(_checking(setting, at))
@@ -622,6 +625,7 @@ def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: cal
         if first.fits:
             if not at_once:
                 say(_checking(setting, every))
+            known = [_used(ahead.pop((setting, r))) for r in every if (setting, r) in ahead]
             result = plan(job, setting, machine, known=known + checked.ranks)
             if result.fits:
                 return result

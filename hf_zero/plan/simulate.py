@@ -335,8 +335,9 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
 
 
 # (model, adapter, frozen, adapter_name) -> (parameters, trained parameters, parameter tensors): a model too large
-# for stages 0-2 is built once for its count, not once a stage. Kept for the process's life: a folder whose config or adapter changes
-# on disk meanwhile keeps its first count (model_config keeps the configs of the last 8 models read so too).
+# for stages 0-2 is built once for its count, not once a stage. Kept for the process's life: a folder whose config or
+# adapter changes on disk meanwhile keeps its first count (model_config keeps the configs of the last 8 models read
+# so too).
 _PARAMETERS_COUNTED: dict[tuple, tuple[int, int, int]] = {}
 
 
