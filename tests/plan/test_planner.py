@@ -198,6 +198,25 @@ def test_a_check_simulated_beside_the_last_candidate_is_dropped_where_that_candi
     assert not_needed in simulated and len(simulated) == len(set(simulated))
 
 
+def test_a_checks_ranks_are_offered_to_run_ahead_once_and_never_the_probes_own(monkeypatch):
+    """planner._checks_to_come offers, one for each worker, the ranks of the fastest candidate's check at its
+    micro-batch, the probe's rank first: not a rank an earlier round already simulated ahead, and not the probe's
+    own rank where the check is at the probe's micro-batch (the probe is that rank's result)."""
+    from hf_zero.plan import planner
+
+    job = Job("gpt2-tiny", 2, 2, seq_len=32)  # distinct ranks 0, 1 and 3; the probe's is 1
+    machine = Machine(10**12)
+    probe = plan(job, Setting(3), machine, ranks=[probe_rank(job)])
+    monkeypatch.setattr(planner, "_cores", lambda: 3)  # two workers
+    open_micro = [planner._judged(probe, machine, None, max_micro_batch=2)]
+    at_2 = open_micro[0].setting
+    assert at_2 == Setting(3, micro_batch=2)
+    assert planner._checks_to_come(job, open_micro, {}) == [(at_2, 1), (at_2, 0)]
+    assert planner._checks_to_come(job, open_micro, {(at_2, 1): probe.busiest}) == [(at_2, 0), (at_2, 3)]
+    fixed_micro = [planner._judged(probe, machine, 1, max_micro_batch=2)]
+    assert planner._checks_to_come(job, fixed_micro, {}) == [(Setting(3), 0), (Setting(3), 3)]
+
+
 @pytest.mark.usefixtures("each_simulation_once")
 def test_a_model_too_large_for_stages_0_to_2_runs_its_first_simulation_beside_the_next(monkeypatch):
     """Stages 0-2 of a model too large for the device whole are said without running the engine, at once
