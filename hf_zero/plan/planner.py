@@ -134,6 +134,12 @@ def probe_rank(job: Job) -> int:
     return job.gpus_per_node - 1
 
 
+def _probe_first(job: Job) -> list[int]:
+    """The distinct ranks in the order a check simulates them: the probe's first."""
+    probe = probe_rank(job)
+    return [probe] + [r for r in distinct_ranks(job) if r != probe]
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -531,9 +537,9 @@ def _checks_to_come(job: Job, judged: list[Candidate], ahead: dict[tuple[Setting
     if not viable:
         return []
     best = _fastest(viable, {})
-    ranks = [probe_rank(job)] + [r for r in distinct_ranks(job) if r != probe_rank(job)]
     probed = {r.rank for r in best.plan.ranks} if best.setting == best.plan.setting else set()
-    return [(best.setting, r) for r in ranks if r not in probed and (best.setting, r) not in ahead][:_workers.count()]
+    return [(best.setting, r) for r in _probe_first(job)
+            if r not in probed and (best.setting, r) not in ahead][:_workers.count()]
 
 
 def _checking(setting: Setting, ranks: list[int]) -> str:
@@ -614,7 +620,7 @@ def _verify(job: Job, setting: Setting, machine: Machine, search: bool, say: cal
     every = distinct_ranks(job)
     at_once = low.seconds >= PARALLEL_AFTER_S and _cores() >= len(every) > 1
     while setting.micro_batch >= 1:
-        at = [low.rank] + ([r for r in every if r != low.rank] if at_once else [])
+        at = _probe_first(job) if at_once else [low.rank]
         # A rank simulated ahead is used (and its error raised) only where one at a time would simulate it.
         known = [_used(ahead.pop((setting, r))) for r in at if (setting, r) in ahead]
         if probe.setting == setting:
