@@ -125,16 +125,14 @@ class RankStep:
     trained_params: int = 0  # the parameters that train (the optimizer steps)
     seconds: float = 0.0  # what simulating it took
     param_tensors: int = 0  # the model's parameter tensors, which a simulation's time grows with
+    # A step at stages 0-2 of a model too large for the device whole, said from its count without running the engine
+    # (`_whole_model_over_the_device`): nothing in it was measured.
+    said_without_engine: bool = False
     step_collectives_from: int = 0  # collectives[step_collectives_from:] are the measured step's (`sent`)
 
     @property
     def device_peak(self) -> int:
         return sum(self.device.values())
-
-    @property
-    def said_without_engine(self) -> bool:
-        """A step at stages 0-2 of a model too large for the device whole (`_whole_model_over_the_device`)."""
-        return not self.flops
 
     @property
     def host_peak(self) -> int:
@@ -351,7 +349,8 @@ def _whole_model_over_the_device(job: Job, setting: Setting, rank: int, params: 
         return None
     held = dict.fromkeys(KINDS, 0) | {"parameters": whole}
     return RankStep(rank, held, dict.fromkeys(KINDS, 0), {"device": held, "host": dict.fromkeys(KINDS, 0)},
-                    {}, {}, 0, {}, 0, params, together_peak=whole, trained_params=trained, param_tensors=tensors)
+                    {}, {}, 0, {}, 0, params, together_peak=whole, trained_params=trained, param_tensors=tensors,
+                    said_without_engine=True)
 
 
 def _simulate(job: Job, setting: Setting, rank: int, count: _MemoryAndFlopCount, line: PlanTimeline,
