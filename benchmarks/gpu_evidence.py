@@ -17,8 +17,9 @@ What it runs, each part in a fresh process so that one part's allocator state is
              `--memory_at_peak`, a system's extra step records the CUDA allocator's history and the table says
              what is alive at that step's peak, by where it was allocated. Per system: device memory allocated by
              `initialize` at its peak (torch.cuda.max_memory_allocated) beside the formula's model states, the
-             per-step peak,
-             pinned host bytes before and after a save (hf_zero.runtime.device.pinned_host_bytes: the caching host
+             per-step peak, `hf-zero plan`'s step peak for the same job beside max_memory_allocated over the
+             timed steps (`planned`; stages 2 and 3, with and without offload), pinned host bytes before and
+             after a save (hf_zero.runtime.device.pinned_host_bytes: the caching host
              allocator's torch.cuda.host_memory_stats and the blocks page-locked in place), host synchronisations
              per step (torch.cuda.set_sync_debug_mode counts the implicit ones), tokens per second and model
              TFLOPS (6Ψ per token plus attention, the Megatron-LM count).
@@ -68,6 +69,15 @@ REFERENCE_STATES = {"fsdp2": {"zero_stage": 3}, "fsdp2+compile": {"zero_stage": 
 # with each stream delayed in turn (compute, comm, copy), and NVMe offload.
 SANITIZED = ["-k", "nccl_group or nvme"]
 GPT2_1_3B = {"n_embd": 2048, "n_head": 16, "n_layer": 24, "n_positions": 1024}
+# The systems `hf-zero plan` plans: the engine's settings it chooses among (not compiled blocks or the delayed update).
+PLANNED = ("stage2", "stage2+cpu", "stage3", "stage3+cpu")
+# A step's peak that misses the plan's by more than this is reported, as `--zero_stage auto` reports a first step's.
+PLAN_TOLERANCE = 0.10
+
+
+def workload_model(dry: bool) -> tuple[str, dict]:
+    """The model every system trains: the zoo's name and its overrides."""
+    return ("gpt2-tiny", {}) if dry else ("gpt2-xl", GPT2_1_3B)
 
 
 def model_flops_per_token(psi: int, n_layer: int, n_embd: int, seq: int) -> float:
@@ -179,7 +189,7 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
-    zoo_name, overrides = ("gpt2-tiny", {}) if dry else ("gpt2-xl", GPT2_1_3B)
+    zoo_name, overrides = workload_model(dry)
     cfg = model_zoo.config(zoo_name, **overrides)
     psi = model_zoo.parameter_count(zoo_name, **overrides)
     config = SYSTEMS.get(name)
@@ -238,6 +248,8 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     start = time.perf_counter()
     train_step(ids)  # warm-up: kernels chosen, buffers allocated, blocks compiled
     first_step_seconds = time.perf_counter() - start
+    warm_up_peak = peak()
+    reset_peak()
     step_seconds, syncs = [], []
     for _ in range(steps):
         if cuda:
@@ -253,7 +265,8 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
                 torch.cuda.synchronize()
         step_seconds.append(time.perf_counter() - start)
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-    step_peak = peak()
+    steady_step_peak = peak()  # a step with the optimizer's states made, as the plan's
+    step_peak = max(warm_up_peak, steady_step_peak)
     pinned = {}
     if engine is not None and cuda and hasattr(torch.cuda, "host_memory_stats"):
         pinned["before_save"] = pinned_host_bytes()[0]
@@ -271,10 +284,36 @@ def one_system(name: str, dry: bool, steps: int, batch: int, seq: int, workdir: 
     return {"system": name, "psi": psi,
             "formula_device_bytes": formula_device_bytes(config or REFERENCE_STATES.get(name), psi),
             "init_seconds": init_seconds, "init_peak_bytes": init_peak, "first_step_seconds": first_step_seconds,
-            "step_peak_bytes": step_peak, "median_step_seconds": median, "tokens_per_second": tokens / median,
+            "step_peak_bytes": step_peak, "steady_step_peak_bytes": steady_step_peak, "median_step_seconds": median,
+            "tokens_per_second": tokens / median,
             "model_tflops": model_flops_per_token(psi, cfg.n_layer, cfg.n_embd, seq) * tokens / median / 1e12,
             "host_syncs_per_step": sorted(syncs)[len(syncs) // 2], "pinned_bytes": pinned,
             "offloaded_step_seconds": phases, "memory_at_peak": at_peak}
+
+
+def planned_step(name: str, dry: bool, batch: int, seq: int, workdir: Path) -> dict:
+    """`hf-zero plan`'s step for system `name`: the same model, micro-batch, sequence, bf16 with fp32 masters and
+    AdamW (fused on a GPU), on one rank of one GPU. Run here, outside the system's process: a plan simulates its own
+    process group, and the measured process should hold nothing but its system."""
+    import model_zoo
+    from hf_zero.plan.machine import Machine
+    from hf_zero.plan.planner import plan
+    from hf_zero.plan.simulate import Job, Setting
+
+    cuda = torch.cuda.is_available() and not dry
+    zoo_name, overrides = workload_model(dry)
+    cfg = model_zoo.config(zoo_name, **overrides)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    folder = workdir / "planned_model"
+    cfg.save_pretrained(folder)
+    config = SYSTEMS[name]
+    job = Job(str(folder), nodes=1, gpus_per_node=1, dtype="bf16", seq_len=seq,
+              optimizer_kwargs=json.dumps({"lr": 1e-5, "fused": cuda}))
+    setting = Setting(config["zero_stage"], config.get("offload_optimizer", "none"),
+                      config.get("offload_param", "none"), micro_batch=batch)
+    capacity = torch.cuda.get_device_properties(0).total_memory if cuda else Machine().gpu_memory
+    rank = plan(job, setting, Machine(gpu_memory=capacity)).ranks[0]
+    return {"step_peak_bytes": rank.device_peak, "psi": rank.params, "seconds": rank.seconds}
 
 
 def reference_system(name: str, model: torch.nn.Module, batch: int, cuda: bool) -> Callable[[torch.Tensor], None]:
@@ -401,6 +440,8 @@ def main() -> None:
                 rows.append({"system": name, "error": (done.stdout + done.stderr)[-3000:]})
             else:
                 rows.append(json.loads(lines[-1][len("RESULT "):]))
+            if name in PLANNED and "error" not in rows[-1]:
+                rows[-1]["planned"] = planned_step(name, args.dry, args.batch, args.seq, args.out)
             print(json.dumps(rows[-1])[:3000], flush=True)
         evidence["parts"]["systems"] = rows
     (args.out / "evidence.json").write_text(json.dumps(evidence, indent=1))
@@ -431,6 +472,17 @@ def markdown(evidence: dict) -> str:
                          f"| {r['init_peak_bytes'] / gib:.2f} "
                          f"| {r['step_peak_bytes'] / gib:.2f} | {r['tokens_per_second']:.0f} | {r['model_tflops']:.1f} "
                          f"| {r['first_step_seconds']:.1f} | {r['host_syncs_per_step']} | {pinned_text} |")
+    planned = [r for r in rows if r.get("planned")]
+    if planned:
+        lines += ["", ("`hf-zero plan`'s step peak against the allocator's (max_memory_allocated over the timed "
+                       f"steps, after the warm-up; a miss over {PLAN_TOLERANCE:.0%} is marked):"), "",
+                  "| system | planned (GiB) | measured (GiB) | measured / planned |", "|---|---|---|---|"]
+        for r in planned:
+            plan_bytes, measured = r["planned"]["step_peak_bytes"], r["steady_step_peak_bytes"]
+            ratio = measured / plan_bytes if measured else None
+            said = "- (no GPU)" if ratio is None else \
+                f"{ratio:.3f}{' **missed**' if abs(ratio - 1) > PLAN_TOLERANCE else ''}"
+            lines.append(f"| {r['system']} | {plan_bytes / gib:.2f} | {measured / gib:.2f} | {said} |")
     phased = [r for r in rows if r.get("offloaded_step_seconds")]
     if phased:
         lines += ["", "An offloaded step, phase by phase (seconds; the device synchronised between phases):", "",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import model_zoo
 
@@ -37,6 +38,29 @@ def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
     assert set(phases) == {"forward_backward", "norm", "host_update", "copies_back_and_all_gather"}
     assert phases["host_update"] > 0 and "An offloaded step, phase by phase" in table
     assert rows[1]["memory_at_peak"] == {}
+    # The plan of the same job beside the engine's system (a reference's is not planned): the model it simulated is
+    # the one the system trained. Its comparison waits for a GPU's allocator.
+    assert rows[0]["planned"]["psi"] == rows[0]["psi"] and rows[0]["planned"]["step_peak_bytes"] > 0
+    assert "planned" not in rows[1]
+    assert "| stage3+cpu |" in table.split("`hf-zero plan`'s step peak")[1] and "- (no GPU)" in table
+
+
+def test_the_evidence_table_marks_a_step_peak_that_misses_the_plan_by_over_10_percent():
+    """A measured step peak within 10% of the plan's passes; one further, above or below, is marked beside both
+    figures."""
+    from benchmarks.gpu_evidence import markdown
+
+    gib = 2 ** 30
+    base = {"psi": 10**9, "formula_device_bytes": 0, "init_peak_bytes": 0, "step_peak_bytes": 0,
+            "tokens_per_second": 1.0, "model_tflops": 1.0, "first_step_seconds": 1.0, "host_syncs_per_step": 0,
+            "pinned_bytes": {}, "offloaded_step_seconds": {}, "memory_at_peak": {}}
+    rows = [{**base, "system": system, "steady_step_peak_bytes": int(measured * gib),
+             "planned": {"step_peak_bytes": 10 * gib, "psi": 10**9}}
+            for system, measured in (("stage2", 10.9), ("stage3", 11.2), ("stage3+cpu", 8.8))]
+    table = markdown({"device": "a GPU", "torch": torch.__version__, "parts": {"systems": rows}})
+    assert "| stage2 | 10.00 | 10.90 | 1.090 |" in table
+    assert "| stage3 | 10.00 | 11.20 | 1.120 **missed** |" in table
+    assert "| stage3+cpu | 10.00 | 8.80 | 0.880 **missed** |" in table
 
 
 def test_what_is_alive_at_a_steps_peak_is_replayed_from_the_allocators_trace():
