@@ -203,9 +203,10 @@ class _Workers:
             self.submit(_imported)
 
     @contextlib.contextmanager
-    def started_if_slow(self) -> Iterator[None]:
-        """Inside, a simulation here: the workers start if it runs PARALLEL_AFTER_S."""
-        if _cores() < 2 or self.pool is not None:
+    def started_if_slow(self, more_to_come: bool = True) -> Iterator[None]:
+        """Inside, a simulation here: the workers start if it runs PARALLEL_AFTER_S, where `more_to_come`
+        (simulations that could run beside the next ones)."""
+        if not more_to_come or _cores() < 2 or self.pool is not None:
             yield
             return
         timer = threading.Timer(PARALLEL_AFTER_S, self.start)
@@ -229,13 +230,14 @@ def _imported() -> None:
 _workers = _Workers()
 
 
-def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]]) -> list[RankStep | Exception]:
+def _simulated_at_once(job: Job, runs: list[tuple[Setting, int]], more_to_come: bool = True
+                       ) -> list[RankStep | Exception]:
     """`runs` ((setting, rank) pairs) simulated at once: the first here, the others in `_workers`. A spawned
     simulation's error is returned in its place, raised where its result is used (`_used`): a candidate simulated
-    ahead of its turn may never be needed."""
+    ahead of its turn may never be needed. A single run starts the workers if it is slow and `more_to_come`."""
     flops = [_counted_flops.get(_flops_key(job, setting)) for setting, _ in runs]
     if len(runs) == 1:
-        with _workers.started_if_slow():
+        with _workers.started_if_slow(more_to_come):
             steps = [simulate_rank(job, *runs[0], flops[0])]
     else:
         elsewhere = [_workers.submit(simulate_rank, job, *run, counted) for run, counted in zip(runs[1:], flops[1:])]
@@ -295,8 +297,9 @@ def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None =
     while left := [r for r in wanted if r not in done]:
         if len(left) > 1 and _cores() > 1 and (at_once or any(s.seconds >= PARALLEL_AFTER_S for s in done.values())):
             done |= {s.rank: s for s in map(_used, _simulated_at_once(job, [(setting, r) for r in left]))}
-        else:
-            done[left[0]] = _used(_simulated_at_once(job, [(setting, left[0])])[0])
+        else:  # the workers are started for what follows: this plan's other ranks, or the choice it is part of
+            more_to_come = len(left) > 1 or _workers.depth > 1
+            done[left[0]] = _used(_simulated_at_once(job, [(setting, left[0])], more_to_come)[0])
     simulated = [done[r] for r in wanted]
     result = Plan(job, setting, machine, simulated)
     result.step_seconds = max((step_seconds(job, setting, machine, r) for r in simulated),

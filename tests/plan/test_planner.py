@@ -130,8 +130,8 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
 
     at_once = []
     simulated_at_once = planner._simulated_at_once
-    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: at_once.append(
-        [(str(setting), rank) for setting, rank in runs]) or simulated_at_once(job, runs))
+    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs, *more: at_once.append(
+        [(str(setting), rank) for setting, rank in runs]) or simulated_at_once(job, runs, *more))
     monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 0.0)
     monkeypatch.setattr(planner, "_cores", lambda: 3)
     monkeypatch.setattr(planner, "_counted_flops", {})  # counted again, in the runs side by side
@@ -151,7 +151,8 @@ def test_a_slow_choice_simulates_side_by_side_and_chooses_what_one_simulation_at
     assert not psutil.wait_procs(_spawned_interpreters(), timeout=30)[1]
 
     # Whether a result simulated beside is dropped does not depend on where it ran: here, one after the other.
-    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: [simulate_rank(job, *run) for run in runs])
+    monkeypatch.setattr(planner, "_simulated_at_once",
+                        lambda job, runs, *more: [simulate_rank(job, *run) for run in runs])
     ranks, beside_outcomes, said = choice(small)
     assert ranks == [] and beside_outcomes == small_outcomes
     assert "simulating stage 3, micro-batch 1, checkpointing, and stage 3, hpZ 2, micro-batch 1, checkpointing " \
@@ -239,7 +240,8 @@ def test_a_model_too_large_for_stages_0_to_2_runs_its_first_simulation_beside_th
 
     one_at_a_time, _ = choice()
     monkeypatch.setattr(planner, "_cores", lambda: 2)
-    monkeypatch.setattr(planner, "_simulated_at_once", lambda job, runs: [planner.simulate_rank(job, *r) for r in runs])
+    monkeypatch.setattr(planner, "_simulated_at_once",
+                        lambda job, runs, *more: [planner.simulate_rank(job, *r) for r in runs])
     monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 1e6)  # slow by the prediction alone, not by a real simulation
     monkeypatch.setattr(planner, "SECONDS_PER_PARAM_TENSOR", planner.PARALLEL_AFTER_S)
     beside, said = choice()
@@ -373,3 +375,24 @@ def test_a_worker_that_died_is_replaced_for_the_next_simulation_beside():
             died.result(timeout=60)
         assert workers.submit(abs, -3).result(timeout=60) == 3
     assert workers.pool is None
+
+
+def test_the_workers_start_during_a_slow_simulation_only_where_more_could_run_beside_it(monkeypatch):
+    """A plan of one rank, by itself (as a bisection over model sizes makes them, one after another), has nothing to
+    run beside its simulation: however slow, it starts no interpreter, which would import for nothing and then be
+    shut down. The same simulation as the first of a plan's three distinct ranks, or as a candidate of a choice,
+    starts them, for the ranks or candidates that follow."""
+    from hf_zero.plan import planner
+
+    started = []
+    monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 0.0)
+    monkeypatch.setattr(planner, "_cores", lambda: 2)
+    monkeypatch.setattr(planner._workers, "start", lambda: started.append(True))
+    plan(Job("gpt2-tiny", 1, 1, seq_len=32), Setting(3), Machine())
+    assert started == []
+    plan(Job("gpt2-tiny", 2, 2, seq_len=32), Setting(3), Machine(), ranks=[1, 0, 3], known=[])
+    assert started
+    started.clear()
+    with planner._workers:  # inside a choice
+        plan(Job("gpt2-tiny", 1, 1, seq_len=32), Setting(3), Machine())
+    assert started
