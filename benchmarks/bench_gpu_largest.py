@@ -6,6 +6,13 @@ trial cannot leave a fragmented allocator to the next):
 
   python benchmarks/bench_gpu_largest.py --nproc_per_node 8
   python benchmarks/bench_gpu_largest.py --nproc_per_node 1 --settings 3 3+offload
+  python benchmarks/bench_gpu_largest.py --plan_only --gpu_memory 80 --host_memory 125   # any machine, no GPU
+
+Beside each setting's largest trained, the largest `hf-zero plan` says fits: the same bisection over the same
+trials, each planned (hf_zero.plan: the engine's own step simulated, activations and temporaries included) for
+the machine's device and host memory. `--plan_only` gives that column alone, on a CPU, for a machine given by
+`--gpu_memory` and `--host_memory` (GiB; host memory per rank), so that the prediction is known before the GPUs
+are; a GPU run plans in a process of its own beside its trials (a few minutes of one core for the default width).
 
 A trial builds GPT-2 of width `--n_embd` with n_layer blocks in bf16 (stage 3: on meta, filled shard by
 shard by SeededInit; below that: whole on the device) and trains `--steps` AdamW steps at micro-batch 1,
@@ -19,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -107,6 +117,38 @@ def depth_bound(setting: Setting, gpu_bytes: int, host_bytes: int, per_layer: in
                                if psi is not None])
 
 
+def planned_fit(name: str, args: argparse.Namespace, gpu_bytes: int, host_bytes: int, n_layer: int,
+                folder: Path) -> dict | None:
+    """The trial of `n_layer` layers planned (its rank with the highest device peak), or None where the plan says
+    it does not fit: the trial's model, micro-batch 1, sequence, checkpointing, bf16 with fp32 masters and AdamW as
+    the trial makes it on a GPU (for-each), over `nproc_per_node` GPUs of `gpu_bytes` with `host_bytes` of host
+    memory each."""
+    from hf_zero.plan.machine import Machine
+    from hf_zero.plan.planner import plan
+    from hf_zero.plan.simulate import Job
+    from hf_zero.plan.simulate import Setting as PlannedSetting
+
+    config = model_zoo.config("gpt2-xl", **gpt2_overrides(args.n_embd, n_layer))
+    config.architectures = ["GPT2LMHeadModel"]
+    model = folder / f"gpt2-{args.n_embd}x{n_layer}"
+    config.save_pretrained(model)
+    job = Job(str(model), nodes=1, gpus_per_node=args.nproc_per_node, seq_len=args.seq, gpu_memory=gpu_bytes,
+              optimizer_kwargs=json.dumps({"lr": 1e-5, "foreach": True}))
+    setting = SETTINGS[name]
+    planned = plan(job, PlannedSetting(setting["zero_stage"], setting.get("offload_optimizer", "none"),
+                                       setting.get("offload_param", "none"), micro_batch=1,
+                                       gradient_checkpointing=True),
+                   Machine(gpu_memory=gpu_bytes, host_memory=host_bytes * args.nproc_per_node))
+    return {"device_peak": planned.busiest.device_peak} if planned.fits else None
+
+
+def planned_largest(name: str, args: argparse.Namespace, gpu_bytes: int, host_bytes: int, hi: int
+                    ) -> tuple[int, dict | None]:
+    """The deepest trial in [1, hi] `hf-zero plan` says fits (`planned_fit`), bisected as the trials are."""
+    with tempfile.TemporaryDirectory() as folder:
+        return largest_fitting(lambda n: planned_fit(name, args, gpu_bytes, host_bytes, n, Path(folder)), hi)
+
+
 def largest_fitting(fits, hi: int) -> tuple[int, dict | None]:
     """The largest n in [1, hi] with fits(n) not None, assuming fitting is monotone in n; (0, None) if none."""
     lo, best = 0, None
@@ -131,40 +173,61 @@ def main() -> None:
                    help="bisect up to this multiple of the formulas' depth (device memory, and host memory with "
                    "offload)")
     p.add_argument("--max_layers", type=int, default=512, help="depth cap, for settings the device does not limit")
+    p.add_argument("--plan_only", action="store_true",
+                   help="the plan's largest alone, without CUDA, for the machine --gpu_memory and --host_memory give")
+    p.add_argument("--gpu_memory", type=float, help="GiB per GPU (--plan_only)")
+    p.add_argument("--host_memory", type=float, help="GiB of host memory per rank (--plan_only)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     p.add_argument("--n_layer", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_gpu_largest.py needs CUDA: no GPU here, nothing measured")
-    if args.trial:
+    if args.plan_only:
+        if args.gpu_memory is None or args.host_memory is None:
+            p.error("--plan_only plans for a machine given by --gpu_memory and --host_memory (GiB)")
+        gpu_bytes, host_bytes = int(args.gpu_memory * 2**30), int(args.host_memory * 2**30)
+    elif not torch.cuda.is_available():
+        sys.exit("bench_gpu_largest.py needs CUDA: no GPU here, nothing measured (--plan_only plans without one)")
+    elif args.trial:
         trial(json.loads(args.trial), args.n_embd, args.n_layer, args.seq, args.steps)
         return
-    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    host_bytes = psutil.virtual_memory().available // args.nproc_per_node
+    else:
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        host_bytes = psutil.virtual_memory().available // args.nproc_per_node
     per_layer = model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, 2)) - \
         model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, 1))
     rows = []
+    planning = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     for name in args.settings:
         config = SETTINGS[name]
         setting = Setting(config["zero_stage"], args.nproc_per_node, config.get("offload_optimizer", "none"),
                           config.get("offload_param", "none"))
         formula_psi = largest_params(setting, gpu_bytes) if setting.offload_param == "none" else None
         hi = depth_bound(setting, gpu_bytes, host_bytes, per_layer, args.headroom, args.max_layers)
-        n_layer, result = largest_fitting(lambda n, s=name: run_trial(s, args, n), hi)
-        psi = model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, n_layer)) if n_layer else 0
-        rows.append((name, n_layer, psi, formula_psi, result))
-        print(f"{name}: {n_layer} layers, Ψ = {psi / 1e9:.2f}B", flush=True)
-    device = torch.cuda.get_device_name(0)
+        rows.append([name, formula_psi, planning.submit(planned_largest, name, args, gpu_bytes, host_bytes, hi)])
+        if not args.plan_only:  # the trials, while the plan's search runs on a core of the host
+            n_layer, result = largest_fitting(lambda n, s=name: run_trial(s, args, n), hi)
+            print(f"{name}: {n_layer} layers trained", flush=True)
+            rows[-1] += [n_layer, result]
+        else:
+            rows[-1] += [0, None]
+    rows = [(name, n_layer, formula_psi, result, *planned.result())
+            for name, formula_psi, planned, n_layer, result in rows]
+    planning.shutdown()
+    device = "(planned only)" if args.plan_only else torch.cuda.get_device_name(0)
     print(f"\n{args.nproc_per_node} x {device} ({gpu_bytes / 2**30:.0f} GiB), GPT-2 width {args.n_embd}, bf16 AdamW, "
           f"micro-batch 1, sequence {args.seq}, gradient checkpointing, {args.steps} steps per trial\n")
-    print("| setting | layers | Ψ trained | formula's largest Ψ (model states) | trained / formula "
-          "| peak allocated (GiB, rank 0) |")
-    print("|---|---|---|---|---|---|")
-    for name, n_layer, psi, formula_psi, result in rows:
+    print("| setting | layers trained | Ψ trained | formula's largest Ψ (model states) | trained / formula "
+          "| peak allocated (GiB, rank 0) | layers planned | Ψ planned | planned peak (GiB) | trained / planned |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, n_layer, formula_psi, result, planned_layers, planned in rows:
+        psi, planned_psi = (model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, n)) if n else 0
+                            for n in (n_layer, planned_layers))
         formula = f"{formula_psi / 1e9:.2f}B" if formula_psi else "host-bound"
-        ratio = f"{psi / formula_psi:.2f}" if formula_psi else "-"
+        ratio = f"{psi / formula_psi:.2f}" if formula_psi and not args.plan_only else "-"
         peak = f"{result['peak_allocated'] / 2**30:.1f}" if result else "-"
-        print(f"| {name} | {n_layer} | {psi / 1e9:.2f}B | {formula} | {ratio} | {peak} |")
+        planned_peak = f"{planned['device_peak'] / 2**30:.1f}" if planned else "-"
+        to_plan = f"{psi / planned_psi:.2f}" if planned_psi and not args.plan_only else "-"
+        print(f"| {name} | {n_layer if not args.plan_only else '-'} | {psi / 1e9:.2f}B | {formula} | {ratio} | {peak} "
+              f"| {planned_layers} | {planned_psi / 1e9:.2f}B | {planned_peak} | {to_plan} |")
 
 
 if __name__ == "__main__":
