@@ -1,6 +1,8 @@
-"""The largest GPT-2 each ZeRO stage trains on the GPUs at hand, beside the paper's formula (Table 2).
+"""The largest GPT-2 each ZeRO stage trains on the GPUs at hand, beside the paper's formula (Table 2) and the
+largest `hf-zero plan` says fits.
 
-Needs CUDA; without it the script says so and exits (a skipped benchmark is never evidence). Run on one
+The trials need CUDA; without it the script says so and exits (a skipped benchmark is never evidence), except
+with `--plan_only`, which gives the plan's column alone. Run on one
 machine, launched plainly (it starts torchrun itself, one fresh job per trial so that an out-of-memory
 trial cannot leave a fragmented allocator to the next):
 
@@ -13,6 +15,9 @@ trials, each planned (hf_zero.plan: the engine's own step simulated, activations
 the machine's device and host memory. `--plan_only` gives that column alone, on a CPU, for a machine given by
 `--gpu_memory` and `--host_memory` (GiB; host memory per rank), so that the prediction is known before the GPUs
 are; a GPU run plans in a process of its own beside its trials (a few minutes of one core for the default width).
+The plan's device peak is its busiest rank's, against the device's whole memory: the CUDA context, NCCL's and
+cuBLAS's workspaces are not in it, so its largest may be a layer above what trains. A GPU run plans for the host
+memory available when it starts, the planning process's ~2 GB included.
 
 A trial builds GPT-2 of width `--n_embd` with n_layer blocks in bf16 (stage 3: on meta, filled shard by
 shard by SeededInit; below that: whole on the device) and trains `--steps` AdamW steps at micro-batch 1,
@@ -20,7 +25,8 @@ sequence `--seq`, with transformers' gradient checkpointing so that activations 
 model states. The depth is found by bisection between 1 and what the formula allows times `--headroom`.
 The table gives, per setting, the largest Ψ trained, the formula's largest Ψ for model states alone
 (`hf_zero.cli.estimate.largest_params`: 16Ψ DDP ... 16Ψ/Nd stage 3, offloaded bytes off the device), their
-ratio, and the trial's peak allocated device memory (torch.cuda.max_memory_allocated, rank 0).
+ratio, the trial's peak allocated device memory (torch.cuda.max_memory_allocated, rank 0), and the plan's
+largest with its peak and the ratio of the trained Ψ to it.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -175,8 +181,8 @@ def main() -> None:
     p.add_argument("--max_layers", type=int, default=512, help="depth cap, for settings the device does not limit")
     p.add_argument("--plan_only", action="store_true",
                    help="the plan's largest alone, without CUDA, for the machine --gpu_memory and --host_memory give")
-    p.add_argument("--gpu_memory", type=float, help="GiB per GPU (--plan_only)")
-    p.add_argument("--host_memory", type=float, help="GiB of host memory per rank (--plan_only)")
+    p.add_argument("--gpu_memory", type=float, help="GiB per GPU (with --plan_only only)")
+    p.add_argument("--host_memory", type=float, help="GiB of host memory per rank (with --plan_only only)")
     p.add_argument("--trial", help=argparse.SUPPRESS)
     p.add_argument("--n_layer", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -184,6 +190,8 @@ def main() -> None:
         if args.gpu_memory is None or args.host_memory is None:
             p.error("--plan_only plans for a machine given by --gpu_memory and --host_memory (GiB)")
         gpu_bytes, host_bytes = int(args.gpu_memory * 2**30), int(args.host_memory * 2**30)
+    elif args.gpu_memory is not None or args.host_memory is not None:
+        p.error("--gpu_memory and --host_memory describe the machine for --plan_only; trials use the GPUs at hand")
     elif not torch.cuda.is_available():
         sys.exit("bench_gpu_largest.py needs CUDA: no GPU here, nothing measured (--plan_only plans without one)")
     elif args.trial:
@@ -196,38 +204,62 @@ def main() -> None:
         model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, 1))
     rows = []
     planning = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    for name in args.settings:
-        config = SETTINGS[name]
-        setting = Setting(config["zero_stage"], args.nproc_per_node, config.get("offload_optimizer", "none"),
-                          config.get("offload_param", "none"))
-        formula_psi = largest_params(setting, gpu_bytes) if setting.offload_param == "none" else None
-        hi = depth_bound(setting, gpu_bytes, host_bytes, per_layer, args.headroom, args.max_layers)
-        rows.append([name, formula_psi, planning.submit(planned_largest, name, args, gpu_bytes, host_bytes, hi)])
-        if not args.plan_only:  # the trials, while the plan's search runs on a core of the host
-            n_layer, result = largest_fitting(lambda n, s=name: run_trial(s, args, n), hi)
-            print(f"{name}: {n_layer} layers trained", flush=True)
-            rows[-1] += [n_layer, result]
-        else:
-            rows[-1] += [0, None]
-    rows = [(name, n_layer, formula_psi, result, *planned.result())
-            for name, formula_psi, planned, n_layer, result in rows]
-    planning.shutdown()
+    try:
+        for name in args.settings:
+            config = SETTINGS[name]
+            setting = Setting(config["zero_stage"], args.nproc_per_node, config.get("offload_optimizer", "none"),
+                              config.get("offload_param", "none"))
+            formula_psi = largest_params(setting, gpu_bytes) if setting.offload_param == "none" else None
+            hi = depth_bound(setting, gpu_bytes, host_bytes, per_layer, args.headroom, args.max_layers)
+            planned = planning.submit(planned_largest, name, args, gpu_bytes, host_bytes, hi)
+            trained = None
+            if not args.plan_only:  # the trials, while the plan's search runs on a core of the host
+                trained = largest_fitting(lambda n, s=name: run_trial(s, args, n), hi)
+                print(f"{name}: {trained[0]} layers trained", flush=True)
+            rows.append((name, formula_psi, trained, planned))
+        rows = [(name, formula_psi, trained, _outcome(planned)) for name, formula_psi, trained, planned in rows]
+    finally:  # a failed trial leaves no plan search running on
+        planning.shutdown(cancel_futures=True)
     device = "(planned only)" if args.plan_only else torch.cuda.get_device_name(0)
+    trials = "" if args.plan_only else f", {args.steps} steps per trial"
     print(f"\n{args.nproc_per_node} x {device} ({gpu_bytes / 2**30:.0f} GiB), GPT-2 width {args.n_embd}, bf16 AdamW, "
-          f"micro-batch 1, sequence {args.seq}, gradient checkpointing, {args.steps} steps per trial\n")
+          f"micro-batch 1, sequence {args.seq}, gradient checkpointing{trials}\n")
     print("| setting | layers trained | Ψ trained | formula's largest Ψ (model states) | trained / formula "
-          "| peak allocated (GiB, rank 0) | layers planned | Ψ planned | planned peak (GiB) | trained / planned |")
+          "| peak allocated (GiB, rank 0) | layers planned | Ψ planned | planned peak (GiB, busiest rank) "
+          "| trained / planned |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, n_layer, formula_psi, result, planned_layers, planned in rows:
-        psi, planned_psi = (model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(args.n_embd, n)) if n else 0
-                            for n in (n_layer, planned_layers))
-        formula = f"{formula_psi / 1e9:.2f}B" if formula_psi else "host-bound"
-        ratio = f"{psi / formula_psi:.2f}" if formula_psi and not args.plan_only else "-"
-        peak = f"{result['peak_allocated'] / 2**30:.1f}" if result else "-"
-        planned_peak = f"{planned['device_peak'] / 2**30:.1f}" if planned else "-"
-        to_plan = f"{psi / planned_psi:.2f}" if planned_psi and not args.plan_only else "-"
-        print(f"| {name} | {n_layer if not args.plan_only else '-'} | {psi / 1e9:.2f}B | {formula} | {ratio} | {peak} "
-              f"| {planned_layers} | {planned_psi / 1e9:.2f}B | {planned_peak} | {to_plan} |")
+    for name, formula_psi, trained, planned in rows:
+        print(_row(name, formula_psi, trained, planned, args.n_embd))
+
+
+def _row(name: str, formula_psi: int | None, trained: tuple[int, dict | None] | None,
+         planned: tuple[int, dict | None] | str, n_embd: int) -> str:
+    """One setting's row: its trials' (None: planned only) and its plan's (text: the plan's error)."""
+    def params(n_layer: int) -> int:
+        return model_zoo.parameter_count("gpt2-xl", **gpt2_overrides(n_embd, n_layer)) if n_layer else 0
+
+    formula = f"{formula_psi / 1e9:.2f}B" if formula_psi else "host-bound"
+    psi = params(trained[0]) if trained else 0
+    if trained is None:
+        measured = f"- | - | {formula} | - | -"
+    else:
+        ratio = f"{psi / formula_psi:.2f}" if formula_psi else "-"
+        peak = f"{trained[1]['peak_allocated'] / 2**30:.1f}" if trained[1] else "-"
+        measured = f"{trained[0]} | {psi / 1e9:.2f}B | {formula} | {ratio} | {peak}"
+    if isinstance(planned, str):
+        return f"| {name} | {measured} | plan failed: {planned[-200:]!r} | | | |"
+    planned_psi = params(planned[0])
+    planned_peak = f"{planned[1]['device_peak'] / 2**30:.1f}" if planned[1] else "-"
+    to_plan = f"{psi / planned_psi:.2f}" if trained is not None and planned_psi else "-"
+    return f"| {name} | {measured} | {planned[0]} | {planned_psi / 1e9:.2f}B | {planned_peak} | {to_plan} |"
+
+
+def _outcome(planned: Future) -> tuple[int, dict | None] | str:
+    """The plan's search's result, or its error as text: a failed plan costs its columns, not the trials'."""
+    try:
+        return planned.result()
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
 
 
 if __name__ == "__main__":

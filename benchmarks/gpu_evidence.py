@@ -307,11 +307,11 @@ def planned_step(name: str, dry: bool, batch: int, seq: int, workdir: Path) -> d
     folder = workdir / "planned_model"
     cfg.save_pretrained(folder)
     config = SYSTEMS[name]
-    job = Job(str(folder), nodes=1, gpus_per_node=1, dtype="bf16", seq_len=seq,
+    capacity = torch.cuda.get_device_properties(0).total_memory if cuda else Machine().gpu_memory
+    job = Job(str(folder), nodes=1, gpus_per_node=1, dtype="bf16", seq_len=seq, gpu_memory=capacity,
               optimizer_kwargs=json.dumps({"lr": 1e-5, "fused": cuda}))
     setting = Setting(config["zero_stage"], config.get("offload_optimizer", "none"),
                       config.get("offload_param", "none"), micro_batch=batch)
-    capacity = torch.cuda.get_device_properties(0).total_memory if cuda else Machine().gpu_memory
     rank = plan(job, setting, Machine(gpu_memory=capacity)).ranks[0]
     return {"step_peak_bytes": rank.device_peak, "psi": rank.params, "seconds": rank.seconds}
 
@@ -441,7 +441,10 @@ def main() -> None:
             else:
                 rows.append(json.loads(lines[-1][len("RESULT "):]))
             if name in PLANNED and "error" not in rows[-1]:
-                rows[-1]["planned"] = planned_step(name, args.dry, args.batch, args.seq, args.out)
+                try:  # a plan that fails costs its column, not the measurements
+                    rows[-1]["planned"] = planned_step(name, args.dry, args.batch, args.seq, args.out)
+                except Exception as error:  # noqa: BLE001
+                    rows[-1]["planned"] = {"error": f"{type(error).__name__}: {error}"}
             print(json.dumps(rows[-1])[:3000], flush=True)
         evidence["parts"]["systems"] = rows
     (args.out / "evidence.json").write_text(json.dumps(evidence, indent=1))
@@ -478,6 +481,9 @@ def markdown(evidence: dict) -> str:
                        f"steps, after the warm-up; a miss over {PLAN_TOLERANCE:.0%} is marked):"), "",
                   "| system | planned (GiB) | measured (GiB) | measured / planned |", "|---|---|---|---|"]
         for r in planned:
+            if "error" in r["planned"]:
+                lines.append(f"| {r['system']} | plan failed: {r['planned']['error'][-200:]!r} | | |")
+                continue
             plan_bytes, measured = r["planned"]["step_peak_bytes"], r["steady_step_peak_bytes"]
             ratio = measured / plan_bytes if measured else None
             said = "- (no GPU)" if ratio is None else \

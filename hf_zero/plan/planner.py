@@ -204,8 +204,8 @@ class _Workers:
 
     @contextlib.contextmanager
     def started_if_slow(self, more_to_come: bool = True) -> Iterator[None]:
-        """Inside, a simulation here: the workers start if it runs PARALLEL_AFTER_S, where `more_to_come`
-        (simulations that could run beside the next ones)."""
+        """Inside, a simulation here: the workers start if it runs PARALLEL_AFTER_S, unless `more_to_come` is false
+        (nothing could run beside the simulations after it)."""
         if not more_to_come or _cores() < 2 or self.pool is not None:
             yield
             return
@@ -297,8 +297,9 @@ def plan(job: Job, setting: Setting, machine: Machine, ranks: list[int] | None =
     while left := [r for r in wanted if r not in done]:
         if len(left) > 1 and _cores() > 1 and (at_once or any(s.seconds >= PARALLEL_AFTER_S for s in done.values())):
             done |= {s.rank: s for s in map(_used, _simulated_at_once(job, [(setting, r) for r in left]))}
-        else:  # the workers are started for what follows: this plan's other ranks, or the choice it is part of
-            more_to_come = len(left) > 1 or _workers.depth > 1
+        else:  # the workers are started for what follows: two ranks or more left after this one (run at once), or
+            # the choice this plan is part of
+            more_to_come = len(left) > 2 or _workers.depth > 1
             done[left[0]] = _used(_simulated_at_once(job, [(setting, left[0])], more_to_come)[0])
     simulated = [done[r] for r in wanted]
     result = Plan(job, setting, machine, simulated)

@@ -47,20 +47,29 @@ def test_any_other_failure_of_a_trial_stops_the_search_with_its_error(monkeypatc
 
 
 def test_the_plans_largest_is_the_deepest_trial_it_fits_holding_at_least_the_formulas_model_states(tmp_path):
-    """The plan's column, on CPU: a GPT-2 of width 64 at stage 0 on one GPU of 0.08 GiB. The depth the search finds
-    fits by the plan and one layer more does not, and the plan's peak there holds at least the paper's 16Ψ (which
-    counts model states only, where the plan adds activations and the step's temporaries)."""
+    """`--plan_only` on CPU, as a user runs it: a GPT-2 of width 64 at stage 0 on one GPU of 0.08 GiB. The depth
+    its table gives fits by the plan and one layer more does not, and the plan's peak there holds at least the
+    paper's 16Ψ (which counts model states only, where the plan adds activations and the step's temporaries)."""
+    done = subprocess.run([sys.executable, bench.__file__, "--plan_only", "--gpu_memory", "0.08", "--host_memory", "4",
+                           "--settings", "0", "--n_embd", "64", "--seq", "8", "--max_layers", "6"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 0 |")).split("|")
+    layers = int(row[7])
+    assert 1 <= layers < 6 and row[2].strip() == "-"  # nothing trained
     args = Namespace(nproc_per_node=1, n_embd=64, seq=8)
     gpu, host = int(0.08 * GIB), 4 * GIB
-    layers, planned = bench.planned_largest("0", args, gpu, host, 6)
-    assert 1 <= layers < 6
+    planned = bench.planned_fit("0", args, gpu, host, layers, tmp_path)
     psi = model_zoo.parameter_count("gpt2-xl", **bench.gpt2_overrides(64, layers))
-    assert 16 * psi <= planned["device_peak"] <= gpu
+    assert planned is not None and 16 * psi <= planned["device_peak"] <= gpu
     assert bench.planned_fit("0", args, gpu, host, layers + 1, tmp_path) is None
 
 
-def test_planning_alone_needs_the_machines_memory():
-    done = subprocess.run([sys.executable, bench.__file__, "--plan_only", "--gpu_memory", "80"],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 2 and "--plan_only plans for a machine given by --gpu_memory and --host_memory" in \
-        done.stderr
+@pytest.mark.parametrize("flags, said", [(["--plan_only", "--gpu_memory", "80"],
+                                          "--plan_only plans for a machine given by --gpu_memory and --host_memory"),
+                                         (["--gpu_memory", "80"],
+                                          "--gpu_memory and --host_memory describe the machine for --plan_only")])
+def test_the_machines_memory_is_given_for_planning_alone_and_only_then(flags, said):
+    done = subprocess.run([sys.executable, bench.__file__, *flags], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2 and said in done.stderr

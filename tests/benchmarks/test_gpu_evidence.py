@@ -47,7 +47,7 @@ def test_the_gpu_evidence_run_works_end_to_end_in_its_dry_mode(tmp_path):
 
 def test_the_evidence_table_marks_a_step_peak_that_misses_the_plan_by_over_10_percent():
     """A measured step peak within 10% of the plan's passes; one further, above or below, is marked beside both
-    figures."""
+    figures; a plan that failed says so in its row."""
     from benchmarks.gpu_evidence import markdown
 
     gib = 2 ** 30
@@ -57,10 +57,12 @@ def test_the_evidence_table_marks_a_step_peak_that_misses_the_plan_by_over_10_pe
     rows = [{**base, "system": system, "steady_step_peak_bytes": int(measured * gib),
              "planned": {"step_peak_bytes": 10 * gib, "psi": 10**9}}
             for system, measured in (("stage2", 10.9), ("stage3", 11.2), ("stage3+cpu", 8.8))]
+    rows.append({**rows[0], "system": "stage2+cpu", "planned": {"error": "ValueError: no such model"}})
     table = markdown({"device": "a GPU", "torch": torch.__version__, "parts": {"systems": rows}})
     assert "| stage2 | 10.00 | 10.90 | 1.090 |" in table
     assert "| stage3 | 10.00 | 11.20 | 1.120 **missed** |" in table
     assert "| stage3+cpu | 10.00 | 8.80 | 0.880 **missed** |" in table
+    assert "| stage2+cpu | plan failed: 'ValueError: no such model' | | |" in table  # its measurements kept above
 
 
 def test_what_is_alive_at_a_steps_peak_is_replayed_from_the_allocators_trace():

@@ -378,10 +378,12 @@ def test_a_worker_that_died_is_replaced_for_the_next_simulation_beside():
 
 
 def test_the_workers_start_during_a_slow_simulation_only_where_more_could_run_beside_it(monkeypatch):
-    """A plan of one rank, by itself (as a bisection over model sizes makes them, one after another), has nothing to
-    run beside its simulation: however slow, it starts no interpreter, which would import for nothing and then be
-    shut down. The same simulation as the first of a plan's three distinct ranks, or as a candidate of a choice,
-    starts them, for the ranks or candidates that follow."""
+    """A plan of one rank, by itself (as a bisection over model sizes makes them, one after another), or of two,
+    whose second runs here after the first, has nothing to run beside its simulations: however slow, it starts no
+    interpreter, which would import for nothing and then be shut down. The same simulation as the first of a plan's
+    three distinct ranks (the other two then run at once), or as a candidate of a choice, starts them."""
+    import psutil
+
     from hf_zero.plan import planner
 
     started = []
@@ -389,10 +391,11 @@ def test_the_workers_start_during_a_slow_simulation_only_where_more_could_run_be
     monkeypatch.setattr(planner, "_cores", lambda: 2)
     monkeypatch.setattr(planner._workers, "start", lambda: started.append(True))
     plan(Job("gpt2-tiny", 1, 1, seq_len=32), Setting(3), Machine())
+    plan(Job("gpt2-tiny", 1, 2, seq_len=32), Setting(3), Machine())  # ranks 0 and 1
     assert started == []
-    plan(Job("gpt2-tiny", 2, 2, seq_len=32), Setting(3), Machine(), ranks=[1, 0, 3], known=[])
-    assert started
-    started.clear()
+    plan(Job("gpt2-tiny", 2, 2, seq_len=32), Setting(3), Machine())  # ranks 0, 1 and 3
+    assert started == [True]
     with planner._workers:  # inside a choice
         plan(Job("gpt2-tiny", 1, 1, seq_len=32), Setting(3), Machine())
-    assert started
+    assert started == [True, True]
+    assert not psutil.wait_procs(_spawned_interpreters(), timeout=30)[1]
