@@ -134,16 +134,11 @@ def planned_fit(name: str, args: argparse.Namespace, gpu_bytes: int, host_bytes:
     from hf_zero.plan.simulate import Job
     from hf_zero.plan.simulate import Setting as PlannedSetting
 
-    config = model_zoo.config("gpt2-xl", **gpt2_overrides(args.n_embd, n_layer))
-    config.architectures = ["GPT2LMHeadModel"]
-    model = folder / f"gpt2-{args.n_embd}x{n_layer}"
-    config.save_pretrained(model)
-    job = Job(str(model), nodes=1, gpus_per_node=args.nproc_per_node, seq_len=args.seq, gpu_memory=gpu_bytes,
+    model = model_zoo.save_config("gpt2-xl", folder / f"gpt2-{args.n_embd}x{n_layer}",
+                                  **gpt2_overrides(args.n_embd, n_layer))
+    job = Job(model, nodes=1, gpus_per_node=args.nproc_per_node, seq_len=args.seq, gpu_memory=gpu_bytes,
               optimizer_kwargs=json.dumps({"lr": 1e-5, "foreach": True}))
-    setting = SETTINGS[name]
-    planned = plan(job, PlannedSetting(setting["zero_stage"], setting.get("offload_optimizer", "none"),
-                                       setting.get("offload_param", "none"), micro_batch=1,
-                                       gradient_checkpointing=True),
+    planned = plan(job, PlannedSetting(**SETTINGS[name], micro_batch=1, gradient_checkpointing=True),
                    Machine(gpu_memory=gpu_bytes, host_memory=host_bytes * args.nproc_per_node))
     return {"device_peak": planned.busiest.device_peak} if planned.fits else None
 

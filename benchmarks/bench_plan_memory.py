@@ -98,10 +98,8 @@ def planned(layers: int, width: int, batch: int, seq: int, stage: int, offload: 
     from hf_zero.plan.planner import plan
     from hf_zero.plan.simulate import Job, Setting
 
-    config = model_zoo.config("gpt2-bench-memory", n_layer=layers, n_embd=width, n_head=width // 64)
-    config.architectures = ["GPT2LMHeadModel"]
     with tempfile.TemporaryDirectory() as folder:
-        config.save_pretrained(folder)
+        model_zoo.save_config("gpt2-bench-memory", folder, n_layer=layers, n_embd=width, n_head=width // 64)
         job = Job(folder, 1, ranks, "bf16", seq, 10**15)
         setting = Setting(stage, *OFFLOADS[offload], micro_batch=batch)
         rank = plan(job, setting, Machine(10**15, 10**15, nvme_capacity=10**15), ranks=[0]).busiest

