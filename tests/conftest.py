@@ -2,6 +2,7 @@
 runs: each world size is spawned once and runs every scenario the tests read."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -92,6 +93,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     first = {name: i for i, name in enumerate(LONGEST_MODULES)}
     session.items.sort(key=lambda item: first.get(_module(item), len(first)))  # stable: modules keep their order
+    # What collection imported (torch, transformers, every test module) lives as long as the worker: frozen, the
+    # cyclic collector no longer walks it in each full collection, about 0.2 s of a core each, hundreds a run.
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import faulthandler
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -318,6 +319,9 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple,
             threads: int, environ: dict[str, str]) -> None:
+    # What the rank starts with, the server's imports and those unpickling fn made, lives as long as the rank: out
+    # of the cyclic collector's walks (hf_zero.runtime.host_memory.start_up_frozen says what they cost).
+    gc.freeze()
     torch.set_num_threads(threads)
     # A rank stopped because another failed (torch.multiprocessing sends SIGTERM) first prints every thread's stack:
     # for a rank that hung, where it hung, beside the error the rank left waiting on it raised.

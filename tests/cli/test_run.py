@@ -105,6 +105,34 @@ def test_patched_classes_survive_the_transformers_module_swap():
                                   "ZeroSeq2SeqTrainingArguments"], run.stderr[-2000:]
 
 
+REPORTS_THE_COLLECTOR = """
+import gc, json
+from transformers import Trainer
+from hf_zero import ZeroTrainer
+walked = {id(o) for o in gc.get_objects()}
+print(json.dumps({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
+                  "walked": [id(f) in walked for f in (Trainer.train, ZeroTrainer.train, json.dumps)]}))
+"""
+# A rank as torchrun starts it (`-m hf_zero.cli.run SCRIPT`), its launcher's checks left out.
+AS_A_RANK = ("import sys, hf_zero.cli.rank_main as rank_main\n"
+             "rank_main.run_rank = lambda main, prog: sys.exit(main())\n"
+             "from hf_zero.cli.run import start_rank\n"
+             "start_rank()")
+
+
+def test_a_rank_runs_its_script_with_the_trainer_stack_frozen_out_of_the_cyclic_collector(tmp_path):
+    """A rank `hf-zero run` starts imports torch, transformers' Trainer stack and hf_zero's before the script, with
+    the collector off, then freezes them (hf_zero.runtime.host_memory.start_up_frozen): no full collection walks them
+    again, and the collector is on for what the script makes."""
+    script = tmp_path / "script.py"
+    script.write_text(REPORTS_THE_COLLECTOR)
+    run = subprocess.run([sys.executable, "-c", AS_A_RANK, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = json.loads(run.stdout)
+    assert said["enabled"] and said["frozen"] > 100_000, said
+    assert said["walked"] == [False, False, False], said
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--zero_stage", "2", "--zero_offload_param", "cpu"],
      "--zero_offload_param needs --zero_stage 3 (only stage 3 partitions parameters)"),

@@ -64,3 +64,38 @@ def trims_during_one_backward(trim_host_heap: bool) -> int:
 def test_stage3_asks_the_trimmer_at_each_units_backward_gather_only_when_set():
     assert spawn_gloo(trims_during_one_backward, 1, True)[0] == 3  # the root and 2 blocks
     assert spawn_gloo(trims_during_one_backward, 1, False)[0] == 0
+
+
+FROZEN_WHILE_IMPORTING = """
+import gc, json
+from hf_zero.runtime.host_memory import start_up_frozen
+gc.disable() if {disabled} else None
+full_collections = []
+gc.callbacks.append(lambda phase, info: full_collections.append(1) if phase == "start" and info["generation"] == 2
+                    else None)
+before = gc.get_freeze_count()
+with start_up_frozen():
+    enabled_inside = gc.isenabled()
+    import email.mime.multipart, xml.dom.minidom
+    import torch
+walked = {{id(o) for o in gc.get_objects()}}
+made_after = [object()]
+print(json.dumps({{"enabled_inside": enabled_inside, "enabled_after": gc.isenabled(),
+                   "collections_inside": len(full_collections), "frozen": gc.get_freeze_count() - before,
+                   "walked": [id(f) in walked for f in (xml.dom.minidom.parseString, torch.nn.Module.__init__)],
+                   "walked_after": id(made_after) in walked or made_after in gc.get_objects()}}))
+"""
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_start_up_imports_are_frozen_out_of_the_collector_which_is_left_as_it_was(disabled):
+    """Inside start_up_frozen the collector is off, so the imports trigger no full collection (torch alone would
+    several); after it, their objects are frozen (gc.get_objects, the collector's generations, no longer holds
+    them) and the collector is on again, unless the process had it off."""
+    run = subprocess.run([sys.executable, "-c", FROZEN_WHILE_IMPORTING.format(disabled=disabled)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = json.loads(run.stdout)
+    assert said["enabled_inside"] is False and said["enabled_after"] is not disabled
+    assert said["collections_inside"] == 0 and said["frozen"] > 100_000, said
+    assert said["walked"] == [False, False] and said["walked_after"] is True, said
