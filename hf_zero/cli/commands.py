@@ -185,10 +185,8 @@ def _run(argv: list[str]) -> int:
     use_mmap_for_large_allocations()
     if processes == 1 and not args.max_restarts:  # restarts are torchrun's
         return run.main([args.script, *args.script_args])
-    from hf_zero.runtime.host_memory import start_up_frozen
+    from hf_zero.hf.flags import check_script_flags
 
-    with start_up_frozen():
-        from hf_zero.hf.flags import check_script_flags
     check_script_flags(args.script_args, processes, args.nproc_per_node)  # once, before any process starts
     return _torchrun(args, "hf_zero.cli.run", [args.script, *args.script_args])
 

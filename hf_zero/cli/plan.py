@@ -231,12 +231,9 @@ def read_sample(path: str) -> tuple[tuple[str, tuple[int, ...], str, int], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_zero.runtime.host_memory import start_up_frozen
-
-    with start_up_frozen():
-        from hf_zero.plan.models import model_class, model_config
-        from hf_zero.plan.planner import choose, distinct_ranks, plan
-        from hf_zero.plan.simulate import Job, Setting
+    from hf_zero.plan.models import model_class, model_config
+    from hf_zero.plan.planner import choose, distinct_ranks, plan
+    from hf_zero.plan.simulate import Job, Setting
 
     config = model_config(args.model)
     model_class(args.model)  # a class transformers has, before anything is simulated

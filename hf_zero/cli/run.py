@@ -60,12 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     # Imported here, not with this module: `hf-zero run` reads this module's help and checks the flags' names before
     # it imports torch and transformers.
-    from hf_zero.runtime.host_memory import start_up_frozen
-
-    with start_up_frozen():
-        import hf_zero.hf.trainer  # noqa: F401  what patch_transformers installs: transformers' Trainer stack and ours
-        from hf_zero.hf.flags import check_script_flags
-        from hf_zero.runtime.launch import say_once
+    from hf_zero.hf.flags import check_script_flags
+    from hf_zero.runtime.launch import say_once
 
     script = Path(argv[0])
     if not script.is_file():
@@ -95,7 +91,8 @@ def start_rank() -> None:
     """What a rank torchrun started runs (`-m hf_zero.cli.run`, or the former `-m hf_zero.run`)."""
     from hf_zero.runtime.host_memory import start_up_frozen
 
-    with start_up_frozen():
+    with start_up_frozen():  # what main() imports, transformers' Trainer stack and hf_zero's, as well
+        importlib.import_module("hf_zero.hf.trainer")
         from hf_zero.cli.rank_main import run_rank
     run_rank(main, Path(sys.argv[1]).name if len(sys.argv) > 1 else "hf_zero.cli.run")
 

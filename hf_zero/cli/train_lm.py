@@ -418,7 +418,9 @@ def start_rank() -> None:
     """What a rank torchrun started runs (`hf-zero train` starts them; also `-m hf_zero.train_lm`, the former path)."""
     from hf_zero.runtime.host_memory import start_up_frozen
 
-    with start_up_frozen():  # this module's imports, torch's and the engine's, are frozen with it
+    # This module's imports (torch, transformers' models, the engine) ran with the collector on, torchrun running it
+    # as __main__: frozen from here on.
+    with start_up_frozen():
         from hf_zero.cli.rank_main import run_rank
     run_rank(_rank_main, "hf-zero train")
 

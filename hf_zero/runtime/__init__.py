@@ -11,7 +11,8 @@
     groups.py           the process groups and device meshes, built in one place
     launch.py           the default process group, torchrun and spawned ranks, timeouts and heartbeats
     dtypes.py           the dtypes as safetensors names them
-    host_memory.py      the host allocator's settings for large allocations
+    host_memory.py      the host allocator's settings for large allocations; start-up objects frozen out of
+                        Python's cyclic collector
     memory.py           measured memory: peak RSS, what a rank has left, model-state bytes
     tensor_parallel.py  the ("dp", "tp") DeviceMesh and tensor-parallel plans
     trace.py            trace spans: each phase of a step named in a torch.profiler trace

@@ -79,11 +79,9 @@ with start_up_frozen():
     import email.mime.multipart, xml.dom.minidom
     import torch
 walked = {{id(o) for o in gc.get_objects()}}
-made_after = [object()]
 print(json.dumps({{"enabled_inside": enabled_inside, "enabled_after": gc.isenabled(),
                    "collections_inside": len(full_collections), "frozen": gc.get_freeze_count() - before,
-                   "walked": [id(f) in walked for f in (xml.dom.minidom.parseString, torch.nn.Module.__init__)],
-                   "walked_after": id(made_after) in walked or made_after in gc.get_objects()}}))
+                   "walked": [id(f) in walked for f in (xml.dom.minidom.parseString, torch.nn.Module.__init__)]}}))
 """
 
 
@@ -93,9 +91,9 @@ def test_start_up_imports_are_frozen_out_of_the_collector_which_is_left_as_it_wa
     several); after it, their objects are frozen (gc.get_objects, the collector's generations, no longer holds
     them) and the collector is on again, unless the process had it off."""
     run = subprocess.run([sys.executable, "-c", FROZEN_WHILE_IMPORTING.format(disabled=disabled)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     said = json.loads(run.stdout)
     assert said["enabled_inside"] is False and said["enabled_after"] is not disabled
     assert said["collections_inside"] == 0 and said["frozen"] > 100_000, said
-    assert said["walked"] == [False, False] and said["walked_after"] is True, said
+    assert said["walked"] == [False, False], said

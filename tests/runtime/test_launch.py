@@ -4,6 +4,7 @@ finalization, where gloo can abort."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import re
@@ -76,16 +77,16 @@ def test_spawned_ranks_see_the_callers_environment_as_it_is_now(monkeypatch, sta
 
 
 def walked_by_the_collector() -> tuple[int, list[bool]]:
-    import gc
-
     walked = {id(o) for o in gc.get_objects()}
-    return gc.get_freeze_count(), [id(f) in walked for f in (torch.nn.Module.__init__, walked_by_the_collector)]
+    started_with = (torch.nn.Module.__init__, walked_by_the_collector)
+    return gc.get_freeze_count(), [id(f) in walked for f in started_with]
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_spawned_ranks_start_with_what_they_imported_frozen_out_of_the_cyclic_collector(start_method):
     """What a rank has when its function starts (the forkserver's imports, or a spawned rank's, and the modules
-    unpickling the function imported: this one, torch) is frozen: no full collection in the rank walks it (0.2 s of a core each)."""
+    unpickling the function imported: this one, torch) is frozen: no full collection in the rank walks it (0.2 s
+    of a core each)."""
     (frozen, walked), = spawn_gloo(walked_by_the_collector, 1, start_method=start_method)
     assert frozen > 100_000 and walked == [False, False], (frozen, walked)
 
