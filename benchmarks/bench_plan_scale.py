@@ -25,6 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import model_zoo
+
 # GPT-2 shapes for sizes the paper names without a shape: Figure 1's 7.5B (51 x 3456: 7.49B) and Table 1's 1T.
 SHAPES = {"7.5b": dict(n_layer=51, n_embd=3456, n_head=27), "1t": dict(n_layer=128, n_embd=25600, n_head=200)}
 # The paper's own figures, GB per device by stage: Figure 1's 7.5B over 64 GPUs (sections 5.1-5.3), and 16 GB for
@@ -71,17 +73,6 @@ def _sizes(model: str) -> tuple[int, int]:
     return psi, largest
 
 
-def shape_folder(scratch: str, name: str) -> str:
-    from transformers import GPT2Config
-
-    folder = Path(scratch, f"gpt2-{name}")
-    folder.mkdir()
-    config = GPT2Config(**SHAPES[name], vocab_size=50257, n_positions=1024, bos_token_id=0, eos_token_id=0)
-    config.architectures = ["GPT2LMHeadModel"]
-    (folder / "config.json").write_text(config.to_json_string())
-    return str(folder)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["zero-48x1600", "7.5b", "zero-72x3072", "zero-212x8192", "1t"])
@@ -93,7 +84,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
-            _rows(name, shape_folder(scratch, name) if name in SHAPES else name, args.gpus, args.seq)
+            model = model_zoo.save_config("gpt2-xl", Path(scratch, f"gpt2-{name}"), **SHAPES[name]) \
+                if name in SHAPES else name
+            _rows(name, model, args.gpus, args.seq)
 
 
 def _rows(name: str, model: str, gpus: list[int], seq: int) -> None:
