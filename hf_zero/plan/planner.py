@@ -27,6 +27,7 @@ import math
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -146,10 +147,10 @@ R = TypeVar("R")
 
 class _Workers:
     """The interpreters that run simulations beside this process's, `count()` of them, spawned (this process has
-    torch's thread pools, which a fork would copy mid-state). They start once a simulation here has run
-    PARALLEL_AFTER_S (`started_if_slow`), on the cores it leaves waiting, so that their imports (~5 s) are over when
-    the next simulations side by side need them; and they are kept until the outermost plan or choice is made (the
-    object as a context) rather than spawned again for each round, which paid those imports every time."""
+    torch's thread pools, which a fork would copy mid-state). They start once a simulation here has taken
+    PARALLEL_AFTER_S of a core (`started_if_slow`), on the cores it leaves waiting, so that their imports (~5 s) are
+    over when the next simulations side by side need them; and they are kept until the outermost plan or choice is
+    made (the object as a context) rather than spawned again for each round, which paid those imports every time."""
 
     def __init__(self) -> None:
         self.pool: ProcessPoolExecutor | None = None
@@ -204,19 +205,39 @@ class _Workers:
 
     @contextlib.contextmanager
     def started_if_slow(self, more_to_come: bool = True) -> Iterator[None]:
-        """Inside, a simulation here: the workers start if it runs PARALLEL_AFTER_S, unless `more_to_come` is false
-        (nothing could run beside the simulations after it)."""
+        """Inside, a simulation here: the workers start once it has taken PARALLEL_AFTER_S of this thread's CPU time,
+        unless `more_to_come` is false (nothing could run beside the simulations after it). CPU time, not wall time:
+        where the machine's cores are busy with other work, a simulation's wall time grows with that work, and
+        workers started then would import and simulate on the same busy cores."""
         if not more_to_come or _cores() < 2 or self.pool is not None:
             yield
             return
-        timer = threading.Timer(PARALLEL_AFTER_S, self.start)
-        timer.daemon = True
-        timer.start()
+        simulating = _cpu_clock_of_this_thread()
+        start, finished = simulating(), threading.Event()
+
+        def start_once_slow() -> None:
+            # A thread's CPU time grows no faster than the wall clock: wait at least what it lacks.
+            while (lacking := PARALLEL_AFTER_S - (simulating() - start)) > 0:
+                if finished.wait(lacking):
+                    return
+            self.start()
+
+        watcher = threading.Thread(target=start_once_slow, name="hf_zero plan's workers", daemon=True)
+        watcher.start()
         try:
             yield
         finally:
-            timer.cancel()
-            timer.join()  # where it fired: the workers it starts are the ones `drop` shuts down
+            finished.set()
+            watcher.join()  # where it started them: the workers it starts are the ones `drop` shuts down
+
+
+def _cpu_clock_of_this_thread() -> Callable[[], float]:
+    """A clock of the calling thread's CPU time that other threads can read (POSIX's per-thread CPU clock); the wall
+    clock where the platform has none (macOS)."""
+    if not hasattr(time, "pthread_getcpuclockid"):
+        return time.perf_counter
+    clock = time.pthread_getcpuclockid(threading.get_ident())
+    return functools.partial(time.clock_gettime, clock)
 
 
 def _imported() -> None:
@@ -277,8 +298,8 @@ def step_seconds(job: Job, setting: Setting, machine: Machine, rank: RankStep) -
             "total": compute + network + copies + host + nvme}
 
 
-# A simulation this long makes the next ranks worth simulating side by side, in processes of their own (`_Workers`):
-# 175B over 1024 GPUs takes ~20 s a rank on one core.
+# A simulation this long, in its thread's CPU time (RankStep.seconds), makes the next ranks worth simulating side by
+# side, in processes of their own (`_Workers`): 175B over 1024 GPUs takes ~20 s a rank on one core.
 PARALLEL_AFTER_S = 10.0
 # What a simulation takes for each of the model's parameter tensors, one core's time, for a model whose steps at
 # stages 0-2 were said without running the engine (too large for the device whole): measured 9-11 ms for a stage-3

@@ -123,7 +123,9 @@ class RankStep:
     nvme_file_bytes: int = 0  # what the rank's NVMe files take (ZeRO-Infinity)
     nvme_moved: int = 0  # bytes the step read from and wrote to them
     trained_params: int = 0  # the parameters that train (the optimizer steps)
-    seconds: float = 0.0  # what simulating it took
+    # What simulating it took of a core: the simulating thread's CPU time, which the machine's other work does not
+    # lengthen as it lengthens the wall time.
+    seconds: float = 0.0
     param_tensors: int = 0  # the model's parameter tensors, which a simulation's time grows with
     # A step at stages 0-2 of a model too large for the device whole, said from its count without running the engine
     # (`_whole_model_over_the_device`): nothing in it was measured.
@@ -323,12 +325,12 @@ def simulate_rank(job: Job, setting: Setting, rank: int, flops: int | None = Non
     setting does not change them), so not counted again."""
     count = _MemoryAndFlopCount()
     line = PlanTimeline(count, job.gpu_memory)
-    start = time.perf_counter()
+    start = time.thread_time()
     with warnings.catch_warnings():
         # The engine compares storages by address in places; a fake tensor's is 0, which only makes it skip copies.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         step = _simulate(job, setting, rank, count, line, flops)
-    step.seconds = time.perf_counter() - start
+    step.seconds = time.thread_time() - start
     return step
 
 

@@ -399,3 +399,40 @@ def test_the_workers_start_during_a_slow_simulation_only_where_more_could_run_be
         plan(Job("gpt2-tiny", 1, 1, seq_len=32), Setting(3), Machine())
     assert started == [True, True]
     assert not psutil.wait_procs(_spawned_interpreters(), timeout=30)[1]
+
+
+@pytest.mark.parametrize("first_build", ["waits for a core", "computes"])
+def test_a_simulation_is_slow_by_its_cpu_time_not_by_the_time_a_busy_machine_adds(monkeypatch, first_build):
+    """A simulation with more to come whose thread waits (as on a machine whose cores run other work: its model build
+    sleeps 1.5 s) is not slow however long it takes by the clock, and starts no workers, which would only add to that
+    work; the same simulation computing for 1.5 s is, and starts them. The rank's `seconds` are its CPU time."""
+    import time
+
+    from hf_zero.plan import planner, simulate
+
+    job = Job("gpt2-tiny", 2, 2, seq_len=32)
+    simulate.simulate_rank(job, Setting(3), 0)  # the first simulation in a process imports: about 2 s of a core
+    started, delayed = [], []
+    build_really = simulate.build_model
+
+    def build_model(*args, **kwargs):
+        if not delayed:
+            delayed.append(True)
+            if first_build == "waits for a core":
+                time.sleep(1.5)
+            else:  # 1.5 s of this thread's CPU, however long the suite's other work makes that take
+                until = time.thread_time() + 1.5
+                while time.thread_time() < until:
+                    pass
+        return build_really(*args, **kwargs)
+
+    monkeypatch.setattr(simulate, "build_model", build_model)
+    monkeypatch.setattr(planner, "PARALLEL_AFTER_S", 1.0)  # a tiny model's simulation takes about 0.2 s of a core
+    monkeypatch.setattr(planner, "_cores", lambda: 2)
+    monkeypatch.setattr(planner._workers, "start", lambda: started.append(True))
+    with planner._workers:  # inside a plan or choice: the workers it starts are shut down at its end
+        first = planner._simulated_at_once(job, [(Setting(3), 0)], more_to_come=True)[0]
+    if first_build == "waits for a core":
+        assert started == [] and first.seconds < 1.0, first.seconds
+    else:
+        assert started == [True] and first.seconds >= 1.5, first.seconds
