@@ -307,7 +307,7 @@ def planned_step(name: str, dry: bool, batch: int, seq: int, workdir: Path) -> d
     job = Job(folder, nodes=1, gpus_per_node=1, dtype="bf16", seq_len=seq, gpu_memory=capacity,
               optimizer_kwargs=json.dumps({"lr": 1e-5, "fused": cuda}))
     rank = plan(job, Setting(**SYSTEMS[name], micro_batch=batch), Machine(gpu_memory=capacity)).ranks[0]
-    return {"step_peak_bytes": rank.device_peak, "psi": rank.params, "seconds": rank.seconds}
+    return {"step_peak_bytes": rank.device_peak, "psi": rank.params, "simulation_cpu_seconds": rank.seconds}
 
 
 def reference_system(name: str, model: torch.nn.Module, batch: int, cuda: bool) -> Callable[[torch.Tensor], None]:

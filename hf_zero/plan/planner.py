@@ -155,7 +155,7 @@ class _Workers:
     def __init__(self) -> None:
         self.pool: ProcessPoolExecutor | None = None
         self.depth = 0  # plans and choices being made, one inside another (planning runs in one thread)
-        self.lock = threading.Lock()  # the Timer's thread starts the pool
+        self.lock = threading.Lock()  # the watcher's thread starts the pool (`started_if_slow`)
 
     def __enter__(self) -> None:
         self.depth += 1
@@ -222,7 +222,7 @@ class _Workers:
                     return
             self.start()
 
-        watcher = threading.Thread(target=start_once_slow, name="hf_zero plan's workers", daemon=True)
+        watcher = threading.Thread(target=start_once_slow, name="hf_zero plan's worker starter", daemon=True)
         watcher.start()
         try:
             yield
@@ -232,10 +232,10 @@ class _Workers:
 
 
 def _cpu_clock_of_this_thread() -> Callable[[], float]:
-    """A clock of the calling thread's CPU time that other threads can read (POSIX's per-thread CPU clock); the wall
-    clock where the platform has none (macOS)."""
+    """A clock of the calling thread's CPU time that other threads can read (POSIX's per-thread CPU clock); where the
+    platform has none (macOS, Windows), the process's CPU time, nearly all of it the simulating thread's."""
     if not hasattr(time, "pthread_getcpuclockid"):
-        return time.perf_counter
+        return time.process_time
     clock = time.pthread_getcpuclockid(threading.get_ident())
     return functools.partial(time.clock_gettime, clock)
 

@@ -1,6 +1,7 @@
 """Choosing among settings (hf_zero.plan.planner.choose): what may be skipped without simulation, against the
 simulated settings themselves."""
 import copy
+import time
 
 import pytest
 
@@ -406,8 +407,6 @@ def test_a_simulation_is_slow_by_its_cpu_time_not_by_the_time_a_busy_machine_add
     """A simulation with more to come whose thread waits (as on a machine whose cores run other work: its model build
     sleeps 1.5 s) is not slow however long it takes by the clock, and starts no workers, which would only add to that
     work; the same simulation computing for 1.5 s is, and starts them. The rank's `seconds` are its CPU time."""
-    import time
-
     from hf_zero.plan import planner, simulate
 
     job = Job("gpt2-tiny", 2, 2, seq_len=32)
