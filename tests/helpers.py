@@ -243,6 +243,22 @@ def simulated(mode: str | None) -> Iterator[None]:
             uninstall()
 
 
+@contextlib.contextmanager
+def communicators_in_pieces_above(nbytes: int | None) -> Iterator[None]:
+    """Every Communicator made inside issues its collectives in per-rank pieces above `nbytes` (0: at every size,
+    gloo's path for large units; None: never, NCCL's single calls, which gloo takes too), whatever its backend."""
+    from hf_zero.runtime.comm import Communicator
+
+    with pytest.MonkeyPatch.context() as patch:
+        init = Communicator.__init__
+
+        def init_with_pieces(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.pieces_above_bytes = nbytes
+        patch.setattr(Communicator, "__init__", init_with_pieces)
+        yield
+
+
 def train_scenario(sc: Scenario, rank: int, world: int) -> dict[str, Any]:
     """One hf_zero scenario of `run_scenarios`."""
     model = tiny_model(sc.kind)

@@ -47,6 +47,11 @@ __all__ = ["SPANS", "CollectiveError", "CollectiveMismatch", "Communicator", "Le
 # timeout (TIMEOUT_BOUNDS in hf_zero/settings/environment.py), a rank's scheduling delay besides.
 WAIT_POLL_SECONDS = 0.25
 
+# gloo collectives of at most this many bytes are one call (Communicator.pieces_above_bytes): on 2 and 4 ranks of a
+# 2-core CPU, one call took 0.74-0.91x the host CPU of the per-rank pieces from 256 bytes to 256 KiB, and 0.87-0.98x
+# at 1 MiB (benchmarks/bench_gloo_pieces.py); below it the temporary stays small beside a stage-3 unit.
+GLOO_WHOLE_BYTES = 256 * 1024
+
 
 class _Done:
     """Work handle of a collective that finished immediately (one process)."""
@@ -78,7 +83,7 @@ class _Named:
 
 
 class _Pieces:
-    """One collective made of one per rank (Communicator.per_rank_pieces): waits on all of them, then runs
+    """One collective made of several (Communicator.pieces_above_bytes): waits on all of them, then runs
     `finish`. Without async_op it has already waited. `on_gloo`: the works are gloo's (see Communicator.on_gloo)."""
 
     def __init__(self, works: list, finish: Callable[[], Any], async_op: bool, on_gloo: bool = False) -> None:
@@ -145,8 +150,10 @@ class Communicator:
         # gloo's all_gather_single and reduce_scatter_single copy the whole output (input) into a temporary of
         # its size first: 48 MiB for a 48 MiB stage-3 unit, one per collective in flight. Broadcasting each
         # rank's slice in place and reducing each chunk to its owner in place move the same bytes with none
-        # (measured: 0 and 4 MiB). NCCL's collectives need no temporary and keep their single calls.
-        self.per_rank_pieces = backend == "gloo"
+        # (measured: 0 and 4 MiB), in one gloo collective per rank. A collective of at most this many bytes is
+        # one gloo call instead, its temporary that small: on a CPU each gloo call costs its host about as much
+        # as the bytes of a small collective. None: always the single calls (NCCL's need no temporary).
+        self.pieces_above_bytes = GLOO_WHOLE_BYTES if backend == "gloo" else None
         # gloo's works say they have finished through their futures (has_finished); NCCL's and the fake group's
         # futures are done once issued, so theirs answer through is_completed().
         self.on_gloo = backend == "gloo"
@@ -214,15 +221,19 @@ class Communicator:
         if self.world_size == 1:
             return _copy_locally([output], [input])
         self._record("reduce_scatter", input)
-        if not self.per_rank_pieces:
+        if self.pieces_above_bytes is None:
             return self._launch("reduce_scatter", input, lambda: dist.reduce_scatter_single(
                 output, input, group=self.group, async_op=async_op), async_op, reads=[input], writes=[output])
         n = output.numel()
         mine = input[self.rank * n:(self.rank + 1) * n]
+        whole = not self._in_pieces([input])
 
         def launch() -> _Pieces:
-            works = [dist.reduce(input[r * n:(r + 1) * n], group_dst=r, group=self.group, async_op=True)
-                     for r in range(self.world_size)]
+            # Small, one all-reduce in place (gloo's reduce_scatter_single has no future to poll: has_finished);
+            # else one in-place reduce of each chunk to its owner. Either leaves the other chunks of `input` spent.
+            works = [dist.all_reduce(input, group=self.group, async_op=True)] if whole else \
+                [dist.reduce(input[r * n:(r + 1) * n], group_dst=r, group=self.group, async_op=True)
+                 for r in range(self.world_size)]
             return _Pieces(works, lambda: None if _same_memory(output, mine) else output.copy_(mine), async_op,
                            self.on_gloo)
 
@@ -235,13 +246,14 @@ class Communicator:
     def all_gather_coalesced_(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: bool = False):
         """`all_gather_` of each pair, issued as one launch where the backend can group them: one NCCL group
         for a unit's flat buffers or for the post-step buckets, instead of a launch and its latency each.
-        gloo's in-place pieces are one broadcast per rank and pair (no temporary beats one launch on a CPU)."""
+        On gloo, outputs of more than `pieces_above_bytes` in all are gathered in place, one broadcast per rank
+        and pair (no temporary beats one launch there)."""
         if self.world_size == 1:
             return _copy_locally(outputs, inputs)
         for output in outputs:
             self._record("all_gather", output)
         op = "all_gather" if len(outputs) == 1 else f"all_gather of {len(outputs)} tensors"
-        if not self.per_rank_pieces:
+        if not self._in_pieces(outputs):
             self.ledger.count("all-gather launches")
             if len(outputs) == 1:
                 return self._launch(op, outputs[0], lambda: dist.all_gather_single(
@@ -270,6 +282,11 @@ class Communicator:
             return _Pieces(works, lambda: None, async_op, self.on_gloo)
 
         return self._launch(op, outputs[0], launch_pieces, async_op, inputs, outputs)
+
+    def _in_pieces(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a collective over `tensors` (its outputs, or a reduce-scatter's input) goes in per-rank pieces."""
+        return self.pieces_above_bytes is not None and \
+            sum(t.numel() * t.element_size() for t in tensors) > self.pieces_above_bytes
 
     def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hf_zero.runtime.comm import Communicator
+from hf_zero.runtime.comm import GLOO_WHOLE_BYTES, Communicator
 from hf_zero.runtime.launch import spawn_gloo
 from hf_zero.runtime.ledger import Ledger
 from hf_zero.runtime.memory import communication_elements, model_state_bytes
@@ -86,9 +86,15 @@ def test_single_process_collectives_are_local_and_count_nothing():
 UNIT = 12_582_912  # elements: a 48 MiB fp32 stage-3 unit, as on the 311M memory workload; divisible by 3
 
 
+def over_the_threshold(world: int) -> int:
+    """The fewest fp32 elements, a multiple of `world`, over GLOO_WHOLE_BYTES."""
+    return world * (GLOO_WHOLE_BYTES // 4 // world + 1)
+
+
 def collectives_on_gloo() -> dict:
     """Communicator's all-gather and reduce-scatter beside torch's own single calls on the same inputs, in
-    place and not, waited at once or later; and the peak RSS each adds for one unit-sized collective, its second (in
+    place and not, waited at once or later, as single gloo calls and in per-rank pieces, with the all-gather
+    launches each path counts; and the peak RSS each adds for one unit-sized collective, its second (in
     a process of the session's world, its heap as earlier work left it, the first reduce-scatter over 3 ranks once
     grew it by 6 MiB)."""
     import torch.distributed as dist
@@ -96,25 +102,35 @@ def collectives_on_gloo() -> dict:
     from hf_zero.runtime.memory import current_rss, peak_rss, reset_peak_rss
 
     comm, rank, world = Communicator(Ledger()), dist.get_rank(), dist.get_world_size()
-    n = 12 // world
-    values = torch.arange(12.0) * (rank + 1)
-    shard = values[rank * n:(rank + 1) * n].clone()
-    expected_gather, expected_reduced = torch.empty(12), torch.empty(n)
-    dist.all_gather_single(expected_gather, shard)
-    dist.reduce_scatter_single(expected_reduced, values.clone())
-    results = {}
-    for async_op in (False, True):
-        gathered, in_place = torch.zeros(12), torch.zeros(12)
-        in_place[rank * n:(rank + 1) * n] = shard
-        works = [comm.all_gather_(gathered, shard, async_op),
-                 comm.all_gather_(in_place, in_place[rank * n:(rank + 1) * n], async_op)]
-        summed, aliased = torch.empty(n), values.clone()
-        works += [comm.reduce_scatter_(summed, values.clone(), async_op),
-                  comm.reduce_scatter_(aliased[rank * n:(rank + 1) * n], aliased, async_op)]
-        for work in works if async_op else []:
-            work.wait()
-        results[async_op] = all(torch.equal(t, expected_gather) for t in (gathered, in_place)) and \
-            all(torch.equal(t, expected_reduced) for t in (summed, aliased[rank * n:(rank + 1) * n]))
+    results, launches = {}, {}
+    # 12 elements take gloo's single calls, and per-rank pieces with the threshold at 0; just over the threshold,
+    # pieces
+    large = over_the_threshold(world)
+    for numel, pieces_above in [(12, GLOO_WHOLE_BYTES), (12, 0), (large, GLOO_WHOLE_BYTES)]:
+        comm.pieces_above_bytes = pieces_above
+        n = numel // world
+        values = torch.arange(float(numel)) * (rank + 1)
+        shard = values[rank * n:(rank + 1) * n].clone()
+        expected_gather, expected_reduced = torch.empty(numel), torch.empty(n)
+        dist.all_gather_single(expected_gather, shard)
+        dist.reduce_scatter_single(expected_reduced, values.clone())
+        for async_op in (False, True):
+            gathered, in_place = torch.zeros(numel), torch.zeros(numel)
+            in_place[rank * n:(rank + 1) * n] = shard
+            comm.ledger.close_step()
+            works = [comm.all_gather_(gathered, shard, async_op),
+                     comm.all_gather_(in_place, in_place[rank * n:(rank + 1) * n], async_op)]
+            summed, aliased = torch.empty(n), values.clone()
+            works += [comm.reduce_scatter_(summed, values.clone(), async_op),
+                      comm.reduce_scatter_(aliased[rank * n:(rank + 1) * n], aliased, async_op)]
+            for work in works if async_op else []:
+                work.wait()
+            comm.ledger.close_step()
+            launches[numel, pieces_above] = comm.ledger.last_step_events["all-gather launches"]
+            results[numel, pieces_above, async_op] = \
+                all(torch.equal(t, expected_gather) for t in (gathered, in_place)) and \
+                all(torch.equal(t, expected_reduced) for t in (summed, aliased[rank * n:(rank + 1) * n]))
+    comm.pieces_above_bytes = GLOO_WHOLE_BYTES
     growth = {}
     output, source = torch.zeros(UNIT), torch.ones(UNIT)
     # Ours first: a temporary torch's calls free raises glibc's mmap threshold to its size, after which one of that
@@ -129,7 +145,7 @@ def collectives_on_gloo() -> dict:
         before = current_rss()
         run()
         growth[name] = peak_rss() - before
-    return {"equal": results, "growth": growth}
+    return {"equal": results, "launches": launches, "growth": growth}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -138,7 +154,10 @@ def test_gloo_collectives_equal_torchs_and_copy_no_unit_sized_temporary(world):
 
     unit_bytes = UNIT * 4
     for result in spawn_gloo(collectives_on_gloo, world):
-        assert result["equal"] == {False: True, True: True}
+        assert all(result["equal"].values()) and len(result["equal"]) == 6, result["equal"]
+        # two all-gathers: one call each while small, one broadcast per rank each in pieces
+        assert result["launches"] == {(12, GLOO_WHOLE_BYTES): 2, (12, 0): 2 * world,
+                                      (over_the_threshold(world), GLOO_WHOLE_BYTES): 2 * world}
         growth = result["growth"]
         assert growth["torch"] > 0.5 * unit_bytes and growth["torch_reduce"] > 0.5 * unit_bytes  # why we avoid them
         assert growth["ours"] < 0.1 * unit_bytes and growth["ours_reduce"] < 0.1 * unit_bytes

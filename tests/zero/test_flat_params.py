@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import hf_zero
-from hf_zero.runtime.comm import Communicator
 from hf_zero.runtime.launch import spawn_gloo
 from tests.conftest import SMALL_BUCKETS
 from tests.helpers import (
     Scenario,
     batch,
+    communicators_in_pieces_above,
     max_diff,
     named_copy,
     run_scenarios,
@@ -36,13 +36,7 @@ def greedy_groups(bucket_numels: list[int], limit: int) -> int:
 def train_grouping(grouped_launches: bool) -> dict:
     """Stages 1 and 2 on 2 ranks; `grouped_launches` takes the path NCCL takes (one launch per group of buckets)
     instead of gloo's per-rank broadcasts."""
-    with pytest.MonkeyPatch.context() as patch:
-        init = Communicator.__init__
-
-        def init_with_pieces(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            self.per_rank_pieces = self.per_rank_pieces and not grouped_launches
-        patch.setattr(Communicator, "__init__", init_with_pieces)
+    with communicators_in_pieces_above(None if grouped_launches else 0):
         results = run_scenarios([Scenario(f"s{stage}", config={"zero_stage": stage, **SMALL_BUCKETS}, steps=STEPS)
                                  for stage in (1, 2, 3)])
     return {name: {"params": r["params"], "launches": r["events"].get("all-gather launches", 0),

@@ -86,12 +86,15 @@ def test_a_parameter_used_by_one_rank_only_trains_as_in_one_process(stage, bucke
 
 
 def accumulate_at_every_stage() -> dict:
-    """Stages 0-3 on 2 ranks, 2 micro-batches per step, small buckets: many reductions per backward."""
+    """Stages 0-3 on 2 ranks, 2 micro-batches per step, small buckets: many reductions per backward, each in gloo's
+    per-rank pieces (a large unit's path; the modules run under `copies` take the small ones' single calls)."""
     from tests.conftest import SMALL_BUCKETS
-    from tests.helpers import Scenario, run_scenarios
+    from tests.helpers import Scenario, communicators_in_pieces_above, run_scenarios
 
-    results = run_scenarios([Scenario(f"s{stage}", config={"zero_stage": stage, "gradient_accumulation_steps": 2,
-                                                             **SMALL_BUCKETS}, steps=STEPS) for stage in (0, 1, 2, 3)])
+    with communicators_in_pieces_above(0):
+        results = run_scenarios([Scenario(f"s{stage}", config={"zero_stage": stage, "gradient_accumulation_steps": 2,
+                                                                 **SMALL_BUCKETS}, steps=STEPS)
+                                 for stage in (0, 1, 2, 3)])
     return {name: r["params"] for name, r in results.items()}
 
 

@@ -39,9 +39,9 @@ STEPS, GLOBAL_BATCH, BLOCK, WORLD = 3, 8, 64, 2
 def qwz_run(config: dict, single_calls: bool = False) -> dict:
     model = tiny_model("gpt2")
     engine = hf_zero.initialize(model, make_optimizer(model), {"zero_stage": 3, **config})
-    if single_calls:  # the collectives as NCCL issues them (one grouped call), on gloo, which takes them too
-        for unit in engine.params.units:
-            unit.comm.per_rank_pieces = False
+    for unit in engine.params.units:  # the collectives as NCCL issues them (one grouped call), on gloo, which
+        # takes them too; else gloo's per-rank pieces, which it takes for units larger than this test's
+        unit.comm.pieces_above_bytes = None if single_calls else 0
     # Each unit's flat buffer: its parameters' places in it, and the chunk each rank owns.
     layout = [{"chunk": flat.buckets[0].chunk_numel, "padded": flat.padded_numel,
                "slices": [(s.name, s.offset, s.numel) for s in flat.slices]}
@@ -91,7 +91,7 @@ def qwz_by_hand(layout: list[dict]) -> dict[str, torch.Tensor]:
 def test_qwz_trains_as_one_process_computing_with_the_ranks_quantized_chunks_and_sends_a_quarter():
     config = {"quantized_weights": True, "quantization_block_size": BLOCK}
     ranks = spawn_gloo(qwz_run, WORLD, config)
-    # NCCL's call shapes: each unit's gather one grouped call (gloo's are one broadcast per rank and tensor).
+    # NCCL's call shapes: each unit's gather one grouped call (gloo's pieces are one broadcast per rank and tensor).
     # With values and scales gathered as two tensors of two dtypes, this was 3.7e-3 off.
     grouped = spawn_gloo(qwz_run, WORLD, config, True)
     plain = spawn_gloo(qwz_run, WORLD, {})
