@@ -45,6 +45,7 @@ def rounds_on_this_rank(nbytes: int, pieces_above: int, rounds: int) -> tuple[fl
 
     def one_round() -> None:
         comm.all_gather_(gathered, mine, async_op=True).wait()
+        reduced.fill_(1.0)  # the sums stay finite round after round
         comm.reduce_scatter_(reduced[:numel // world], reduced, async_op=True).wait()
 
     for _ in range(WARMUP):

@@ -47,9 +47,9 @@ __all__ = ["SPANS", "CollectiveError", "CollectiveMismatch", "Communicator", "Le
 # timeout (TIMEOUT_BOUNDS in hf_zero/settings/environment.py), a rank's scheduling delay besides.
 WAIT_POLL_SECONDS = 0.25
 
-# gloo collectives of at most this many bytes are one call (Communicator.pieces_above_bytes): on 2 and 4 ranks of a
-# 2-core CPU, one call took 0.74-0.91x the host CPU of the per-rank pieces from 256 bytes to 256 KiB, and 0.87-0.98x
-# at 1 MiB (benchmarks/bench_gloo_pieces.py); below it the temporary stays small beside a stage-3 unit.
+# gloo collectives of at most this many bytes are one call (Communicator.pieces_above_bytes): on a 2-core CPU one
+# call took 0.87-0.98x the host CPU of the per-rank pieces from 256 bytes to 256 KiB on 2 ranks and 0.81-0.83x on 4,
+# but 1.02x at 1 MiB on 2 (benchmarks/bench_gloo_pieces.py); and its temporary stays small beside a stage-3 unit.
 GLOO_WHOLE_BYTES = 256 * 1024
 
 
@@ -83,7 +83,8 @@ class _Named:
 
 
 class _Pieces:
-    """One collective made of several (Communicator.pieces_above_bytes): waits on all of them, then runs
+    """One collective made of several calls (gloo's per-rank pieces: Communicator.pieces_above_bytes; NCCL's
+    grouped calls), or of the one all-reduce a small reduce-scatter is on gloo: waits on all of them, then runs
     `finish`. Without async_op it has already waited. `on_gloo`: the works are gloo's (see Communicator.on_gloo)."""
 
     def __init__(self, works: list, finish: Callable[[], Any], async_op: bool, on_gloo: bool = False) -> None:
@@ -222,18 +223,21 @@ class Communicator:
             return _copy_locally([output], [input])
         self._record("reduce_scatter", input)
         if self.pieces_above_bytes is None:
+            self.ledger.count("reduce-scatter launches")
             return self._launch("reduce_scatter", input, lambda: dist.reduce_scatter_single(
                 output, input, group=self.group, async_op=async_op), async_op, reads=[input], writes=[output])
+        in_pieces = self._in_pieces([input])
         n = output.numel()
         mine = input[self.rank * n:(self.rank + 1) * n]
-        whole = not self._in_pieces([input])
 
         def launch() -> _Pieces:
-            # Small, one all-reduce in place (gloo's reduce_scatter_single has no future to poll: has_finished);
-            # else one in-place reduce of each chunk to its owner. Either leaves the other chunks of `input` spent.
-            works = [dist.all_reduce(input, group=self.group, async_op=True)] if whole else \
-                [dist.reduce(input[r * n:(r + 1) * n], group_dst=r, group=self.group, async_op=True)
-                 for r in range(self.world_size)]
+            # Large, one in-place reduce of each chunk to its owner; small, one all-reduce in place (gloo's
+            # reduce_scatter_single has no future to poll: has_finished). Either leaves the other chunks of `input`
+            # spent.
+            works = [dist.reduce(input[r * n:(r + 1) * n], group_dst=r, group=self.group, async_op=True)
+                     for r in range(self.world_size)] if in_pieces else \
+                [dist.all_reduce(input, group=self.group, async_op=True)]
+            self.ledger.count("reduce-scatter launches", len(works))
             return _Pieces(works, lambda: None if _same_memory(output, mine) else output.copy_(mine), async_op,
                            self.on_gloo)
 
@@ -284,9 +288,12 @@ class Communicator:
         return self._launch(op, outputs[0], launch_pieces, async_op, inputs, outputs)
 
     def _in_pieces(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether a collective over `tensors` (its outputs, or a reduce-scatter's input) goes in per-rank pieces."""
-        return self.pieces_above_bytes is not None and \
+        """Whether a collective over `tensors` (its outputs, or a reduce-scatter's input) goes in per-rank pieces:
+        on gloo, when they are large, or of several dtypes (gloo's grouped all-gather of int8 and fp32 tensors
+        together delivered garbage)."""
+        return self.pieces_above_bytes is not None and (
             sum(t.numel() * t.element_size() for t in tensors) > self.pieces_above_bytes
+            or len({t.dtype for t in tensors}) > 1)
 
     def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""

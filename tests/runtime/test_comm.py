@@ -86,9 +86,11 @@ def test_single_process_collectives_are_local_and_count_nothing():
 UNIT = 12_582_912  # elements: a 48 MiB fp32 stage-3 unit, as on the 311M memory workload; divisible by 3
 
 
-def over_the_threshold(world: int) -> int:
-    """The fewest fp32 elements, a multiple of `world`, over GLOO_WHOLE_BYTES."""
-    return world * (GLOO_WHOLE_BYTES // 4 // world + 1)
+def sizes_and_thresholds(world: int) -> list[tuple[int, int]]:
+    """(fp32 elements, Communicator.pieces_above_bytes) of each collective checked: a few elements at gloo's
+    threshold and at 0, then the most elements (a multiple of `world`) within the threshold, and one row more."""
+    most = world * (GLOO_WHOLE_BYTES // 4 // world)
+    return [(12, GLOO_WHOLE_BYTES), (12, 0), (most, GLOO_WHOLE_BYTES), (most + world, GLOO_WHOLE_BYTES)]
 
 
 def collectives_on_gloo() -> dict:
@@ -103,10 +105,9 @@ def collectives_on_gloo() -> dict:
 
     comm, rank, world = Communicator(Ledger()), dist.get_rank(), dist.get_world_size()
     results, launches = {}, {}
-    # 12 elements take gloo's single calls, and per-rank pieces with the threshold at 0; just over the threshold,
-    # pieces
-    large = over_the_threshold(world)
-    for numel, pieces_above in [(12, GLOO_WHOLE_BYTES), (12, 0), (large, GLOO_WHOLE_BYTES)]:
+    # 12 elements and the most the threshold allows take gloo's single calls, and per-rank pieces with the threshold
+    # at 0; one more row of elements, pieces
+    for numel, pieces_above in sizes_and_thresholds(world):
         comm.pieces_above_bytes = pieces_above
         n = numel // world
         values = torch.arange(float(numel)) * (rank + 1)
@@ -126,7 +127,8 @@ def collectives_on_gloo() -> dict:
             for work in works if async_op else []:
                 work.wait()
             comm.ledger.close_step()
-            launches[numel, pieces_above] = comm.ledger.last_step_events["all-gather launches"]
+            launches[numel, pieces_above] = (comm.ledger.last_step_events["all-gather launches"],
+                                             comm.ledger.last_step_events["reduce-scatter launches"])
             results[numel, pieces_above, async_op] = \
                 all(torch.equal(t, expected_gather) for t in (gathered, in_place)) and \
                 all(torch.equal(t, expected_reduced) for t in (summed, aliased[rank * n:(rank + 1) * n]))
@@ -154,10 +156,11 @@ def test_gloo_collectives_equal_torchs_and_copy_no_unit_sized_temporary(world):
 
     unit_bytes = UNIT * 4
     for result in spawn_gloo(collectives_on_gloo, world):
-        assert all(result["equal"].values()) and len(result["equal"]) == 6, result["equal"]
-        # two all-gathers: one call each while small, one broadcast per rank each in pieces
-        assert result["launches"] == {(12, GLOO_WHOLE_BYTES): 2, (12, 0): 2 * world,
-                                      (over_the_threshold(world), GLOO_WHOLE_BYTES): 2 * world}
+        assert all(result["equal"].values()) and len(result["equal"]) == 8, result["equal"]
+        # two all-gathers and two reduce-scatters: one call each while small, one per rank each in pieces
+        single, pieces, most, more = sizes_and_thresholds(world)
+        assert result["launches"] == {single: (2, 2), most: (2, 2), pieces: (2 * world, 2 * world),
+                                      more: (2 * world, 2 * world)}
         growth = result["growth"]
         assert growth["torch"] > 0.5 * unit_bytes and growth["torch_reduce"] > 0.5 * unit_bytes  # why we avoid them
         assert growth["ours"] < 0.1 * unit_bytes and growth["ours_reduce"] < 0.1 * unit_bytes
