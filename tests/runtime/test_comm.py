@@ -95,8 +95,8 @@ def sizes_and_thresholds(world: int) -> list[tuple[int, int]]:
 
 def collectives_on_gloo() -> dict:
     """Communicator's all-gather and reduce-scatter beside torch's own single calls on the same inputs, in
-    place and not, waited at once or later, as single gloo calls and in per-rank pieces, with the all-gather
-    launches each path counts; and the peak RSS each adds for one unit-sized collective, its second (in
+    place and not, waited at once or later, as single gloo calls and in per-rank pieces, with the all-gather and
+    reduce-scatter launches each path counts; and the peak RSS each adds for one unit-sized collective, its second (in
     a process of the session's world, its heap as earlier work left it, the first reduce-scatter over 3 ranks once
     grew it by 6 MiB)."""
     import torch.distributed as dist
