@@ -47,12 +47,12 @@ def save_checkpoint(folder: Path, n_layer: int, n_embd: int) -> int:
     return nbytes
 
 
-def rank_processes(launcher: psutil.Process, module: str = "hf_zero.cli.run") -> list[psutil.Process]:
-    """The ranks running `module`, by RANK: torchrun's agent runs inside the launcher, so they are its own
-    children."""
+def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
+    """The ranks, by number: torchrun's agent runs inside the launcher and forks them from its fork server, which
+    names each (hf_zero.cli.node_ranks)."""
     try:
-        ranks = {int(p.environ()["RANK"]): p for p in launcher.children() if module in " ".join(p.cmdline())}
-    except (psutil.Error, KeyError):  # a rank that has just exited, or not yet set up
+        ranks = {int(p.name().split()[1]): p for p in launcher.children(recursive=True) if p.name().startswith("rank ")}
+    except (psutil.Error, IndexError, ValueError):  # a rank that has just exited
         return []
     return [ranks[r] for r in sorted(ranks)]
 

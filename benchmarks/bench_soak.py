@@ -59,7 +59,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict:
         reader.start()
         launcher = psutil.Process(run.pid)
         while run.poll() is None:
-            ranks = rank_processes(launcher, "hf_zero.cli.train_lm")
+            ranks = rank_processes(launcher)
             try:
                 rss = [p.memory_info().rss for p in ranks]
                 fds = [p.num_fds() for p in ranks]

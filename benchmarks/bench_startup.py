@@ -2,11 +2,14 @@
 
 - to the first error: a misspelt launch flag (`--nproc_per_nod 2`) and a misspelt --zero_* flag after the script
   (`--zero_stgae 2`), each until the one-line error and the exit; stock: torchrun's own misspelt flag;
-- to the first step: tests/scripts/hf_style_clm.py on 2 CPU processes until the first logged loss, through
-  `hf-zero run --zero_stage 2` and, stock, through `torchrun` with transformers' own Trainer.
+- to the first step: tests/scripts/hf_style_clm.py on `--nproc` CPU processes until the first logged loss, through
+  `hf-zero run --zero_stage 2` and, stock, through `torchrun` with transformers' own Trainer; and the CPU time the
+  machine spent over the whole run of one step (every process: launcher, ranks, hf-zero's fork server), from
+  /proc/stat, so nothing else may run meanwhile.
 
   python benchmarks/bench_startup.py                 # 5 repeats of the errors, 2 of the first step
   python benchmarks/bench_startup.py --no_first_step
+  python benchmarks/bench_startup.py --repeats 1 --nproc 4
 """
 from __future__ import annotations
 
@@ -37,9 +40,17 @@ def seconds_to_exit(command: list[str]) -> float:
     return elapsed
 
 
-def seconds_to_first_step(command: list[str]) -> float:
-    """Until the Trainer prints the first step's logs (a line with 'loss'), then the run is let finish."""
-    start = time.perf_counter()
+def busy_core_seconds() -> float:
+    """The machine's CPU time so far, every core and process (/proc/stat: user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(field) for field in stat.readline().split()[1:9]]
+    return (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
+
+
+def first_step(command: list[str]) -> tuple[float, float]:
+    """Seconds until the Trainer prints the first step's logs (a line with 'loss'), and the machine's core-seconds
+    over the whole run, which is let finish."""
+    start, busy = time.perf_counter(), busy_core_seconds()
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) as run:
         elapsed = None
         for line in run.stdout:
@@ -47,7 +58,7 @@ def seconds_to_first_step(command: list[str]) -> float:
                 elapsed = time.perf_counter() - start
         if run.wait() != 0 or elapsed is None:
             raise RuntimeError(f"{' '.join(command)} ended with {run.returncode} before logging a loss")
-    return elapsed
+    return elapsed, busy_core_seconds() - busy
 
 
 def main() -> None:
@@ -55,6 +66,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs of each error case (default 5)")
     parser.add_argument("--step_repeats", type=int, default=2, help="runs of each first-step case (default 2)")
     parser.add_argument("--no_first_step", action="store_true", help="time the errors only")
+    parser.add_argument("--nproc", type=int, default=2, help="processes of the first-step runs (default 2)")
     args = parser.parse_args()
     env_note = {"python": sys.version.split()[0], "cpus": os.cpu_count()}
     errors = {
@@ -66,15 +78,21 @@ def main() -> None:
                for name, command in errors.items()}
     if not args.no_first_step:
         with tempfile.TemporaryDirectory() as out:
+            nproc = str(args.nproc)
             steps = {
-                "hf-zero run --zero_stage 2, 2 processes": HF_ZERO + [
-                    "--nproc_per_node", "2", str(SCRIPT), "--output_dir", f"{out}/zero", "--zero_stage", "2",
+                f"hf-zero run --zero_stage 2, {nproc} processes": HF_ZERO + [
+                    "--nproc_per_node", nproc, str(SCRIPT), "--output_dir", f"{out}/zero", "--zero_stage", "2",
                     *TRAINING],
-                "stock torchrun + Trainer (DDP), 2 processes": TORCHRUN + [
-                    "--nproc_per_node", "2", str(SCRIPT), "--output_dir", f"{out}/stock", *TRAINING],
+                f"stock torchrun + Trainer (DDP), {nproc} processes": TORCHRUN + [
+                    "--nproc_per_node", nproc, str(SCRIPT), "--output_dir", f"{out}/stock", *TRAINING],
             }
-            results |= {f"to the first step: {name}": statistics.median(
-                seconds_to_first_step(command) for _ in range(args.step_repeats)) for name, command in steps.items()}
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+            for _ in range(args.step_repeats):  # in turn, so that both see the machine's same stretch
+                for name, command in steps.items():
+                    runs[name].append(first_step(command))
+            for name, taken in runs.items():
+                results[f"to the first step: {name}"] = statistics.median(seconds for seconds, _ in taken)
+                results[f"core-seconds of the run: {name}"] = statistics.median(busy for _, busy in taken)
     for name, value in results.items():
         print(f"{value:7.2f} s  {name}")
     print(json.dumps({"median_seconds": results, **env_note}))

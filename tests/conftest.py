@@ -114,11 +114,11 @@ def transformers_verbosity_restored():
 def refused_before_launch(monkeypatch, capsys):
     """`hf-zero ARGS` run in this process, for what it must refuse before any process starts: starting one
     fails the test. Returns the exit code and stderr."""
-    import torch.distributed.run
-
     from hf_zero.cli import commands as cli
+    from hf_zero.cli import node_ranks
 
-    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: pytest.fail(f"processes were started: {argv}"))
+    monkeypatch.setattr(node_ranks, "start_node_ranks",
+                        lambda *launch: pytest.fail(f"processes were started: {launch}"))
     monkeypatch.setattr(cli, "use_mmap_for_large_allocations", lambda: None)  # this process's allocator kept
 
     def refused(*args: str) -> tuple[int, str]:

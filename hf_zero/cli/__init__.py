@@ -3,7 +3,8 @@
     commands.py   the subcommands and their flags, checked before any process starts
     run.py        `hf-zero run`: a user's script under torchrun with the engine's flags
     train_lm.py   `hf-zero train`: a causal language model from the model zoo on a text file
-    rank_main.py  what each launched rank runs
+    node_ranks.py this node's ranks, forked by torchrun's agent from one process that imported them once
+    rank_main.py  what each launched rank runs around its main
     estimate.py   `hf-zero estimate`: per-rank model-state memory from the paper's formulas
 
 The top layer: may import every other.

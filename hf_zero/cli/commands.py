@@ -342,16 +342,17 @@ def _rendezvous_args(launch: argparse.Namespace) -> list[str]:
 
 
 def _torchrun(launch: argparse.Namespace, module: str, module_args: list[str]) -> int:
-    """Starts this node's processes of `python -m module module_args` through torchrun."""
+    """Starts this node's processes of `python -m module module_args` through torchrun's agent, forked."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+
+    from hf_zero.cli.node_ranks import start_node_ranks
 
     if launch.collective_timeout is not None:  # the ranks read it when they join the process group
         os.environ[COLLECTIVE_TIMEOUT_ENV] = str(launch.collective_timeout)
     try:
-        torchrun(["--nnodes", str(launch.nnodes), "--nproc_per_node", str(launch.nproc_per_node),
-                  "--max-restarts", str(launch.max_restarts), *_rendezvous_args(launch), "-m", module, *module_args])
-    except ChildFailedError:  # torchrun has already printed which rank failed and why
+        start_node_ranks(["--nnodes", str(launch.nnodes), "--nproc_per_node", str(launch.nproc_per_node),
+                          "--max-restarts", str(launch.max_restarts), *_rendezvous_args(launch)], module, module_args)
+    except ChildFailedError:  # torchrun's agent has already printed which rank failed and why
         return 1
     return 0
 

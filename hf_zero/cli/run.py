@@ -18,6 +18,7 @@ import importlib
 import runpy
 import sys
 from pathlib import Path
+from typing import Callable
 
 from hf_zero.settings.config import ZeroConfigError
 from hf_zero.settings.environment import (
@@ -87,14 +88,22 @@ def run_as_main(script: Path, args: list[str]) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
-def start_rank() -> None:
-    """What a rank torchrun started runs (`-m hf_zero.cli.run`, or the former `-m hf_zero.run`)."""
+# What a rank imports before its script: transformers' Trainer stack and hf_zero's (and what `hf-zero run`'s fork
+# server imports once for its ranks: hf_zero.cli.node_ranks.start_node_ranks).
+RANK_IMPORTS = ("hf_zero.hf.trainer",)
+
+
+def start_rank(end: Callable[[int | str | None], None] | None = None) -> None:
+    """What a rank runs (`-m hf_zero.cli.run` under torchrun, or the former `-m hf_zero.run`; forked by `hf-zero
+    run`). `end` ends it with its exit code: by default without the interpreter's teardown."""
     from hf_zero.runtime.host_memory import start_up_frozen
 
-    with start_up_frozen():  # what main() imports, transformers' Trainer stack and hf_zero's, as well
-        importlib.import_module("hf_zero.hf.trainer")
+    with start_up_frozen():  # what main() imports as well
+        for name in RANK_IMPORTS:
+            importlib.import_module(name)
         from hf_zero.cli.rank_main import run_rank
-    run_rank(main, Path(sys.argv[1]).name if len(sys.argv) > 1 else "hf_zero.cli.run")
+    prog = Path(sys.argv[1]).name if len(sys.argv) > 1 else "hf_zero.cli.run"
+    run_rank(main, prog, end)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import psutil
 import torch
@@ -414,15 +414,21 @@ def _rank_main() -> None:
     main(parser.parse_args())
 
 
-def start_rank() -> None:
-    """What a rank torchrun started runs (`hf-zero train` starts them; also `-m hf_zero.train_lm`, the former path)."""
+# What `hf-zero train`'s fork server imports once for its ranks (hf_zero.cli.node_ranks.start_node_ranks): this module's
+# imports, torch, transformers' models and the engine.
+RANK_IMPORTS = ("hf_zero.cli.train_lm",)
+
+
+def start_rank(end: Callable[[int | str | None], None] | None = None) -> None:
+    """What a rank runs (forked by `hf-zero train`; `-m hf_zero.cli.train_lm` under torchrun, or the former
+    `-m hf_zero.train_lm`). `end` ends it with its exit code: by default without the interpreter's teardown."""
     from hf_zero.runtime.host_memory import start_up_frozen
 
-    # This module's imports (torch, transformers' models, the engine) ran with the collector on, torchrun running it
-    # as __main__: frozen from here on.
+    # This module's imports ran with the collector on (as torchrun's __main__, or in the fork server): frozen from
+    # here on.
     with start_up_frozen():
         from hf_zero.cli.rank_main import run_rank
-    run_rank(_rank_main, "hf-zero train")
+    run_rank(_rank_main, "hf-zero train", end)
 
 
 if __name__ == "__main__":

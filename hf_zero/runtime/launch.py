@@ -135,20 +135,23 @@ def _not_joined(missing: list[int] | None) -> str:
 
 
 def end_local_ranks(ranks: list[int]) -> None:
-    """Kills those of `ranks` that the torchrun which started this rank started on this node, once this rank has said
-    why the run ends: a rank stopped before its join (SIGSTOP, a debugger) acts on torchrun's SIGTERM only when it
-    goes on, so torchrun waited another 30 s for its SIGKILL before the run ended. Elsewhere nothing."""
+    """Kills those of `ranks` that this rank's parent (torchrun, or the fork server of `hf-zero run`) started on this
+    node, once this rank has said why the run ends: a rank stopped before its join (SIGSTOP, a debugger) acts on
+    torchrun's SIGTERM only when it goes on, so torchrun waited another 30 s for its SIGKILL before the run ended.
+    Elsewhere nothing."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not ranks or run_id is None:
         return
     import psutil
 
     wanted = {str(rank) for rank in ranks}
+    names = {f"rank {rank}" for rank in ranks}  # forked ranks: hf_zero.cli.node_ranks names them
     with contextlib.suppress(psutil.Error):  # torchrun gone: nobody waits
         for sibling in psutil.Process(os.getppid()).children():
             with contextlib.suppress(psutil.Error):  # it ended meanwhile, or is not ours to read
-                environ = sibling.environ()
-                if environ.get("TORCHELASTIC_RUN_ID") == run_id and environ.get("RANK") in wanted:
+                environ = sibling.environ()  # a forked rank's is its fork server's, the one it had at its exec
+                if (environ.get("TORCHELASTIC_RUN_ID") == run_id and environ.get("RANK") in wanted
+                        or sibling.name() in names):
                     sibling.kill()
 
 
@@ -237,9 +240,10 @@ def other_ranks_report() -> str:
 
 
 def die_with_launcher() -> None:
-    """Makes this rank end when the torchrun that started it does, even when that is killed with SIGKILL and
-    cannot stop its ranks itself (Linux's parent-death signal; elsewhere nothing). Without it they go on
-    training, reparented to init, holding the GPUs."""
+    """Makes this rank end when the process that started it does: torchrun, or the fork server of `hf-zero run` and
+    `hf-zero train`, which ends with their launcher. So the ranks end even when the launcher is killed with SIGKILL
+    and cannot stop them itself (Linux's parent-death signal; elsewhere nothing). Without it they go on training,
+    reparented to init, holding the GPUs."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     import ctypes
@@ -270,6 +274,12 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
     are flushed; what is skipped is the destruction of modules and C++ statics, where a library's thread
     that outlives its owner makes the process abort ("terminate called without an active exception", seen
     rarely at the exit of Trainer scripts). A rank that finished its work cannot fail after it."""
+    os._exit(finish_as_exit_would(code))
+
+
+def finish_as_exit_would(code: int | str | None) -> int:
+    """What the interpreter does at `sys.exit(code)` before its teardown: a message printed, the non-daemon
+    threads joined, the atexit handlers run, the standard streams flushed. Returns the exit status."""
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
@@ -280,7 +290,7 @@ def exit_skipping_teardown(code: int | str | None) -> NoReturn:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(code or 0)
+    return code or 0
 
 
 def say_once(message: str) -> None:

@@ -369,33 +369,35 @@ def test_a_rank_that_stops_answering_is_named_by_the_rank_left_waiting(monkeypat
 
 @pytest.mark.slow
 def test_a_rank_stopped_before_it_joins_the_process_group_is_named_in_one_line_and_the_run_ends(tmp_path):
-    """Rank 1 stopped (SIGSTOP) as soon as it exists, before its join. Rank 0 failed after the
+    """Rank 1 stopped (SIGSTOP) as it starts to join (tests/scripts/faults). Rank 0 failed after the
     timeout with a 25-line traceback ending in torch's `DistStoreError: wait timeout ... keys:
     /default_pg/0//cpu//0/1`, naming no rank; mid-training the same fault was already named. And
     torchrun waited 30 s more for the stopped rank to act on its SIGTERM; the rank that named it ends it."""
     import psutil
 
+    faults = Path(__file__).parents[1] / "scripts" / "faults"
+    environ = {**os.environ, "HF_ZERO_TEST_KILLS": "1:0:stop=join",
+               "PYTHONPATH": os.pathsep.join([str(faults), os.environ.get("PYTHONPATH", "")])}
     hf_zero_train = subprocess.Popen([sys.executable, "-m", "hf_zero", "train", "--nproc_per_node", "2",
                                       "--max_steps", "400", "--log_every", "5", "--collective_timeout", "5"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                                     env=environ)
+
+    def ranks() -> dict[str, psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            return {c.name(): c for c in psutil.Process(hf_zero_train.pid).children(recursive=True)
+                    if c.name().startswith("rank ")}
+        return {}
+
     stopped, deadline = None, time.time() + 60
     try:
         while stopped is None and time.time() < deadline and hf_zero_train.poll() is None:
-            for child in psutil.Process(hf_zero_train.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    if child.environ().get("RANK") == "1":
-                        child.send_signal(signal.SIGSTOP)
-                        stopped = child
-                        break
-            time.sleep(0.02)
-        assert stopped is not None, "rank 1 was never seen"
-
-        def rank_0_lives() -> bool:
             with contextlib.suppress(psutil.Error):
-                return any(c.environ().get("RANK") == "0" for c in psutil.Process(hf_zero_train.pid).children(True))
-            return False
-
-        while rank_0_lives() and time.time() < deadline:
+                rank_1 = ranks().get("rank 1")
+                stopped = rank_1 if rank_1 is not None and rank_1.status() == psutil.STATUS_STOPPED else None
+            time.sleep(0.05)
+        assert stopped is not None, "rank 1 was never seen stopped"
+        while "rank 0" in ranks() and time.time() < deadline:
             time.sleep(0.1)
         rank_0_ended = time.time()
         _, err = hf_zero_train.communicate(timeout=60)
@@ -467,13 +469,12 @@ def test_a_rank_waits_ten_minutes_for_the_others_by_default_not_torchs_thirty(mo
 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_the_launchers_collective_timeout_flag_reaches_the_ranks(monkeypatch, tmp_path, command):
-    import torch.distributed.run
-
     from hf_zero.cli import commands as cli
+    from hf_zero.cli import node_ranks
 
     seen = []
     monkeypatch.delenv(COLLECTIVE_TIMEOUT_ENV)
-    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: seen.append(os.environ[COLLECTIVE_TIMEOUT_ENV]))
+    monkeypatch.setattr(node_ranks, "start_node_ranks", lambda *launch: seen.append(os.environ[COLLECTIVE_TIMEOUT_ENV]))
     monkeypatch.setattr(cli, "use_mmap_for_large_allocations", lambda: None)  # this process's allocator left as it is
     script = tmp_path / "script.py"
     script.write_text("")

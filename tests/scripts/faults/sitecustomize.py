@@ -2,48 +2,70 @@
 `sitecustomize` at start-up): HF_ZERO_TEST_KILLS lists `RANK:RESTART:WHAT`, and the process that is rank RANK in its
 RESTART-th start (torchrun's TORCHELASTIC_RESTART_COUNT) kills itself with SIGKILL, as the OOM killer or a node fault
 would, at WHAT: `backward=N` (its Nth backward, so inside step N at one micro-batch a step) or `save=TEXT` (writing a
-safetensors file whose path holds TEXT). Nothing is changed in a process the list does not name."""
+safetensors file whose path holds TEXT); or stops itself (SIGSTOP, as a debugger would) at `stop=join` (as it starts to
+join the process group, before it tells the others). Which process is which is read at each call, as a forked rank
+learns it after the fork; a process the list does not name calls the originals."""
 from __future__ import annotations
 
 import os
 import signal
 
 
-def _kill_when(what: str) -> None:
-    kind, _, value = what.partition("=")
-    if kind == "backward":
+def _faults_now(kind: str) -> list[str]:
+    """The values of the faults of `kind` listed for this process as it is now: a rank that `hf-zero run` forked
+    is the fork server, which ran this module, until the fork, and gets its RANK after it."""
+    rank, restart = os.environ.get("RANK"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    faults = []
+    for entry in filter(None, os.environ.get("HF_ZERO_TEST_KILLS", "").split(",")):
+        kill_rank, kill_restart, what = entry.split(":", 2)
+        what_kind, _, value = what.partition("=")
+        if what_kind not in ("backward", "save", "stop"):
+            raise ValueError(f"HF_ZERO_TEST_KILLS: unknown fault {what!r}")
+        if (kill_rank, kill_restart, what_kind) == (rank, restart, kind):
+            faults.append(value)
+    return faults
+
+
+def _install() -> None:
+    listed = {entry.split(":", 2)[2].partition("=")[0]
+              for entry in filter(None, os.environ.get("HF_ZERO_TEST_KILLS", "").split(","))}
+    if not listed:
+        return
+    _faults_now("")  # an unknown fault is refused at once
+    if "backward" in listed:
         import torch
 
-        original, calls = torch.autograd.backward, [0]
+        original_backward, calls = torch.autograd.backward, [0]
 
         def backward(*args, **kwargs):
             calls[0] += 1
-            if calls[0] == int(value):
+            if str(calls[0]) in _faults_now("backward"):
                 os.kill(os.getpid(), signal.SIGKILL)
-            return original(*args, **kwargs)
+            return original_backward(*args, **kwargs)
 
         torch.autograd.backward = backward
-    elif kind == "save":
+    if "save" in listed:
         import safetensors.torch
 
         original_save = safetensors.torch.save_file
 
         def save_file(tensors, filename, *args, **kwargs):
-            if value in str(filename):
+            if any(value in str(filename) for value in _faults_now("save")):
                 os.kill(os.getpid(), signal.SIGKILL)
             return original_save(tensors, filename, *args, **kwargs)
 
         safetensors.torch.save_file = save_file
-    else:
-        raise ValueError(f"HF_ZERO_TEST_KILLS: unknown fault {what!r}")
+    if "stop" in listed:
+        from hf_zero.runtime import launch
 
+        original_announce = launch._announce_joining
 
-def _install() -> None:
-    rank, restart = os.environ.get("RANK"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    for entry in filter(None, os.environ.get("HF_ZERO_TEST_KILLS", "").split(",")):
-        kill_rank, kill_restart, what = entry.split(":", 2)
-        if (kill_rank, kill_restart) == (rank, restart):
-            _kill_when(what)
+        def announce_joining(*args, **kwargs):  # the first thing a rank's join does
+            if "join" in _faults_now("stop"):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original_announce(*args, **kwargs)
+
+        launch._announce_joining = announce_joining
 
 
 _install()
