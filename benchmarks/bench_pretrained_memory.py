@@ -49,9 +49,10 @@ def save_checkpoint(folder: Path, n_layer: int, n_embd: int) -> int:
 
 def rank_processes(launcher: psutil.Process) -> list[psutil.Process]:
     """The ranks, by number: torchrun's agent runs inside the launcher and forks them from its fork server, which
-    names each (hf_zero.cli.node_ranks)."""
+    names each (hf_zero.cli.node_ranks); a rank's own children (DataLoader workers) keep its name."""
     try:
-        ranks = {int(p.name().split()[1]): p for p in launcher.children(recursive=True) if p.name().startswith("rank ")}
+        ranks = {int(p.name().split()[1]): p for p in launcher.children(recursive=True)
+                 if p.name().startswith("rank ") and not p.parent().name().startswith("rank ")}
     except (psutil.Error, IndexError, ValueError):  # a rank that has just exited
         return []
     return [ranks[r] for r in sorted(ranks)]

@@ -1,7 +1,8 @@
 """The reference runs of the script tests, on ranks forked from the worker's forkserver.
 
-A script test launches the run it tests as a user does (`hf-zero run`, torchrun): a launcher and a new interpreter
-per rank, each importing torch and transformers (7-10 s of a core on a 2-core machine). The run it compares with (the
+A script test launches the run it tests as a user does (`hf-zero run`, torchrun): a launcher, and a new interpreter
+per rank under torchrun or a fork server under hf-zero's commands, each importing torch and transformers (4-10 s of a
+core on a 2-core machine). The run it compares with (the
 model built whole, the uninterrupted run, stock DDP) needs none of that: it is the same script with the same
 arguments, started here on ranks forked from the server that imported them once (hf_zero.runtime.launch.spawn_gloo),
 with the variables torchrun gives one node's ranks (rank, world size, local rank and size, the master's address).

@@ -151,7 +151,7 @@ def _train(argv: list[str]) -> int:
     if processes == 1 and not args.max_restarts:  # restarts are torchrun's
         train_lm.main(args)
         return 0
-    return _torchrun(args, "hf_zero.cli.train_lm", train_lm.concrete_argv(_without_launch_flags(argv), args))
+    return _launch_ranks(args, "hf_zero.cli.train_lm", train_lm.concrete_argv(_without_launch_flags(argv), args))
 
 
 class _RunParser(Parser):
@@ -188,7 +188,7 @@ def _run(argv: list[str]) -> int:
     from hf_zero.hf.flags import check_script_flags
 
     check_script_flags(args.script_args, processes, args.nproc_per_node)  # once, before any process starts
-    return _torchrun(args, "hf_zero.cli.run", [args.script, *args.script_args])
+    return _launch_ranks(args, "hf_zero.cli.run", [args.script, *args.script_args])
 
 
 def _shard_size(value: str) -> int:
@@ -341,7 +341,7 @@ def _rendezvous_args(launch: argparse.Namespace) -> list[str]:
             "--master_port", str(launch.master_port or free_port())]
 
 
-def _torchrun(launch: argparse.Namespace, module: str, module_args: list[str]) -> int:
+def _launch_ranks(launch: argparse.Namespace, module: str, module_args: list[str]) -> int:
     """Starts this node's processes of `python -m module module_args` through torchrun's agent, forked."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -1,7 +1,7 @@
 """Run an unmodified Hugging Face example script with ZeRO: `python -m hf_zero.cli.run SCRIPT.py [args]`.
 
 Several processes: `torchrun --nproc_per_node N -m hf_zero.cli.run SCRIPT.py [args]`, or
-`hf-zero run --nproc_per_node N SCRIPT.py [args]`, which starts torchrun for you.
+`hf-zero run --nproc_per_node N SCRIPT.py [args]`, which starts them through torchrun's agent for you.
 
 The script builds TrainingArguments and Trainer from transformers through HfArgumentParser, as
 run_clm.py, run_mlm.py and run_glue.py do. Before it runs, transformers' classes are replaced by

@@ -135,7 +135,7 @@ def _not_joined(missing: list[int] | None) -> str:
 
 
 def end_local_ranks(ranks: list[int]) -> None:
-    """Kills those of `ranks` that this rank's parent (torchrun, or the fork server of `hf-zero run`) started on this
+    """Kills those of `ranks` that this rank's parent (torchrun, or hf-zero's fork server) started on this
     node, once this rank has said why the run ends: a rank stopped before its join (SIGSTOP, a debugger) acts on
     torchrun's SIGTERM only when it goes on, so torchrun waited another 30 s for its SIGKILL before the run ended.
     Elsewhere nothing."""

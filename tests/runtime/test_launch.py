@@ -383,10 +383,10 @@ def test_a_rank_stopped_before_it_joins_the_process_group_is_named_in_one_line_a
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                                      env=environ)
 
-    def ranks() -> dict[str, psutil.Process]:
+    def ranks() -> dict[str, psutil.Process]:  # by name (hf_zero.cli.node_ranks), not their own children's
         with contextlib.suppress(psutil.Error):
             return {c.name(): c for c in psutil.Process(hf_zero_train.pid).children(recursive=True)
-                    if c.name().startswith("rank ")}
+                    if c.name().startswith("rank ") and not c.parent().name().startswith("rank ")}
         return {}
 
     stopped, deadline = None, time.time() + 60

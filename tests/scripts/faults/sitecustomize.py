@@ -11,27 +11,27 @@ import os
 import signal
 
 
+def _listed() -> list[tuple[str, str, str, str]]:
+    """HF_ZERO_TEST_KILLS's entries as (rank, restart, kind, value); an unknown kind is refused."""
+    entries = []
+    for entry in filter(None, os.environ.get("HF_ZERO_TEST_KILLS", "").split(",")):
+        rank, restart, what = entry.split(":", 2)
+        kind, _, value = what.partition("=")
+        if kind not in ("backward", "save", "stop"):
+            raise ValueError(f"HF_ZERO_TEST_KILLS: unknown fault {what!r}")
+        entries.append((rank, restart, kind, value))
+    return entries
+
+
 def _faults_now(kind: str) -> list[str]:
     """The values of the faults of `kind` listed for this process as it is now: a rank that `hf-zero run` forked
     is the fork server, which ran this module, until the fork, and gets its RANK after it."""
-    rank, restart = os.environ.get("RANK"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    faults = []
-    for entry in filter(None, os.environ.get("HF_ZERO_TEST_KILLS", "").split(",")):
-        kill_rank, kill_restart, what = entry.split(":", 2)
-        what_kind, _, value = what.partition("=")
-        if what_kind not in ("backward", "save", "stop"):
-            raise ValueError(f"HF_ZERO_TEST_KILLS: unknown fault {what!r}")
-        if (kill_rank, kill_restart, what_kind) == (rank, restart, kind):
-            faults.append(value)
-    return faults
+    now = (os.environ.get("RANK"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), kind)
+    return [value for *which, value in _listed() if tuple(which) == now]
 
 
 def _install() -> None:
-    listed = {entry.split(":", 2)[2].partition("=")[0]
-              for entry in filter(None, os.environ.get("HF_ZERO_TEST_KILLS", "").split(","))}
-    if not listed:
-        return
-    _faults_now("")  # an unknown fault is refused at once
+    listed = {kind for _, _, kind, _ in _listed()}
     if "backward" in listed:
         import torch
 
