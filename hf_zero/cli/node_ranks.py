@@ -134,8 +134,10 @@ def run_forked_rank(module: str, args: list[str]) -> None:
             print(server_failure, file=sys.stderr, flush=True)
         os._exit(2)
     sys.argv = [importlib.util.find_spec(module).origin, *args]
-    name_process(f"rank {os.environ['RANK']}")
     from hf_zero.cli.rank_main import end_forked_rank
+    from hf_zero.runtime.launch import rank_process_name
+
+    name_process(rank_process_name(os.environ["RANK"]))
 
     try:
         importlib.import_module(module).start_rank(end=end_forked_rank)

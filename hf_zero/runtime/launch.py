@@ -134,6 +134,12 @@ def _not_joined(missing: list[int] | None) -> str:
     return ": every rank started to join, and some rank did not finish"
 
 
+def rank_process_name(rank: int | str) -> str:
+    """The name a rank forked by hf-zero's commands gives its process (hf_zero.cli.node_ranks.name_process), by
+    which end_local_ranks tells it from its siblings."""
+    return f"rank {rank}"
+
+
 def end_local_ranks(ranks: list[int]) -> None:
     """Kills those of `ranks` that this rank's parent (torchrun, or hf-zero's fork server) started on this
     node, once this rank has said why the run ends: a rank stopped before its join (SIGSTOP, a debugger) acts on
@@ -145,7 +151,7 @@ def end_local_ranks(ranks: list[int]) -> None:
     import psutil
 
     wanted = {str(rank) for rank in ranks}
-    names = {f"rank {rank}" for rank in ranks}  # forked ranks: hf_zero.cli.node_ranks names them
+    names = {rank_process_name(rank) for rank in ranks}  # the ranks hf_zero.cli.node_ranks forked
     with contextlib.suppress(psutil.Error):  # torchrun gone: nobody waits
         for sibling in psutil.Process(os.getppid()).children():
             with contextlib.suppress(psutil.Error):  # it ended meanwhile, or is not ours to read
