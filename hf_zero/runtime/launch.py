@@ -342,6 +342,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
     # A rank stopped because another failed (torch.multiprocessing sends SIGTERM) first prints every thread's stack:
     # for a rank that hung, where it hung, beside the error the rank left waiting on it raised.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    # A rank that dies of a signal (SIGSEGV, SIGABRT) leaves no Python error: where each of its threads was is kept
+    # for spawn_gloo's error, which would otherwise say only the signal.
+    faulthandler.enable(_fatal_report(out_dir, rank).open("w"), all_threads=True)
     os.environ.clear()  # the caller's environment, not the one a forkserver started with
     os.environ.update(environ)
     mmap_threshold_from_environment()  # which glibc reads from the environment only when a process starts
@@ -365,6 +368,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
                            f"{other_ranks_report() if waiting else ''}") from e
     finally:
         dist.destroy_process_group()
+
+
+def _fatal_report(out_dir: str, rank: int) -> Path:
+    return Path(out_dir) / f"rank{rank}.fatal"
 
 
 def _while_in_collective(error: BaseException) -> str:
@@ -412,6 +419,14 @@ def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any, threads: int
         mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
         _forkserver_running()
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, dict(os.environ)),
-                           nprocs=world_size, start_method=start_method)
+        try:
+            mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, dict(os.environ)),
+                               nprocs=world_size, start_method=start_method)
+        except mp.ProcessExitedException as e:
+            fatal = _fatal_report(out_dir, e.error_index)
+            if e.signal_name and fatal.exists() and fatal.stat().st_size:
+                stacks = fatal.read_text().split("\nExtension modules:")[0]  # (the list of every one loaded)
+                raise mp.ProcessExitedException(f"{e}; where its threads were:\n{stacks}", e.error_index, e.error_pid,
+                                                e.exit_code, e.signal_name) from None
+            raise
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

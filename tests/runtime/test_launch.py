@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing import ProcessExitedException
 
 import hf_zero
 from hf_zero.runtime.comm import (
@@ -174,6 +175,21 @@ def test_a_rank_that_finished_its_script_cannot_abort_in_interpreter_teardown(tm
                           text=True, timeout=120)
     assert rank.returncode == (script_exit or 0), rank.stderr[-2000:]
     assert rank.stdout == "trainedatexit ran\n"
+
+
+def rank_1_aborts_in_a_native_call() -> None:
+    if dist.get_rank() == 1:
+        os.abort()  # as a C++ check that fails, or glibc finding its heap corrupt, ends a process
+    time.sleep(60)
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_where_each_of_its_threads_was():
+    start = time.monotonic()
+    with pytest.raises(ProcessExitedException, match=r"(?s)process 1 terminated with signal SIGABRT; where its "
+                                                     r"threads were:.*Fatal Python error: Aborted.*"
+                                                     r"in rank_1_aborts_in_a_native_call"):
+        spawn_gloo(rank_1_aborts_in_a_native_call, 2)
+    assert time.monotonic() - start < 50  # rank 0 is stopped, not waited for
 
 
 def collective_only_rank_0_joins(through: str) -> None:
