@@ -251,20 +251,26 @@ class Communicator:
         """`all_gather_` of each pair, issued as one launch where the backend can group them: one NCCL group
         for a unit's flat buffers or for the post-step buckets, instead of a launch and its latency each.
         On gloo, outputs of more than `pieces_above_bytes` in all are gathered in place, one broadcast per rank
-        and pair (no temporary beats one launch there)."""
+        and pair (no temporary beats one launch there); smaller ones are one all-gather call per pair."""
         if self.world_size == 1:
             return _copy_locally(outputs, inputs)
         for output in outputs:
             self._record("all_gather", output)
         op = "all_gather" if len(outputs) == 1 else f"all_gather of {len(outputs)} tensors"
         if not self._in_pieces(outputs):
-            self.ledger.count("all-gather launches")
             if len(outputs) == 1:
+                self.ledger.count("all-gather launches")
                 return self._launch(op, outputs[0], lambda: dist.all_gather_single(
                     outputs[0], inputs[0], group=self.group, async_op=async_op), async_op, inputs, outputs)
 
+            # Never gloo's own grouped all-gather (torch's coalescing manager on gloo): tensors of two dtypes came
+            # back wrong from it, and the suite's only two aborts ("free(): invalid pointer") were in stage-3 runs
+            # that used it, one inside it (docs/testing.md). The fake group has none either: it counts NCCL's launch.
+            one_call_each = self.pieces_above_bytes is not None  # gloo, in its own call shapes
+            self.ledger.count("all-gather launches", len(outputs) if one_call_each else 1)
+
             def launch_grouped() -> _Pieces:
-                if self.simulated:  # the fake group has no coalesced all-gather; the bytes sent are the same
+                if one_call_each or self.simulated:
                     return _Pieces([dist.all_gather_single(output, input, group=self.group, async_op=True)
                                     for output, input in zip(outputs, inputs)], lambda: None, async_op, self.on_gloo)
                 with dist._coalescing_manager(self.group, async_ops=async_op) as grouped:
@@ -289,11 +295,9 @@ class Communicator:
 
     def _in_pieces(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether a collective over `tensors` (its outputs, or a reduce-scatter's input) goes in per-rank pieces:
-        on gloo, when they are large, or of several dtypes (gloo's grouped all-gather of int8 and fp32 tensors
-        together delivered garbage)."""
-        return self.pieces_above_bytes is not None and (
-            sum(t.numel() * t.element_size() for t in tensors) > self.pieces_above_bytes
-            or len({t.dtype for t in tensors}) > 1)
+        on gloo, when they are large."""
+        return (self.pieces_above_bytes is not None
+                and sum(t.numel() * t.element_size() for t in tensors) > self.pieces_above_bytes)
 
     def all_to_all_(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Rank r receives the r-th of every rank's equal parts of `input`, in rank order, in `output`."""

@@ -166,6 +166,38 @@ def test_gloo_collectives_equal_torchs_and_copy_no_unit_sized_temporary(world):
         assert growth["ours"] < 0.1 * unit_bytes and growth["ours_reduce"] < 0.1 * unit_bytes
 
 
+def small_gathers_of_two_dtypes_on_gloo() -> dict:
+    """A gather of two tensors of two dtypes (qwZ's int8 values and fp32 scales) below gloo's threshold, waited at
+    once and later, beside torch's own all_gather_single of each; and the launches it counted."""
+    import torch.distributed as dist
+
+    comm, rank, world = Communicator(Ledger()), dist.get_rank(), dist.get_world_size()
+    inputs = [torch.arange(6, dtype=torch.int8) * (rank + 1), torch.arange(3.0) / (rank + 1)]
+    expected = [torch.empty(world * t.numel(), dtype=t.dtype) for t in inputs]
+    for output, input in zip(expected, inputs):
+        dist.all_gather_single(output, input)
+    equal, launches = [], []
+    for async_op in (False, True):
+        outputs = [torch.zeros_like(t) for t in expected]
+        comm.ledger.close_step()
+        work = comm.all_gather_coalesced_(outputs, inputs, async_op)
+        if async_op:
+            work.wait()
+        comm.ledger.close_step()
+        launches.append(comm.ledger.last_step_events["all-gather launches"])
+        equal.append(all(torch.equal(o, e) for o, e in zip(outputs, expected)))
+    return {"equal": equal, "launches": launches}
+
+
+def test_a_small_gather_of_two_dtypes_on_gloo_is_one_call_per_tensor_equal_to_torchs():
+    """gloo's own grouped all-gather (torch's coalescing manager) returned two dtypes wrong, and the suite's two
+    aborts were in runs that used it: on gloo each tensor is its own all-gather call."""
+    from hf_zero.runtime.launch import spawn_gloo
+
+    for result in spawn_gloo(small_gathers_of_two_dtypes_on_gloo, 2):
+        assert result == {"equal": [True, True], "launches": [2, 2]}
+
+
 def polled_under_a_profiler_in_saved_tensor_hooks(rounds: int) -> list[bool]:
     """Each round all-reduces and all-gathers through the Communicator, polling each handle's is_completed() in a
     tight loop, as the reducer polls its buckets', under a profiler and inside saved-tensor hooks, as a profiled

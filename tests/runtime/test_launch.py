@@ -8,6 +8,7 @@ import gc
 import os
 import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -179,6 +180,7 @@ def test_a_rank_that_finished_its_script_cannot_abort_in_interpreter_teardown(tm
 
 def rank_1_aborts_in_a_native_call() -> None:
     if dist.get_rank() == 1:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the suite's folder where cores are on
         os.abort()  # as a C++ check that fails, or glibc finding its heap corrupt, ends a process
     time.sleep(60)
 
