@@ -25,6 +25,8 @@ from tests.helpers import Scenario, run_scenarios, simulated
 # Every process a test starts (torchrun ranks, spawned workers, scripts) prints its Python stacks if it dies
 # on a signal, so a rare abort in CI says where it happened.
 os.environ["PYTHONFAULTHANDLER"] = "1"
+# glibc's own last words ("free(): invalid pointer") go to the captured stderr, not to a terminal the run may have.
+os.environ["LIBC_FATAL_STDERR_"] = "1"
 # A collective that some rank never joins fails its test within a minute, naming the rank and the collective,
 # instead of after the default wait (spawned ranks: 5 minutes; hf-zero train and run: 10).
 os.environ[COLLECTIVE_TIMEOUT_ENV] = "40"

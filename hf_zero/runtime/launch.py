@@ -423,9 +423,9 @@ def spawn_gloo(fn: Callable[..., Any], world_size: int, *args: Any, threads: int
             mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, threads, dict(os.environ)),
                                nprocs=world_size, start_method=start_method)
         except mp.ProcessExitedException as e:
-            fatal = _fatal_report(out_dir, e.error_index)
-            if e.signal_name and fatal.exists() and fatal.stat().st_size:
-                stacks = fatal.read_text().split("\nExtension modules:")[0]  # (the list of every one loaded)
+            fatal_report = _fatal_report(out_dir, e.error_index)
+            if e.signal_name and fatal_report.exists() and fatal_report.stat().st_size:
+                stacks = fatal_report.read_text().split("\nExtension modules:")[0]  # (the list of every one loaded)
                 raise mp.ProcessExitedException(f"{e}; where its threads were:\n{stacks}", e.error_index, e.error_pid,
                                                 e.exit_code, e.signal_name) from None
             raise

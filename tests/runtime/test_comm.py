@@ -195,7 +195,8 @@ def test_a_small_gather_of_two_dtypes_on_gloo_is_one_call_per_tensor_equal_to_to
     from hf_zero.runtime.launch import spawn_gloo
 
     for result in spawn_gloo(small_gathers_of_two_dtypes_on_gloo, 2):
-        assert result == {"equal": [True, True], "launches": [2, 2]}
+        assert result["equal"] == [True, True]  # (False with the grouped call)
+        assert result["launches"] == [2, 2]
 
 
 def polled_under_a_profiler_in_saved_tensor_hooks(rounds: int) -> list[bool]:

@@ -191,7 +191,8 @@ class Unit:
         for flat, shard in zip(self.flats, shards):
             packed = quantize(shard, 8, self.quantize_block)
             # Values and scales in one byte buffer per rank: one dtype in every call, as every backend takes it
-            # (gloo's grouped all-gather of int8 and fp32 tensors together delivered garbage).
+            # (gloo's grouped all-gather, which tests that take NCCL's call shapes still run, returned int8 and
+            # fp32 tensors wrong).
             sent = torch.cat([packed.values.view(torch.uint8), packed.scales.view(torch.uint8)])
             received = torch.empty(world * sent.numel(), dtype=torch.uint8, device=shard.device)
             outputs.append(received)
