@@ -18,7 +18,7 @@ import importlib
 import runpy
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from hf_zero.settings.config import ZeroConfigError
 from hf_zero.settings.environment import (
@@ -26,6 +26,9 @@ from hf_zero.settings.environment import (
     processes_per_node,
     world_size,
 )
+
+if TYPE_CHECKING:
+    from hf_zero.cli.rank_main import Ending
 
 # (defining module, class name) -> hf_zero's replacement, as "module:attribute".
 REPLACEMENTS = {
@@ -93,7 +96,7 @@ def run_as_main(script: Path, args: list[str]) -> None:
 RANK_IMPORTS = ("hf_zero.hf.trainer",)
 
 
-def start_rank(end: Callable[[int | str | None], None] | None = None) -> None:
+def start_rank(end: Ending | None = None) -> None:
     """What a rank runs (`-m hf_zero.cli.run` under torchrun, or the former `-m hf_zero.run`; forked by `hf-zero
     run`). `end` ends it with its exit code: by default without the interpreter's teardown."""
     from hf_zero.runtime.host_memory import start_up_frozen

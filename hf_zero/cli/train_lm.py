@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import psutil
 import torch
@@ -45,6 +45,9 @@ from hf_zero.settings.config import (
 )
 from hf_zero.settings.config import add_arguments as add_engine_arguments
 from hf_zero.settings.environment import processes_per_node, restarts_so_far
+
+if TYPE_CHECKING:
+    from hf_zero.cli.rank_main import Ending
 
 logger = logging.getLogger("hf_zero.cli.train_lm")
 # The engine settings the job takes as options, declared (help, choices, defaults) in hf_zero.settings.config.
@@ -419,7 +422,7 @@ def _rank_main() -> None:
 RANK_IMPORTS = ("hf_zero.cli.train_lm",)
 
 
-def start_rank(end: Callable[[int | str | None], None] | None = None) -> None:
+def start_rank(end: Ending | None = None) -> None:
     """What a rank runs (forked by `hf-zero train`; `-m hf_zero.cli.train_lm` under torchrun, or the former
     `-m hf_zero.train_lm`). `end` ends it with its exit code: by default without the interpreter's teardown."""
     from hf_zero.runtime.host_memory import start_up_frozen

@@ -85,8 +85,8 @@ class _Named:
 class _Pieces:
     """One collective made of several calls (gloo's per-rank pieces: Communicator.pieces_above_bytes; gloo's one
     all-gather per tensor of a small gather of several; NCCL's grouped calls), or of the one all-reduce a small
-    reduce-scatter is on gloo: waits on all of them, then runs
-    `finish`. Without async_op it has already waited. `on_gloo`: the works are gloo's (see Communicator.on_gloo)."""
+    reduce-scatter is on gloo: waits on all of them, then runs `finish`. Without async_op it has already waited.
+    `on_gloo`: the works are gloo's (see Communicator.on_gloo)."""
 
     def __init__(self, works: list, finish: Callable[[], Any], async_op: bool, on_gloo: bool = False) -> None:
         self.works, self.finish, self.done, self.on_gloo = works, finish, False, on_gloo
@@ -266,7 +266,8 @@ class Communicator:
 
             # Never gloo's own grouped all-gather (torch's coalescing manager on gloo): tensors of two dtypes came
             # back wrong from it, and the suite's only two aborts ("free(): invalid pointer") were in stage-3 runs
-            # that used it, one inside it (docs/testing.md). The fake group has no grouped all-gather: it counts NCCL's launch.
+            # that used it, one inside it (docs/testing.md). The fake group has no grouped all-gather: it counts
+            # NCCL's launch.
             one_call_each = self.pieces_above_bytes is not None  # gloo, in its own call shapes
             self.ledger.count("all-gather launches", len(outputs) if one_call_each else 1)
 
